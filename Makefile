@@ -1,0 +1,34 @@
+# The two commands a fresh machine needs: `make serve` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+MODEL ?= demo
+SERVE_ARGS ?=
+PYTEST_ARGS ?=
+STAMP := $(VENV)/.installed
+
+.PHONY: serve test venv proto bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/pagedserve serve --model $(MODEL) $(SERVE_ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+proto: $(STAMP)
+	$(BIN)/python -m pagedserve.protogen
+
+bench: $(STAMP)
+	$(BIN)/python bench/offline_throughput.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

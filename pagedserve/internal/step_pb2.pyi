@@ -1,0 +1,181 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SampleSpec(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "has_seed", "seed", "output_index", "repetition_penalty", "presence_penalty", "frequency_penalty", "num_logprobs", "num_beam_candidates", "suppress_token_ids", "prompt_token_ids", "output_token_ids")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    HAS_SEED_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BEAM_CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    SUPPRESS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    has_seed: bool
+    seed: int
+    output_index: int
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    num_logprobs: int
+    num_beam_candidates: int
+    suppress_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., output_index: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., num_logprobs: _Optional[int] = ..., num_beam_candidates: _Optional[int] = ..., suppress_token_ids: _Optional[_Iterable[int]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ScheduledSeq(_message.Message):
+    __slots__ = ("seq_id", "token_ids", "start_position", "block_table", "has_sample", "sample")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    START_POSITION_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
+    HAS_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    start_position: int
+    block_table: _containers.RepeatedScalarFieldContainer[int]
+    has_sample: bool
+    sample: SampleSpec
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., has_sample: _Optional[bool] = ..., sample: _Optional[_Union[SampleSpec, _Mapping]] = ...) -> None: ...
+
+class BlockPair(_message.Message):
+    __slots__ = ("src", "dst")
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    DST_FIELD_NUMBER: _ClassVar[int]
+    src: _containers.RepeatedScalarFieldContainer[int]
+    dst: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, src: _Optional[_Iterable[int]] = ..., dst: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StepPlan(_message.Message):
+    __slots__ = ("epoch", "step_id", "seqs", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_TO_SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_TO_SWAP_IN_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_TO_COPY_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    step_id: int
+    seqs: _containers.RepeatedCompositeFieldContainer[ScheduledSeq]
+    blocks_to_swap_out: BlockPair
+    blocks_to_swap_in: BlockPair
+    blocks_to_copy: BlockPair
+    def __init__(self, epoch: _Optional[int] = ..., step_id: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[ScheduledSeq, _Mapping]]] = ..., blocks_to_swap_out: _Optional[_Union[BlockPair, _Mapping]] = ..., blocks_to_swap_in: _Optional[_Union[BlockPair, _Mapping]] = ..., blocks_to_copy: _Optional[_Union[BlockPair, _Mapping]] = ...) -> None: ...
+
+class InitCache(_message.Message):
+    __slots__ = ("epoch", "num_gpu_blocks", "num_cpu_blocks")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NUM_GPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    def __init__(self, epoch: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ...) -> None: ...
+
+class Shutdown(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class SchedulerMessage(_message.Message):
+    __slots__ = ("init_cache", "step_plan", "shutdown")
+    INIT_CACHE_FIELD_NUMBER: _ClassVar[int]
+    STEP_PLAN_FIELD_NUMBER: _ClassVar[int]
+    SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
+    init_cache: InitCache
+    step_plan: StepPlan
+    shutdown: Shutdown
+    def __init__(self, init_cache: _Optional[_Union[InitCache, _Mapping]] = ..., step_plan: _Optional[_Union[StepPlan, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
+
+class Register(_message.Message):
+    __slots__ = ("rank", "world_size", "num_gpu_blocks", "num_cpu_blocks", "device", "pid")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_GPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    world_size: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    device: str
+    pid: int
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class Ready(_message.Message):
+    __slots__ = ("rank", "epoch")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    epoch: int
+    def __init__(self, rank: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class SeqSample(_message.Message):
+    __slots__ = ("seq_id", "token_id", "logprob", "top_token_ids", "top_logprobs", "beam_token_ids", "beam_logprobs")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    BEAM_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BEAM_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    token_id: int
+    logprob: float
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    beam_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    beam_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., beam_token_ids: _Optional[_Iterable[int]] = ..., beam_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class StepResult(_message.Message):
+    __slots__ = ("epoch", "step_id", "samples", "forward_seconds")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    step_id: int
+    samples: _containers.RepeatedCompositeFieldContainer[SeqSample]
+    forward_seconds: float
+    def __init__(self, epoch: _Optional[int] = ..., step_id: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[SeqSample, _Mapping]]] = ..., forward_seconds: _Optional[float] = ...) -> None: ...
+
+class WorkerError(_message.Message):
+    __slots__ = ("rank", "message")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    message: str
+    def __init__(self, rank: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class WorkerMessage(_message.Message):
+    __slots__ = ("register", "ready", "step_result", "error")
+    REGISTER_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    STEP_RESULT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    register: Register
+    ready: Ready
+    step_result: StepResult
+    error: WorkerError
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., ready: _Optional[_Union[Ready, _Mapping]] = ..., step_result: _Optional[_Union[StepResult, _Mapping]] = ..., error: _Optional[_Union[WorkerError, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,91 @@
+"""What the scheduler asks the workers to do in one step, and what rank 0 answers (no torch).
+
+A step computes KV for some new tokens of each scheduled sequence and, for sequences whose
+prompt is fully computed, samples one next token:
+
+    positions   0 ........ start_position ....... start_position + len(token_ids) - 1
+    tokens      [ cached KV: already in blocks ][ token_ids: computed in this step ]
+    blocks      block_table covers every position up to the last new token
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SampleSpec:
+    """How to pick the next token of one sequence."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    output_index: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    num_logprobs: int = 0
+    num_beam_candidates: int = 0  # > 0: beam search; return this many (token, logprob) candidates
+    suppress_token_ids: list[int] = field(default_factory=list)  # never sampled (min_tokens)
+    prompt_token_ids: list[int] = field(default_factory=list)  # sent only when a penalty is active
+    output_token_ids: list[int] = field(default_factory=list)  # sent only when a penalty is active
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq_id: int
+    token_ids: list[int]  # tokens whose KV is computed in this step
+    start_position: int  # position of token_ids[0]
+    block_table: list[int]  # physical blocks covering [0, start_position + len(token_ids))
+    sample: SampleSpec | None = None  # None: a prefill chunk that is not the prompt's last
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        return self.start_position + len(self.token_ids)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """Block operations run in this order before the forward: swap out, swap in, copy."""
+
+    step_id: int
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src gpu, dst gpu)
+    epoch: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(seq.token_ids) for seq in self.seqs)
+
+
+@dataclass(slots=True)
+class SeqSample:
+    """The token sampled for one sequence, with the log-probabilities asked for."""
+
+    seq_id: int
+    token_id: int
+    logprob: float  # log-probability of token_id under the model's distribution
+    top_token_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+    beam_token_ids: list[int] = field(default_factory=list)  # beam search candidates, best first
+    beam_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StepResult:
+    step_id: int
+    samples: list[SeqSample] = field(default_factory=list)
+    forward_seconds: float = 0.0
+    epoch: int = 0

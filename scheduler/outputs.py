@@ -1,0 +1,51 @@
+"""What enters the scheduler (a request) and what it reports back each step (no torch)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from pagedserve.sampling_params import SamplingParams
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"  # max_tokens reached, or max_model_len
+    STOP = "stop"  # EOS or a stop token id
+    ABORT = "abort"  # aborted by the client or by a stop string in the frontend
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    eos_token_ids: list[int] = field(default_factory=list)
+    arrival_time: float = 0.0
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top_token_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class CompletionDelta:
+    """New tokens of one completion since the last output (beam search: all tokens, once)."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # filled when logprobs were asked for
+    cumulative_logprob: float = 0.0
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    deltas: list[CompletionDelta]
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    is_finished: bool
