@@ -160,6 +160,14 @@ class StepResult(_message.Message):
     forward_seconds: float
     def __init__(self, epoch: _Optional[int] = ..., step_id: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[SeqSample, _Mapping]]] = ..., forward_seconds: _Optional[float] = ...) -> None: ...
 
+class Heartbeat(_message.Message):
+    __slots__ = ("rank", "epoch")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    epoch: int
+    def __init__(self, rank: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+
 class WorkerError(_message.Message):
     __slots__ = ("rank", "message")
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -169,13 +177,15 @@ class WorkerError(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
-    __slots__ = ("register", "ready", "step_result", "error")
+    __slots__ = ("register", "ready", "step_result", "error", "heartbeat")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     STEP_RESULT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     register: Register
     ready: Ready
     step_result: StepResult
     error: WorkerError
-    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., ready: _Optional[_Union[Ready, _Mapping]] = ..., step_result: _Optional[_Union[StepResult, _Mapping]] = ..., error: _Optional[_Union[WorkerError, _Mapping]] = ...) -> None: ...
+    heartbeat: Heartbeat
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., ready: _Optional[_Union[Ready, _Mapping]] = ..., step_result: _Optional[_Union[StepResult, _Mapping]] = ..., error: _Optional[_Union[WorkerError, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...

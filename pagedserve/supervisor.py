@@ -1,0 +1,160 @@
+"""`pagedserve serve`: starts scheduler, workers and frontend as child processes and stops them all.
+
+    serve ─┬─ scheduler            (internal gRPC + ZeroMQ PUB/PULL on free local ports)
+           ├─ worker rank 0 … TP-1 (each subscribes to the plans)
+           └─ frontend             (public gRPC on --host:--port)
+
+SIGINT/SIGTERM stops the frontend first (no new requests), then the scheduler, then the workers.
+A child that exits on its own is reported and takes the others down with it. Children also get
+SIGTERM from the kernel if `serve` itself dies (PR_SET_PDEATHSIG), so nothing is orphaned.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from pagedserve.log import configure_logging
+
+PR_SET_PDEATHSIG = 1
+STOP_TIMEOUT_SECONDS = 10.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+@dataclass
+class ServeConfig:
+    model: str
+    scheduler_args: list[str]
+    worker_args: list[list[str]]
+    frontend_args: list[str]
+    public_address: str = ""
+    env: dict[str, str] | None = field(default=None)
+
+    @classmethod
+    def from_args(cls, args) -> "ServeConfig":
+        from pagedserve.demo import resolve_model
+
+        model = str(resolve_model(args.model))
+        scheduler_port = free_port()
+        plan = f"tcp://127.0.0.1:{free_port()}"
+        result = f"tcp://127.0.0.1:{free_port()}"
+        dist = f"tcp://127.0.0.1:{free_port()}"
+        tp = str(args.tensor_parallel_size)
+        engine = ["--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
+                  "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                  "--preemption-mode", args.preemption_mode,
+                  "--max-waiting-requests", str(args.max_waiting_requests),
+                  "--enable-prefix-caching" if args.enable_prefix_caching
+                  else "--no-enable-prefix-caching"]
+        if args.num_kv_blocks is not None:
+            engine += ["--num-kv-blocks", str(args.num_kv_blocks)]
+        if args.max_model_len is not None:
+            engine += ["--max-model-len", str(args.max_model_len)]
+        scheduler = ["scheduler", "--model", model, "--port", str(scheduler_port),
+                     "--plan-address", plan, "--result-address", result,
+                     "--tensor-parallel-size", tp, *engine]
+        scheduler_metrics = args.scheduler_metrics_port
+        if scheduler_metrics is None and args.metrics_port:
+            scheduler_metrics = args.metrics_port + 1
+        if scheduler_metrics:
+            scheduler += ["--metrics-port", str(scheduler_metrics)]
+        workers = []
+        for rank in range(args.tensor_parallel_size):
+            worker = ["worker", "--model", model, "--rank", str(rank), "--tensor-parallel-size", tp,
+                      "--plan-address", plan, "--result-address", result,
+                      "--dist-init-address", dist, "--block-size", str(args.block_size),
+                      "--device", args.device, "--dtype", args.dtype,
+                      "--swap-space", str(args.swap_space)]
+            if args.kv_cache_memory is not None:
+                worker += ["--kv-cache-memory", str(args.kv_cache_memory)]
+            workers.append(worker)
+        frontend = ["frontend", "--model", model, "--host", args.host, "--port", str(args.port),
+                    "--scheduler-address", f"127.0.0.1:{scheduler_port}"]
+        if args.metrics_port:
+            frontend += ["--metrics-port", str(args.metrics_port)]
+        return cls(model, scheduler, workers, frontend, f"{args.host}:{args.port}")
+
+
+class Supervisor:
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        self.children: dict[str, subprocess.Popen] = {}
+        self._stopping = False
+        self._log = configure_logging("serve")
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        command = [sys.executable, "-m", "pagedserve.cli", *args]
+        self.children[name] = subprocess.Popen(command, preexec_fn=_die_with_parent,
+                                               env=self.config.env)
+        self._log.info("child_started", child=name, pid=self.children[name].pid)
+
+    def start(self) -> None:
+        self._spawn("scheduler", self.config.scheduler_args)
+        for rank, args in enumerate(self.config.worker_args):
+            self._spawn(f"worker-{rank}", args)
+        self._spawn("frontend", self.config.frontend_args)
+        self._log.info("serving", address=self.config.public_address, model=self.config.model)
+
+    def stop(self) -> None:
+        self._stopping = True
+        order = ["frontend", "scheduler"] + [n for n in self.children if n.startswith("worker")]
+        for name in order:
+            child = self.children.get(name)
+            if child is not None and child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+                if name == "frontend":
+                    self._wait(child, name)
+        for name in order:
+            child = self.children.get(name)
+            if child is not None:
+                self._wait(child, name)
+
+    def _wait(self, child: subprocess.Popen, name: str) -> None:
+        try:
+            child.wait(STOP_TIMEOUT_SECONDS)
+        except subprocess.TimeoutExpired:
+            self._log.warning("child_killed", child=name, pid=child.pid)
+            child.kill()
+            child.wait()
+
+    def watch(self) -> int:
+        """Blocks until a signal stops serving (exit 0) or a child dies on its own (exit 1)."""
+        while not self._stopping:
+            for name, child in self.children.items():
+                code = child.poll()
+                if code is not None and not self._stopping:
+                    self._log.error("child_exited", child=name, pid=child.pid, exit_code=code)
+                    self.stop()
+                    return 1
+            time.sleep(0.2)
+        return 0
+
+
+def run_serve(config: ServeConfig) -> int:
+    supervisor = Supervisor(config)
+
+    def on_signal(signum, frame) -> None:
+        supervisor._log.info("stopping", signal=signal.Signals(signum).name)
+        supervisor.stop()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    supervisor.start()
+    return supervisor.watch()

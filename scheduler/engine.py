@@ -1,0 +1,264 @@
+"""The scheduler process's step loop: one thread owns the Scheduler and the worker link.
+
+    gRPC threads --commands (submit, abort, finish)--> queue --> step loop thread
+    step loop:  apply commands -> schedule() -> publish plan -> rank 0's result
+                -> process_result() -> outputs to each request's sink
+                (idle: wait for a command; a lost worker: fail in-flight requests, wait for
+                the ranks to register again)
+
+Nothing but the loop thread touches the Scheduler, so it needs no locks.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from pagedserve.log import get_logger
+from pagedserve.scheduler.outputs import Request, RequestOutput
+from pagedserve.scheduler.worker_link import WorkerLink, WorkerLost
+
+Sink = Callable[[RequestOutput | Exception], None]
+MAX_RECENT_STEPS = 256
+
+
+class EngineUnavailable(RuntimeError):
+    """Workers are not (or no longer) ready, or the engine is draining."""
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at its bound; the request was not accepted."""
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    num_kv_blocks: int | None = None  # operator override of the workers' capacity
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "auto"
+    max_waiting_requests: int = 4096
+    startup_timeout: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.preemption_mode not in ("auto", "swap", "recompute"):
+            raise ValueError("preemption_mode must be auto, swap or recompute")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                     "max_waiting_requests"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            raise ValueError("num_kv_blocks must be positive")
+
+
+@dataclass(slots=True)
+class StepRecord:
+    step_id: int
+    request_ids: list[str]
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    seconds: float
+
+
+@dataclass
+class EngineState:
+    is_ready: bool = False
+    num_gpu_blocks: int = 0
+    num_cpu_blocks: int = 0
+    num_waiting: int = 0
+    recent_steps: collections.deque = field(
+        default_factory=lambda: collections.deque(maxlen=MAX_RECENT_STEPS))
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, link: WorkerLink,
+                 on_step: Callable[["Engine", StepRecord | None], None] | None = None) -> None:
+        self.config = config
+        self.link = link
+        self.state = EngineState()
+        self.scheduler = None
+        self._on_step = on_step
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._stopping = threading.Event()
+        self._sinks: dict[str, Sink] = {}
+        self._pending_submits = 0
+        self._pending_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="step-loop", daemon=True)
+        self._log = get_logger(component="engine")
+
+    # ---- thread-safe API ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stopping.set()
+        self._wakeup.set()
+        self._thread.join(timeout)
+
+    def submit(self, request: Request, sink: Sink) -> None:
+        if not self.state.is_ready:
+            raise EngineUnavailable("workers are not ready")
+        with self._pending_lock:
+            if self.state.num_waiting + self._pending_submits >= self.config.max_waiting_requests:
+                raise QueueFull(f"the waiting queue holds {self.config.max_waiting_requests} requests")
+            self._pending_submits += 1
+        self._post(lambda: self._add(request, sink))
+
+    def abort(self, request_id: str) -> None:
+        self._post(lambda: self._abort(request_id))
+
+    def finish_completion(self, request_id: str, index: int) -> None:
+        self._post(lambda: self.scheduler is not None
+                   and self.scheduler.finish_completion(request_id, index))
+
+    def call(self, fn: Callable[[], object], timeout: float = 10.0) -> object:
+        """Runs fn on the loop thread between steps and returns its result."""
+        done = threading.Event()
+        box: list = []
+
+        def run() -> None:
+            try:
+                box.append(fn())
+            except Exception as exc:  # handed back to the caller's thread
+                box.append(exc)
+            done.set()
+
+        self._post(run)
+        if not done.wait(timeout):
+            raise EngineUnavailable("the step loop did not answer in time")
+        if isinstance(box[0], Exception):
+            raise box[0]
+        return box[0]
+
+    def _post(self, command: Callable[[], object]) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+
+    # ---- loop thread -------------------------------------------------------------------------
+
+    def _add(self, request: Request, sink: Sink) -> None:
+        with self._pending_lock:
+            self._pending_submits -= 1
+        if self.scheduler is None or not self.state.is_ready:
+            sink(EngineUnavailable("workers are not ready"))
+            return
+        try:
+            self.scheduler.add_request(request)
+        except Exception as exc:  # RequestRejected and bad input go back to that caller only
+            sink(exc)
+            return
+        self._sinks[request.request_id] = sink
+
+    def _abort(self, request_id: str) -> None:
+        self._sinks.pop(request_id, None)
+        if self.scheduler is not None:
+            self.scheduler.abort_request(request_id)
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            command()
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                if not self.state.is_ready:
+                    self._start_workers()
+                    continue
+                self._apply_commands()
+                if not self._step():
+                    self.link.drain()
+                    self.link.check_alive()
+                    self._wakeup.wait(0.05)
+                    self._wakeup.clear()
+            except WorkerLost as exc:
+                self._lose_workers(str(exc))
+            except Exception:
+                self._log.exception("step_loop_failed")
+                self._lose_workers("the step loop failed")
+        self.link.shutdown_workers("scheduler stopping")
+        self._fail_all(EngineUnavailable("the scheduler is stopping"))
+
+    def _start_workers(self) -> None:
+        self._apply_commands()
+        if not self.link.all_registered():
+            self.link.poll_registration(0.1)
+            return
+        deadline = time.monotonic() + self.config.startup_timeout
+        pool = self.link.init_cache(self.config.num_kv_blocks, deadline)
+        self.scheduler = self._new_scheduler(pool.num_gpu_blocks, pool.num_cpu_blocks)
+        self.state.num_gpu_blocks = pool.num_gpu_blocks
+        self.state.num_cpu_blocks = pool.num_cpu_blocks
+        self.state.is_ready = True
+        self._log.info("workers_ready", epoch=self.link.epoch, num_gpu_blocks=pool.num_gpu_blocks,
+                       num_cpu_blocks=pool.num_cpu_blocks, world_size=self.link.world_size)
+        if self._on_step is not None:
+            self._on_step(self, None)
+
+    def _new_scheduler(self, num_gpu_blocks: int, num_cpu_blocks: int):
+        from pagedserve.scheduler.scheduler import Scheduler, SchedulerConfig
+
+        return Scheduler(SchedulerConfig(
+            block_size=self.config.block_size,
+            num_gpu_blocks=num_gpu_blocks,
+            num_cpu_blocks=num_cpu_blocks,
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_model_len=self.config.max_model_len,
+            enable_prefix_caching=self.config.enable_prefix_caching,
+            preemption_mode=self.config.preemption_mode,
+        ))
+
+    def _step(self) -> bool:
+        started = time.perf_counter()
+        scheduled = self.scheduler.schedule()
+        if scheduled is None:
+            self.state.num_waiting = self.scheduler.stats().num_waiting
+            return False
+        result = self.link.run_step(scheduled.plan)
+        outputs = self.scheduler.process_result(scheduled, result)
+        for output in outputs:
+            sink = self._sinks.get(output.request_id)
+            if sink is None:
+                continue
+            if output.is_finished:
+                del self._sinks[output.request_id]
+            sink(output)
+        record = self._record(scheduled, time.perf_counter() - started)
+        self.state.num_waiting = self.scheduler.stats().num_waiting
+        if self._on_step is not None:
+            self._on_step(self, record)
+        return True
+
+    def _record(self, scheduled, seconds: float) -> StepRecord:
+        plan = scheduled.plan
+        seq_to_request = getattr(scheduled, "seq_request_ids", None) or {}
+        request_ids = sorted({seq_to_request.get(seq.seq_id, str(seq.seq_id)) for seq in plan.seqs})
+        num_decode = sum(1 for seq in plan.seqs if len(seq.token_ids) == 1 and seq.sample is not None)
+        record = StepRecord(plan.step_id, request_ids, plan.num_tokens - num_decode, num_decode,
+                            seconds)
+        self.state.recent_steps.append(record)
+        return record
+
+    def _lose_workers(self, reason: str) -> None:
+        self._log.error("workers_lost", reason=reason)
+        self.state.is_ready = False
+        self.link.forget_ranks()
+        self._fail_all(EngineUnavailable(f"workers lost: {reason}"))
+        self.scheduler = None
+
+    def _fail_all(self, error: Exception) -> None:
+        sinks, self._sinks = self._sinks, {}
+        for sink in sinks.values():
+            sink(error)

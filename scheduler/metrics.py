@@ -1,0 +1,60 @@
+"""The scheduler's Prometheus metrics (names pinned in DESIGN.md), refreshed after every step."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class SchedulerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests_running = Gauge("pagedserve_requests_running",
+                                      "Request groups being decoded or prefilled", registry=r)
+        self.requests_waiting = Gauge("pagedserve_requests_waiting",
+                                      "Requests waiting for their first schedule", registry=r)
+        self.requests_swapped = Gauge("pagedserve_requests_swapped",
+                                      "Request groups swapped out to CPU", registry=r)
+        self.kv_blocks_total = Gauge("pagedserve_kv_blocks_total", "KV blocks in the GPU pool",
+                                     registry=r)
+        self.kv_blocks_used = Gauge("pagedserve_kv_blocks_used",
+                                    "KV blocks referenced by running sequences", registry=r)
+        self.preemptions = Counter("pagedserve_preemptions", "Preempted request groups by mode",
+                                   ["mode"], registry=r)
+        self.prefix_queries = Counter("pagedserve_prefix_cache_queries",
+                                      "Full prompt blocks looked up in the prefix cache", registry=r)
+        self.prefix_hits = Counter("pagedserve_prefix_cache_hits",
+                                   "Prompt blocks reused from the prefix cache", registry=r)
+        self.step_seconds = Histogram("pagedserve_step_seconds",
+                                      "Wall time of one scheduler step (schedule + forward + update)",
+                                      buckets=STEP_BUCKETS, registry=r)
+        self._last = {"swap": 0, "recompute": 0, "queries": 0, "hits": 0}
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> None:
+        start_http_server(port, addr=host, registry=self.registry)
+
+    def update(self, stats, step_seconds: float | None) -> None:
+        self.requests_running.set(stats.num_running)
+        self.requests_waiting.set(stats.num_waiting)
+        self.requests_swapped.set(stats.num_swapped)
+        self.kv_blocks_total.set(stats.num_gpu_blocks_total)
+        self.kv_blocks_used.set(stats.num_gpu_blocks_used)
+        self._advance(self.preemptions.labels(mode="swap"), "swap", stats.num_preemptions_swap)
+        self._advance(self.preemptions.labels(mode="recompute"), "recompute",
+                      stats.num_preemptions_recompute)
+        self._advance(self.prefix_queries, "queries", stats.num_prefix_cache_queries)
+        self._advance(self.prefix_hits, "hits", stats.num_prefix_cache_hits)
+        if step_seconds is not None:
+            self.step_seconds.observe(step_seconds)
+
+    def _advance(self, counter, key: str, total: int) -> None:
+        """Counters follow the scheduler's running totals (which restart with a new pool)."""
+        delta = total - self._last[key]
+        if delta > 0:
+            counter.inc(delta)
+        self._last[key] = total
+
+    def reset_totals(self) -> None:
+        self._last = dict.fromkeys(self._last, 0)

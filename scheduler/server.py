@@ -1,0 +1,186 @@
+"""The scheduler's internal gRPC service (frontend -> scheduler), served with grpc.aio.
+
+Each Submit is one server stream: the engine's loop thread hands outputs to the stream through
+the event loop; a stream the client closes (cancel, deadline, frontend gone) aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from pagedserve.internal import scheduler_pb2, scheduler_pb2_grpc
+from pagedserve.log import configure_logging
+from pagedserve.model_config import ModelInfo, load_model_info
+from pagedserve.sampling_params import InvalidParameter
+from pagedserve.scheduler.engine import Engine, EngineConfig, EngineUnavailable, QueueFull
+from pagedserve.scheduler.metrics import SchedulerMetrics
+from pagedserve.scheduler.outputs import Request, RequestOutput
+from pagedserve.scheduler.sampling_codec import output_to_proto, sampling_from_proto
+from pagedserve.scheduler.worker_link import WorkerLink
+
+MAX_MESSAGE_BYTES = 64 * 2**20
+
+
+@dataclass(slots=True)
+class SchedulerServerConfig:
+    model_path: str
+    host: str = "127.0.0.1"
+    port: int = 50052
+    plan_address: str = "tcp://127.0.0.1:50061"
+    result_address: str = "tcp://127.0.0.1:50062"
+    tensor_parallel_size: int = 1
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    heartbeat_timeout: float = 10.0
+
+
+def _status_for(exc: Exception) -> grpc.StatusCode:
+    if isinstance(exc, (InvalidParameter, ValueError)):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, QueueFull):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(exc, EngineUnavailable):
+        return grpc.StatusCode.UNAVAILABLE
+    return grpc.StatusCode.INTERNAL
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, engine: Engine, model: ModelInfo, tensor_parallel_size: int) -> None:
+        self.engine = engine
+        self.model = model
+        self.tensor_parallel_size = tensor_parallel_size
+
+    async def Submit(self, request, context):
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+        sink = lambda item: loop.call_soon_threadsafe(outputs.put_nowait, item)  # noqa: E731
+        internal = Request(
+            request_id=request.request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            sampling=sampling_from_proto(request.sampling),
+            eos_token_ids=list(self.model.eos_token_ids),
+            arrival_time=time.monotonic(),
+        )
+        try:
+            self.engine.submit(internal, sink)
+        except Exception as exc:
+            await context.abort(_status_for(exc), str(exc))
+        is_finished = False
+        try:
+            while not is_finished:
+                item = await outputs.get()
+                if isinstance(item, Exception):
+                    is_finished = True
+                    await context.abort(_status_for(item), str(item))
+                output: RequestOutput = item
+                is_finished = output.is_finished
+                yield output_to_proto(output)
+        finally:
+            if not is_finished:
+                self.engine.abort(request.request_id)
+
+    async def FinishCompletion(self, request, context):
+        self.engine.finish_completion(request.request_id, request.index)
+        return scheduler_pb2.FinishCompletionResponse()
+
+    async def Abort(self, request, context):
+        self.engine.abort(request.request_id)
+        return scheduler_pb2.AbortResponse(found=True)
+
+    async def GetInfo(self, request, context):
+        state = self.engine.state
+        config = self.engine.config
+        return scheduler_pb2.SchedulerInfo(
+            is_ready=state.is_ready,
+            model_name=self.model.name,
+            max_model_len=config.max_model_len,
+            vocab_size=self.model.vocab_size,
+            block_size=config.block_size,
+            num_kv_blocks=state.num_gpu_blocks,
+            num_cpu_blocks=state.num_cpu_blocks,
+            tensor_parallel_size=self.tensor_parallel_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        )
+
+    async def GetStats(self, request, context):
+        try:
+            stats, is_consistent = await asyncio.to_thread(self.engine.call, self._collect_stats)
+        except EngineUnavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        msg = scheduler_pb2.SchedulerStats(is_pool_consistent=is_consistent)
+        if stats is not None:
+            for name in ("num_running", "num_waiting", "num_swapped", "num_gpu_blocks_total",
+                         "num_gpu_blocks_free", "num_gpu_blocks_used", "num_gpu_blocks_cached",
+                         "num_cpu_blocks_total", "num_cpu_blocks_free", "num_cpu_blocks_used",
+                         "num_cpu_blocks_cached", "num_steps", "num_preemptions_swap",
+                         "num_preemptions_recompute", "num_prefix_cache_queries",
+                         "num_prefix_cache_hits"):
+                setattr(msg, name, getattr(stats, name))
+        recent = list(self.engine.state.recent_steps)
+        if request.max_recent_steps:
+            recent = recent[-request.max_recent_steps:]
+        for record in recent:
+            msg.recent_steps.add(step_id=record.step_id, request_ids=record.request_ids,
+                                 num_prefill_tokens=record.num_prefill_tokens,
+                                 num_decode_tokens=record.num_decode_tokens)
+        return msg
+
+    def _collect_stats(self):
+        scheduler = self.engine.scheduler
+        if scheduler is None:
+            return None, True
+        try:
+            scheduler.check_invariants()
+            is_consistent = True
+        except Exception:
+            is_consistent = False
+        return scheduler.stats(), is_consistent
+
+
+async def _serve(config: SchedulerServerConfig, engine_config: EngineConfig, model: ModelInfo) -> None:
+    log = configure_logging("scheduler")
+    metrics = SchedulerMetrics()
+    if config.metrics_port:
+        metrics.serve(config.metrics_port, config.metrics_host)
+
+    def on_step(engine: Engine, record) -> None:
+        if record is None:
+            metrics.reset_totals()
+            return
+        metrics.update(engine.scheduler.stats(), record.seconds)
+
+    link = WorkerLink(config.plan_address, config.result_address, config.tensor_parallel_size,
+                      heartbeat_timeout=config.heartbeat_timeout)
+    engine = Engine(engine_config, link, on_step=on_step)
+    engine.start()
+    server = grpc.aio.server(options=[
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ])
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(
+        SchedulerServicer(engine, model, config.tensor_parallel_size), server)
+    bound = server.add_insecure_port(f"{config.host}:{config.port}")
+    await server.start()
+    log.info("scheduler_listening", address=f"{config.host}:{bound}",
+             plan_address=config.plan_address, result_address=config.result_address)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("scheduler_stopping")
+    await server.stop(grace=2.0)
+    await asyncio.to_thread(engine.stop)
+    link.close()
+
+
+def run_scheduler(config: SchedulerServerConfig, engine_config: EngineConfig) -> int:
+    model = load_model_info(config.model_path)
+    asyncio.run(_serve(config, engine_config, model))
+    return 0

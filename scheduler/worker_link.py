@@ -1,0 +1,175 @@
+"""The scheduler's side of the ZeroMQ link to the workers.
+
+    scheduler PUB  --SchedulerMessage (InitCache | StepPlan | Shutdown)-->  SUB  every rank
+    scheduler PULL <--WorkerMessage (Register | Ready | Heartbeat | StepResult | WorkerError)--  PUSH
+
+Start-up: every rank registers its KV capacity; once all ranks of the replica have registered, the
+pool size is the minimum (or the operator's override, if smaller) and InitCache is re-published
+until every rank answers Ready for that epoch (this also rides out ZeroMQ's slow-joiner loss of
+the first published messages). A rank that stops sending heartbeats is declared lost.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from pagedserve.internal import step_pb2
+from pagedserve.plan_codec import encode_plan, result_from_proto
+from pagedserve.step_plan import StepPlan, StepResult
+
+INIT_RESEND_SECONDS = 0.2
+
+
+class WorkerLost(RuntimeError):
+    """A rank stopped answering or reported an error; the replica is not ready."""
+
+
+@dataclass(slots=True)
+class RankState:
+    rank: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    device: str
+    pid: int
+    last_seen: float
+    ready_epoch: int = -1
+
+
+@dataclass(slots=True)
+class PoolSize:
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+
+
+@dataclass
+class WorkerLink:
+    plan_address: str
+    result_address: str
+    world_size: int
+    heartbeat_timeout: float = 10.0
+    ranks: dict[int, RankState] = field(default_factory=dict)
+    epoch: int = 0
+
+    def __post_init__(self) -> None:
+        self._context = zmq.Context.instance()
+        self._pub = self._context.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.SNDHWM, 0)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.bind(self.plan_address)
+        self._pull = self._context.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.RCVHWM, 0)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.bind(self.result_address)
+        self._poller = zmq.Poller()
+        self._poller.register(self._pull, zmq.POLLIN)
+
+    # ---- receiving -------------------------------------------------------------------------
+
+    def _receive(self, timeout: float) -> step_pb2.WorkerMessage | None:
+        if not self._poller.poll(max(0, int(timeout * 1000))):
+            return None
+        message = step_pb2.WorkerMessage()
+        message.ParseFromString(self._pull.recv())
+        return message
+
+    def _note(self, message: step_pb2.WorkerMessage) -> StepResult | None:
+        """Updates rank state from one message; returns a step result when it is one."""
+        kind = message.WhichOneof("kind")
+        now = time.monotonic()
+        if kind == "register":
+            reg = message.register
+            if reg.world_size != self.world_size:
+                raise WorkerLost(f"rank {reg.rank} runs with world size {reg.world_size}, "
+                                 f"the scheduler expects {self.world_size}")
+            self.ranks[reg.rank] = RankState(reg.rank, reg.num_gpu_blocks, reg.num_cpu_blocks,
+                                             reg.device, reg.pid, now)
+            return None
+        rank = {"ready": lambda: message.ready.rank, "heartbeat": lambda: message.heartbeat.rank,
+                "error": lambda: message.error.rank, "step_result": lambda: 0}[kind]()
+        state = self.ranks.get(rank)
+        if state is not None:
+            state.last_seen = now
+        if kind == "error":
+            raise WorkerLost(f"worker rank {rank} failed: {message.error.message}")
+        if kind == "ready" and state is not None:
+            state.ready_epoch = message.ready.epoch
+        if kind == "step_result":
+            return result_from_proto(message.step_result)
+        return None
+
+    def check_alive(self) -> None:
+        now = time.monotonic()
+        for state in self.ranks.values():
+            if now - state.last_seen > self.heartbeat_timeout:
+                raise WorkerLost(f"worker rank {state.rank} (pid {state.pid}) sent nothing for "
+                                 f"{now - state.last_seen:.1f}s")
+
+    # ---- start-up --------------------------------------------------------------------------
+
+    def all_registered(self) -> bool:
+        return len(self.ranks) == self.world_size
+
+    def poll_registration(self, timeout: float) -> None:
+        message = self._receive(timeout)
+        if message is not None:
+            self._note(message)
+
+    def init_cache(self, max_gpu_blocks: int | None, deadline: float) -> PoolSize:
+        """Publishes InitCache for a new epoch until every rank is ready; returns the pool size."""
+        num_gpu = min(state.num_gpu_blocks for state in self.ranks.values())
+        if max_gpu_blocks is not None:
+            num_gpu = min(num_gpu, max_gpu_blocks)
+        num_cpu = min(state.num_cpu_blocks for state in self.ranks.values())
+        self.epoch += 1
+        init = step_pb2.SchedulerMessage(init_cache=step_pb2.InitCache(
+            epoch=self.epoch, num_gpu_blocks=num_gpu, num_cpu_blocks=num_cpu))
+        payload = init.SerializeToString()
+        while not all(state.ready_epoch == self.epoch for state in self.ranks.values()):
+            if time.monotonic() > deadline:
+                raise WorkerLost("workers did not allocate their KV cache in time")
+            self._pub.send(payload)
+            end = time.monotonic() + INIT_RESEND_SECONDS
+            while time.monotonic() < end:
+                message = self._receive(end - time.monotonic())
+                if message is not None:
+                    self._note(message)
+        return PoolSize(num_gpu, num_cpu)
+
+    # ---- steps -----------------------------------------------------------------------------
+
+    def run_step(self, plan: StepPlan, poll_seconds: float = 0.5) -> StepResult:
+        """Publishes one plan and waits for rank 0's result, watching every rank's heartbeat."""
+        plan.epoch = self.epoch
+        self._pub.send(encode_plan(plan))
+        while True:
+            message = self._receive(poll_seconds)
+            if message is None:
+                self.check_alive()
+                continue
+            result = self._note(message)
+            if result is None:
+                continue
+            if result.epoch == self.epoch and result.step_id == plan.step_id:
+                return result
+
+    def drain(self) -> None:
+        """Reads whatever is queued (heartbeats) without blocking."""
+        while True:
+            message = self._receive(0)
+            if message is None:
+                return
+            self._note(message)
+
+    def shutdown_workers(self, reason: str) -> None:
+        message = step_pb2.SchedulerMessage(shutdown=step_pb2.Shutdown(reason=reason))
+        self._pub.send(message.SerializeToString())
+
+    def forget_ranks(self) -> None:
+        self.ranks.clear()
+
+    def close(self) -> None:
+        self._pub.close(0)
+        self._pull.close(0)

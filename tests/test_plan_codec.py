@@ -1,0 +1,59 @@
+"""Step plans and results survive the protobuf round trip unchanged."""
+
+from __future__ import annotations
+
+from pagedserve.internal import step_pb2
+from pagedserve.plan_codec import (encode_plan, encode_result, plan_from_proto, plan_to_proto,
+                                   result_from_proto, result_to_proto)
+from pagedserve.step_plan import SampleSpec, ScheduledSeq, SeqSample, StepPlan, StepResult
+
+
+def _plan() -> StepPlan:
+    return StepPlan(
+        step_id=7,
+        epoch=2,
+        seqs=[
+            ScheduledSeq(seq_id=1, token_ids=[5, 6, 7], start_position=0, block_table=[3]),
+            ScheduledSeq(seq_id=2, token_ids=[9], start_position=40, block_table=[1, 70000, 4],
+                         sample=SampleSpec(temperature=0.5, top_p=0.875, top_k=4, min_p=0.125,
+                                           seed=2**40, output_index=3, repetition_penalty=1.25,
+                                           presence_penalty=0.5, frequency_penalty=-0.5,
+                                           num_logprobs=2, num_beam_candidates=0,
+                                           suppress_token_ids=[0, 2], prompt_token_ids=[1, 2],
+                                           output_token_ids=[9])),
+            ScheduledSeq(seq_id=3, token_ids=[1], start_position=0, block_table=[8],
+                         sample=SampleSpec()),
+        ],
+        blocks_to_swap_out=[(1, 2)],
+        blocks_to_swap_in=[(3, 4), (5, 6)],
+        blocks_to_copy=[(7, 8)],
+    )
+
+
+def test_plan_round_trip() -> None:
+    plan = _plan()
+    assert plan_from_proto(plan_to_proto(plan)) == plan
+
+
+def test_unseeded_sample_stays_unseeded() -> None:
+    decoded = plan_from_proto(plan_to_proto(_plan()))
+    assert decoded.seqs[2].sample.seed is None
+    assert decoded.seqs[0].sample is None
+
+
+def test_encoded_plan_parses_as_scheduler_message() -> None:
+    message = step_pb2.SchedulerMessage.FromString(encode_plan(_plan()))
+    assert message.WhichOneof("kind") == "step_plan"
+    assert plan_from_proto(message.step_plan) == _plan()
+
+
+def test_result_round_trip() -> None:
+    result = StepResult(step_id=3, epoch=1, forward_seconds=0.25, samples=[
+        SeqSample(seq_id=2, token_id=11, logprob=-0.5, top_token_ids=[11, 4],
+                  top_logprobs=[-0.5, -1.5]),
+        SeqSample(seq_id=9, token_id=1, logprob=-2.0, beam_token_ids=[1, 2],
+                  beam_logprobs=[-2.0, -3.0]),
+    ])
+    assert result_from_proto(result_to_proto(result)) == result
+    message = step_pb2.WorkerMessage.FromString(encode_result(result))
+    assert result_from_proto(message.step_result) == result

@@ -1,0 +1,175 @@
+"""The worker process: subscribes to step plans, runs them on its model shard, answers (rank 0).
+
+    SUB  <- SchedulerMessage: InitCache (allocate KV blocks for an epoch), StepPlan, Shutdown
+    PUSH -> WorkerMessage:    Register, Ready, Heartbeat (every second, from a thread), StepResult
+                              (rank 0 only), WorkerError (then the process exits non-zero)
+
+Step plans are numbered within an epoch; a worker that sees a gap stops and says so, since its KV
+cache would no longer match the scheduler's block tables.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from pagedserve.internal import step_pb2
+from pagedserve.log import configure_logging
+from pagedserve.plan_codec import encode_result, plan_from_proto
+
+HEARTBEAT_SECONDS = 1.0
+
+
+class StepGap(RuntimeError):
+    pass
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    model_path: str
+    plan_address: str
+    result_address: str
+    rank: int = 0
+    world_size: int = 1
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 16
+    swap_space_gib: float = 4.0
+    dist_init_address: str = "tcp://127.0.0.1:29500"
+    kv_cache_memory_gib: float | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
+        if self.block_size <= 0:
+            raise ValueError("block_size must be positive")
+        if self.swap_space_gib < 0:
+            raise ValueError("swap_space_gib must be >= 0")
+
+
+class _Pusher:
+    """A PUSH socket shared by the step loop and the heartbeat thread."""
+
+    def __init__(self, context: zmq.Context, address: str) -> None:
+        self._socket = context.socket(zmq.PUSH)
+        self._socket.setsockopt(zmq.LINGER, 2000)
+        self._socket.connect(address)
+        self._lock = threading.Lock()
+
+    def send(self, message: step_pb2.WorkerMessage | bytes) -> None:
+        payload = message if isinstance(message, bytes) else message.SerializeToString()
+        with self._lock:
+            self._socket.send(payload)
+
+    def close(self) -> None:
+        self._socket.close()
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def init_distributed(config: WorkerConfig, device: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if config.world_size == 1:
+        return
+    if device.startswith("cuda"):
+        torch.cuda.set_device(config.rank % torch.cuda.device_count())
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    dist.init_process_group(backend, init_method=config.dist_init_address, rank=config.rank,
+                            world_size=config.world_size)
+
+
+def run_worker(config: WorkerConfig) -> int:
+    """Runs until Shutdown; returns the process exit code."""
+    from pagedserve.worker.model_runner import ModelRunner
+
+    log = configure_logging("worker").bind(rank=config.rank)
+    device = resolve_device(config.device)
+    if device.startswith("cuda") and config.world_size > 1:
+        device = f"cuda:{config.rank % max(1, __import__('torch').cuda.device_count())}"
+    init_distributed(config, device)
+    runner = ModelRunner(config.model_path, device=device, dtype=config.dtype,
+                         block_size=config.block_size, rank=config.rank,
+                         world_size=config.world_size)
+    started = time.monotonic()
+    runner.load()
+    capacity = runner.profile_num_blocks(kv_cache_memory_gib=config.kv_cache_memory_gib)
+    num_cpu_blocks = runner.num_blocks_for_bytes(int(config.swap_space_gib * 2**30))
+    log.info("model_loaded", device=device, seconds=round(time.monotonic() - started, 2),
+             num_gpu_blocks=capacity, num_cpu_blocks=num_cpu_blocks)
+
+    context = zmq.Context.instance()
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVHWM, 0)
+    sub.connect(config.plan_address)
+    pusher = _Pusher(context, config.result_address)
+    state = {"epoch": 0}
+    stop = threading.Event()
+
+    def heartbeat() -> None:
+        while not stop.wait(HEARTBEAT_SECONDS):
+            pusher.send(step_pb2.WorkerMessage(heartbeat=step_pb2.Heartbeat(
+                rank=config.rank, epoch=state["epoch"])))
+
+    pusher.send(step_pb2.WorkerMessage(register=step_pb2.Register(
+        rank=config.rank, world_size=config.world_size, num_gpu_blocks=capacity,
+        num_cpu_blocks=num_cpu_blocks, device=device, pid=os.getpid())))
+    threading.Thread(target=heartbeat, name="heartbeat", daemon=True).start()
+    try:
+        return _serve_plans(config, runner, sub, pusher, state, log)
+    except Exception as exc:  # reported to the scheduler, then the process exits non-zero
+        log.exception("worker_failed")
+        pusher.send(step_pb2.WorkerMessage(error=step_pb2.WorkerError(
+            rank=config.rank, message=f"{type(exc).__name__}: {exc}")))
+        return 1
+    finally:
+        stop.set()
+        time.sleep(0.05)
+        pusher.close()
+        sub.close(0)
+
+
+def _serve_plans(config, runner, sub, pusher, state, log) -> int:
+    last_step_id = 0
+    message = step_pb2.SchedulerMessage()
+    while True:
+        message.ParseFromString(sub.recv())
+        kind = message.WhichOneof("kind")
+        if kind == "shutdown":
+            log.info("shutdown", reason=message.shutdown.reason)
+            return 0
+        if kind == "init_cache":
+            init = message.init_cache
+            if init.epoch != state["epoch"]:
+                runner.init_cache(init.num_gpu_blocks, init.num_cpu_blocks)
+                state["epoch"] = init.epoch
+                last_step_id = 0
+                log.info("kv_cache_ready", epoch=init.epoch, num_gpu_blocks=init.num_gpu_blocks,
+                         num_cpu_blocks=init.num_cpu_blocks)
+            pusher.send(step_pb2.WorkerMessage(ready=step_pb2.Ready(rank=config.rank,
+                                                                    epoch=init.epoch)))
+            continue
+        plan_msg = message.step_plan
+        if plan_msg.epoch != state["epoch"]:
+            continue
+        if plan_msg.step_id != last_step_id + 1:
+            raise StepGap(f"expected step {last_step_id + 1} of epoch {state['epoch']}, "
+                          f"got {plan_msg.step_id}: plans were lost")
+        last_step_id = plan_msg.step_id
+        result = runner.execute(plan_from_proto(plan_msg))
+        if config.rank == 0:
+            result.epoch = state["epoch"]
+            result.step_id = plan_msg.step_id
+            pusher.send(encode_result(result))
