@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=50051)
     serve.add_argument("--tensor-parallel-size", type=int, default=1)
+    serve.add_argument("--scheduler-port", type=int, default=None,
+                       help="internal scheduler gRPC port on 127.0.0.1 (default: a free port)")
     serve.add_argument("--metrics-port", type=int, default=None)
     serve.add_argument("--scheduler-metrics-port", type=int, default=None,
                        help="default: --metrics-port + 1")

@@ -48,9 +48,9 @@ def ensure_demo_model() -> Path:
 
 def build_demo_model(folder: Path) -> Path:
     from pagedserve.tiny_checkpoint import build_tiny_checkpoint
-    from pagedserve.tiny_tokenizer import build_tokenizer
+    from pagedserve.tiny_tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID, build_tokenizer
 
-    special = build_tokenizer(folder, vocab_size=DEMO_VOCAB_SIZE)
+    build_tokenizer(folder, vocab_size=DEMO_VOCAB_SIZE)
     build_tiny_checkpoint(
         folder,
         architecture="llama",
@@ -61,8 +61,8 @@ def build_demo_model(folder: Path) -> Path:
         num_kv_heads=2,
         intermediate_size=352,
         max_position_embeddings=4096,
-        bos_token_id=special.bos_token_id,
-        eos_token_id=special.eos_token_id,
+        bos_token_id=BOS_TOKEN_ID,
+        eos_token_id=EOS_TOKEN_ID,
         seed=0,
     )
     (folder / "pagedserve_demo.json").write_text(json.dumps({"version": DEMO_VERSION}))

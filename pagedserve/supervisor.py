@@ -52,7 +52,7 @@ class ServeConfig:
         from pagedserve.demo import resolve_model
 
         model = str(resolve_model(args.model))
-        scheduler_port = free_port()
+        scheduler_port = args.scheduler_port or free_port()
         plan = f"tcp://127.0.0.1:{free_port()}"
         result = f"tcp://127.0.0.1:{free_port()}"
         dist = f"tcp://127.0.0.1:{free_port()}"
