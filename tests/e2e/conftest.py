@@ -1,0 +1,85 @@
+"""Checkpoints built by the tests (no model hub) and served by real `pagedserve serve` processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.harness import ServeProcess
+
+VOCAB_SIZE = 512
+
+
+def build_checkpoint(folder: Path, architecture: str, **sizes) -> Path:
+    from pagedserve.tiny_checkpoint import build_tiny_checkpoint
+    from pagedserve.tiny_tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID, build_tokenizer
+
+    build_tokenizer(folder, vocab_size=VOCAB_SIZE)
+    build_tiny_checkpoint(folder, architecture=architecture, vocab_size=VOCAB_SIZE,
+                          bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, seed=1, **sizes)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def llama_checkpoint(tmp_path_factory) -> Path:
+    """Llama with grouped-query attention (4 query heads, 2 KV heads), untied embeddings."""
+    return build_checkpoint(tmp_path_factory.mktemp("llama-gqa"), "llama", hidden_size=64,
+                            num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
+                            max_position_embeddings=1024, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def qwen2_checkpoint(tmp_path_factory) -> Path:
+    """Qwen2 with QKV bias and tied embeddings."""
+    return build_checkpoint(tmp_path_factory.mktemp("qwen2"), "qwen2", hidden_size=64,
+                            num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
+                            max_position_embeddings=1024, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def hf_reference():
+    """Greedy token ids from Hugging Face transformers `generate`, cached per checkpoint."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    models: dict[Path, object] = {}
+
+    def generate(checkpoint: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        if checkpoint not in models:
+            models[checkpoint] = AutoModelForCausalLM.from_pretrained(
+                checkpoint, dtype=torch.float32).eval()
+        model = models[checkpoint]
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
+                                 do_sample=False, attention_mask=torch.ones(1, len(prompt_ids),
+                                                                            dtype=torch.long))
+        generated = out[0, len(prompt_ids):].tolist()
+        eos = set(model.generation_config.eos_token_id if isinstance(
+            model.generation_config.eos_token_id, list) else [model.generation_config.eos_token_id])
+        for i, token in enumerate(generated):
+            if token in eos:
+                return generated[:i + 1]
+        return generated
+
+    return generate
+
+
+def start_server(checkpoint: Path, tmp_path_factory, name: str, *args: str) -> ServeProcess:
+    log_path = tmp_path_factory.mktemp("logs") / f"{name}.log"
+    server = ServeProcess(checkpoint, log_path, list(args))
+    try:
+        server.wait_ready()
+    except Exception:
+        server.stop()
+        raise
+    return server
+
+
+@pytest.fixture(scope="module")
+def llama_server(llama_checkpoint, tmp_path_factory):
+    server = start_server(llama_checkpoint, tmp_path_factory, "llama", "--num-kv-blocks", "256",
+                          "--max-num-batched-tokens", "512")
+    yield server
+    code = server.stop()
+    assert code == 0, f"serve exited with {code}:\n{server.logs()[-3000:]}"

@@ -1,0 +1,75 @@
+"""Continuous batching, seeded sampling independence and a whole block pool after requests end."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from tests.e2e.harness import token_request
+
+
+def _stream_timed(server, request_id: str, prompt: list[int], max_tokens: int, record: dict) -> None:
+    request = token_request(prompt, max_tokens=max_tokens, ignore_eos=True)
+    request.request_id = request_id
+    times = []
+    for message in server.stub.GenerateStream(request, timeout=120):
+        if any(c.token_ids for c in message.completions):
+            times.append(time.monotonic())
+    record[request_id] = times
+
+
+def test_new_request_joins_running_batch(llama_server):
+    record: dict[str, list[float]] = {}
+    long_ids = [f"long-{i}" for i in range(3)]
+    threads = [threading.Thread(target=_stream_timed,
+                                args=(llama_server, rid, [5 + i, 6, 7, 8], 160, record))
+               for i, rid in enumerate(long_ids)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        recent = llama_server.stats(max_recent_steps=8).recent_steps
+        if sum(1 for step in recent if step.num_decode_tokens >= 3) >= 3:
+            break
+        time.sleep(0.02)
+    _stream_timed(llama_server, "short", [9, 10, 11], 4, record)
+    for thread in threads:
+        thread.join()
+    short_first = record["short"][0]
+    assert all(len(record[rid]) == 160 for rid in long_ids)
+    assert all(short_first < record[rid][-1] for rid in long_ids), "short waited for the long ones"
+    steps = llama_server.stats(max_recent_steps=256).recent_steps
+    compositions = [frozenset(step.request_ids) for step in steps]
+    joined = [c for c in compositions if "short" in c and c & set(long_ids)]
+    assert joined, "no step batched the new request with the running ones"
+    assert len(set(compositions)) >= 3, "the batch composition never changed"
+
+
+def test_seeded_sampling_is_batch_independent(llama_server):
+    prompt = [20, 21, 22, 23, 24]
+    seeded = dict(max_tokens=20, temperature=1.0, seed=1234, ignore_eos=True)
+    alone = llama_server.stub.Generate(token_request(prompt, **seeded), timeout=60)
+    others = [token_request([30 + i] * (3 + i), max_tokens=20, temperature=0.9, seed=i,
+                            ignore_eos=True) for i in range(15)]
+    with ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(llama_server.stub.Generate, req, timeout=60) for req in others]
+        together = pool.submit(llama_server.stub.Generate, token_request(prompt, **seeded),
+                               timeout=60).result()
+        for future in futures:
+            future.result()
+    assert list(alone.completions[0].token_ids) == list(together.completions[0].token_ids)
+    unseeded_differs = llama_server.stub.Generate(
+        token_request(prompt, max_tokens=20, temperature=1.0, seed=99, ignore_eos=True), timeout=60)
+    assert list(unseeded_differs.completions[0].token_ids) != list(alone.completions[0].token_ids)
+
+
+def test_block_pool_whole_after_requests(llama_server):
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: llama_server.stub.Generate(
+            token_request([40 + i] * (10 + 17 * i), max_tokens=10 + i), timeout=60), range(8)))
+    stats = llama_server.wait_idle()
+    assert stats.is_pool_consistent
+    assert stats.num_gpu_blocks_used == 0
+    assert stats.num_gpu_blocks_free + stats.num_gpu_blocks_cached == stats.num_gpu_blocks_total
+    assert stats.num_gpu_blocks_total == 256
