@@ -1,0 +1,80 @@
+"""The checkpoint folder's tokenizer, loaded with transformers.AutoTokenizer (the frontend's only model file)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from pagedserve.model_config import ModelConfigError, load_model_info
+
+
+class TokenizerLoadError(RuntimeError):
+    """The folder holds no tokenizer that transformers can load."""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizerInfo:
+    vocab_size: int  # every id the tokenizer knows, added tokens included
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+
+class Tokenizer:
+    """Encodes prompts and decodes completions with one Hugging Face tokenizer.
+
+    Encoding adds special tokens (BOS) exactly as the tokenizer's own config asks; decoding skips
+    special tokens and never rewrites spaces, so decoding a concatenation equals concatenating the
+    incremental pieces (see detokenizer.py).
+    """
+
+    def __init__(self, hf_tokenizer, extra_eos_token_ids: Sequence[int] = ()) -> None:
+        self._hf = hf_tokenizer
+        eos_ids: list[int] = []
+        if hf_tokenizer.eos_token_id is not None:
+            eos_ids.append(int(hf_tokenizer.eos_token_id))
+        for token_id in extra_eos_token_ids:
+            if token_id not in eos_ids:
+                eos_ids.append(int(token_id))
+        self.info = TokenizerInfo(
+            vocab_size=len(hf_tokenizer),
+            bos_token_id=None if hf_tokenizer.bos_token_id is None else int(hf_tokenizer.bos_token_id),
+            eos_token_ids=tuple(eos_ids),
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info.vocab_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.info.eos_token_ids
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, with BOS (and EOS) added when the tokenizer's config says so."""
+        return list(self._hf.encode(text, add_special_tokens=True))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of `token_ids`, special tokens skipped; ids the tokenizer does not know decode to ''."""
+        return self._hf.decode(list(token_ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def load_tokenizer(model_path: str | Path) -> Tokenizer:
+    """Loads the tokenizer of a checkpoint folder; EOS ids also come from config.json and
+    generation_config.json when the folder is a supported checkpoint."""
+    folder = Path(model_path)
+    if not folder.is_dir():
+        raise TokenizerLoadError(f"{folder} is not a folder")
+    from transformers import AutoTokenizer
+
+    try:
+        hf_tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise TokenizerLoadError(f"cannot load a tokenizer from {folder}: {exc}") from exc
+    extra_eos: list[int] = []
+    if (folder / "config.json").is_file():
+        try:
+            extra_eos = load_model_info(folder).eos_token_ids
+        except (ModelConfigError, KeyError, ValueError):
+            extra_eos = []
+    return Tokenizer(hf_tokenizer, extra_eos_token_ids=extra_eos)

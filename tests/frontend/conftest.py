@@ -1,0 +1,48 @@
+"""Fixtures of the frontend tests: the tiny tokenizer, a scripted scheduler and a real frontend."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fake_scheduler import FakeSchedulerServer
+
+from pagedserve.tiny_tokenizer import build_tokenizer
+
+VOCAB_SIZE = 512
+
+
+@pytest.fixture(scope="session")
+def tokenizer_folder(tmp_path_factory) -> Path:
+    return build_tokenizer(tmp_path_factory.mktemp("tiny-tokenizer"), vocab_size=VOCAB_SIZE)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_folder):
+    from pagedserve.frontend.tokenizer import load_tokenizer
+
+    return load_tokenizer(tokenizer_folder)
+
+
+@pytest.fixture(scope="module")
+def scheduler_server():
+    server = FakeSchedulerServer()
+    yield server
+    server.stop()
+
+
+@pytest.fixture()
+def fake(scheduler_server):
+    scheduler_server.fake.reset()
+    return scheduler_server.fake
+
+
+@pytest.fixture(scope="module")
+def frontend(tokenizer_folder, scheduler_server):
+    from pagedserve.frontend.server import serve_frontend
+
+    server = serve_frontend(tokenizer_folder, scheduler_server.address, host="127.0.0.1", port=0,
+                            metrics_port=0, health_poll_interval_s=0.1)
+    yield server
+    server.stop(grace_s=1.0)

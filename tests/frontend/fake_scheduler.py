@@ -1,0 +1,148 @@
+"""A scripted stand-in for the scheduler's internal gRPC service, for the frontend's unit tests.
+
+It serves the real pagedserve.internal.Scheduler protocol over real gRPC; each Submit emits, per
+completion index, the token ids of `tokens_by_index` one step at a time, honouring max_tokens,
+stop_token_ids, FinishCompletion and cancellation, and records what the frontend asked for.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent import futures
+
+import grpc
+
+from pagedserve.internal import scheduler_pb2, scheduler_pb2_grpc
+
+
+class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        self.is_ready = True
+        self.max_model_len = 128
+        self.vocab_size = 512
+        self.tokens_by_index: dict[int, list[int]] = {0: [40, 41, 42, 43, 44, 45, 46, 47]}
+        self.step_delay_s = 0.0
+        self.reject_code: grpc.StatusCode | None = None
+        self.cached_prompt_tokens = 0
+        self.submits: list[scheduler_pb2.SubmitRequest] = []
+        self.finish_requests: list[tuple[str, int]] = []
+        self.aborts: list[str] = []
+        self.cancelled_ids: list[str] = []
+        self.completed_ids: list[str] = []
+        self.stream_closed = threading.Event()
+        self._finished_by_frontend: dict[str, set[int]] = {}
+
+    # -- the internal service ------------------------------------------------------------------
+    def Submit(self, request, context):
+        with self.lock:
+            self.submits.append(request)
+            self._finished_by_frontend[request.request_id] = set()
+        if self.reject_code is not None:
+            context.abort(self.reject_code, "rejected by the fake scheduler")
+        state = {"done": False}
+
+        def on_rpc_end() -> None:
+            with self.lock:
+                (self.completed_ids if state["done"] else self.cancelled_ids).append(request.request_id)
+            self.stream_closed.set()
+
+        context.add_callback(on_rpc_end)
+        sampling = request.sampling
+        if sampling.beam_width > 1:
+            yield from self._beams(request, context)
+        else:
+            yield from self._steps(request, context)
+        state["done"] = True
+
+    def FinishCompletion(self, request, context):
+        with self.lock:
+            self.finish_requests.append((request.request_id, request.index))
+            self._finished_by_frontend.setdefault(request.request_id, set()).add(request.index)
+        return scheduler_pb2.FinishCompletionResponse()
+
+    def Abort(self, request, context):
+        with self.lock:
+            self.aborts.append(request.request_id)
+        return scheduler_pb2.AbortResponse(found=True)
+
+    def GetInfo(self, request, context):
+        return scheduler_pb2.SchedulerInfo(
+            is_ready=self.is_ready, model_name="fake-model", max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size, block_size=16, num_kv_blocks=100, num_cpu_blocks=10,
+            tensor_parallel_size=1, max_num_seqs=8, max_num_batched_tokens=256)
+
+    def GetStats(self, request, context):
+        return scheduler_pb2.SchedulerStats(num_running=len(self.submits), is_pool_consistent=True)
+
+    # -- scripted outputs ------------------------------------------------------------------------
+    def _steps(self, request, context):
+        sampling = request.sampling
+        num_completions = max(sampling.n, 1)
+        positions = {i: 0 for i in range(num_completions)}
+        finished: set[int] = set()
+        first = True
+        while len(finished) < num_completions and context.is_active():
+            if self.step_delay_s:
+                time.sleep(self.step_delay_s)
+            msg = scheduler_pb2.SubmitResponse()
+            if first:
+                msg.prompt_tokens = len(request.prompt_token_ids)
+                msg.cached_prompt_tokens = self.cached_prompt_tokens
+                first = False
+            for index in range(num_completions):
+                if index in finished:
+                    continue
+                if index in self._finished_by_frontend.get(request.request_id, set()):
+                    msg.deltas.add(index=index, finish_reason=scheduler_pb2.FINISH_REASON_ABORT)
+                    finished.add(index)
+                    continue
+                script = self.tokens_by_index.get(index, self.tokens_by_index[0])
+                token_id = script[positions[index] % len(script)]
+                positions[index] += 1
+                delta = msg.deltas.add(index=index, token_ids=[token_id],
+                                       cumulative_logprob=-0.5 * positions[index])
+                if sampling.logprobs:
+                    lp = delta.logprobs.add(token_id=token_id, logprob=-0.5)
+                    for k in range(sampling.logprobs):
+                        lp.top.add(token_id=token_id + k, logprob=-0.5 - k)
+                if token_id in sampling.stop_token_ids:
+                    delta.finish_reason = scheduler_pb2.FINISH_REASON_STOP
+                elif positions[index] >= sampling.max_tokens:
+                    delta.finish_reason = scheduler_pb2.FINISH_REASON_LENGTH
+                if delta.finish_reason:
+                    finished.add(index)
+            msg.is_finished = len(finished) == num_completions
+            yield msg
+
+    def _beams(self, request, context):
+        sampling = request.sampling
+        time.sleep(self.step_delay_s)
+        msg = scheduler_pb2.SubmitResponse(prompt_tokens=len(request.prompt_token_ids), is_finished=True)
+        for index in range(sampling.beam_width):
+            script = self.tokens_by_index.get(index, self.tokens_by_index[0])
+            msg.deltas.add(index=index, token_ids=script[:sampling.max_tokens], cumulative_logprob=-1.0 - index,
+                           finish_reason=scheduler_pb2.FINISH_REASON_LENGTH)
+        yield msg
+
+
+class FakeSchedulerServer:
+    """The fake on 127.0.0.1 at a free port."""
+
+    def __init__(self) -> None:
+        self.fake = FakeScheduler()
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(self.fake, self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.stop(0).wait()
