@@ -1,0 +1,115 @@
+"""GenerateRequest (public proto) -> ValidatedRequest, or InvalidParameter naming the bad field.
+
+proto3 zeros resolve to defaults exactly as the public contract pins them: max_tokens 0 -> 16,
+temperature 0 -> greedy, top_p 0 -> 1, top_k 0 -> off, repetition_penalty 0 -> 1, n 0 -> 1,
+beam_width 0 -> 1 (no beam search), length_penalty unset -> 1.0, seed unset -> none.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Protocol
+
+from pagedserve.sampling_params import DEFAULT_MAX_TOKENS, InvalidParameter, SamplingParams
+from pagedserve.v1 import generation_pb2
+
+MAX_REQUEST_ID_CHARS = 256
+
+
+class Encoder(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLimits:
+    max_model_len: int
+    vocab_size: int  # prompt and stop token ids must be below it
+
+
+@dataclass(slots=True)
+class ValidatedRequest:
+    request_id: str  # the client's, or generated; also the scheduler's id for the request
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+def sampling_params_from_proto(msg: generation_pb2.SamplingParams) -> SamplingParams:
+    """Resolves proto3 zeros to defaults; does not validate."""
+    return SamplingParams(
+        max_tokens=msg.max_tokens or DEFAULT_MAX_TOKENS,
+        min_tokens=msg.min_tokens,
+        temperature=msg.temperature,
+        top_p=msg.top_p or 1.0,
+        top_k=msg.top_k,
+        min_p=msg.min_p,
+        seed=msg.seed if msg.HasField("seed") else None,
+        repetition_penalty=msg.repetition_penalty or 1.0,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        stop=list(msg.stop),
+        stop_token_ids=list(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        include_stop_str_in_output=msg.include_stop_str_in_output,
+        n=msg.n or 1,
+        beam_width=msg.beam_width or 1,
+        length_penalty=msg.length_penalty if msg.HasField("length_penalty") else 1.0,
+        logprobs=msg.logprobs,
+    )
+
+
+def validate_request(msg: generation_pb2.GenerateRequest, encoder: Encoder, limits: ModelLimits) -> ValidatedRequest:
+    """Checks every field and tokenizes a text prompt; raises InvalidParameter naming the field."""
+    request_id = _request_id(msg.request_id)
+    params = sampling_params_from_proto(msg.params)
+    params.validate(vocab_size=limits.vocab_size)
+    prompt_field, prompt_token_ids = _prompt(msg, encoder, limits.vocab_size)
+    num_prompt_tokens = len(prompt_token_ids)
+    if num_prompt_tokens >= limits.max_model_len:
+        raise InvalidParameter(
+            prompt_field,
+            f"the prompt has {num_prompt_tokens} tokens; max_model_len is {limits.max_model_len} "
+            "(prompt and completion together)",
+        )
+    if num_prompt_tokens + params.max_tokens > limits.max_model_len:
+        defaulted = " (max_tokens 0 means 16)" if msg.params.max_tokens == 0 else ""
+        raise InvalidParameter(
+            "max_tokens",
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}){defaulted} exceeds "
+            f"max_model_len {limits.max_model_len}; at most {limits.max_model_len - num_prompt_tokens} "
+            "tokens can be generated",
+        )
+    return ValidatedRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, params=params)
+
+
+def _request_id(client_id: str) -> str:
+    """The client's id (it must be unique among running requests), or a fresh one."""
+    if not client_id:
+        return uuid.uuid4().hex
+    if len(client_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidParameter("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters")
+    return client_id
+
+
+def _prompt(msg: generation_pb2.GenerateRequest, encoder: Encoder, vocab_size: int) -> tuple[str, list[int]]:
+    """(field name, prompt token ids) of whichever prompt field is set."""
+    which = msg.WhichOneof("input")
+    if which is None:
+        raise InvalidParameter("prompt", "set exactly one of prompt or prompt_token_ids")
+    if which == "prompt":
+        if not msg.prompt:
+            raise InvalidParameter("prompt", "must not be empty")
+        token_ids = encoder.encode(msg.prompt)
+        if not token_ids:
+            raise InvalidParameter("prompt", "encodes to no tokens")
+        return "prompt", token_ids
+    token_ids = list(msg.prompt_token_ids.ids)
+    if not token_ids:
+        raise InvalidParameter("prompt_token_ids", "must not be empty")
+    for position, token_id in enumerate(token_ids):
+        if token_id >= vocab_size:
+            raise InvalidParameter(
+                "prompt_token_ids",
+                f"token id {token_id} at position {position} is outside the vocabulary (size {vocab_size})",
+            )
+    return "prompt_token_ids", token_ids
