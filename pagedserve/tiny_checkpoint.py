@@ -5,7 +5,9 @@ trained one numerically, not like a freshly initialised one (whose logits are al
 whose greedy choices would hinge on rounding):
 
     embeddings     N(0, (logit_scale / sqrt(hidden))^2)  ->  logits spread with std ~ logit_scale
-    linear layers  N(0, 1 / in_features), q and k x2     ->  unit activations, peaked attention
+    linear layers  N(0, 1 / in_features), q and k x2     ->  unit activations, peaked attention,
+                   o and down x3                          ->  layers outweigh the token's own
+                                                              embedding (no echo with tied weights)
     biases         N(0, 0.5^2)                            ->  the bias path matters
     norm weights   N(1, 0.1^2)                            ->  the norm weights matter
 
@@ -25,6 +27,7 @@ ARCHITECTURES = ("llama", "mistral", "qwen2")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOGIT_SCALE = 4.0
 QK_GAIN = 2.0
+OUT_GAIN = 3.0
 
 
 def _config_and_model_classes(architecture: str):
@@ -79,7 +82,11 @@ def _initialise(model: torch.nn.Module, hidden_size: int, seed: int) -> None:
             elif name.endswith(".bias"):
                 std, mean = 0.5, 0.0
             else:
-                gain = QK_GAIN if ("q_proj" in name or "k_proj" in name) else 1.0
+                gain = 1.0
+                if "q_proj" in name or "k_proj" in name:
+                    gain = QK_GAIN
+                elif "o_proj" in name or "down_proj" in name:
+                    gain = OUT_GAIN
                 std, mean = gain / math.sqrt(param.shape[1]), 0.0
             values = torch.randn(param.shape, generator=generator, dtype=torch.float32) * std + mean
             param.copy_(values)

@@ -1,0 +1,70 @@
+"""Attention over the paged KV cache for a flat batch mixing prefill chunks and decodes.
+
+Tokens of all scheduled sequences are concatenated into one batch of num_tokens rows:
+
+    rows       [ seq 0: prefill chunk (many) ][ seq 1: decode (1) ][ seq 2: decode (1) ] ...
+    query_start_loc  0                         q0                   q0+1              ...
+
+Per layer the new tokens' K/V are written into their cache slots first, then every query row
+attends causally over its sequence's whole context read back through the block table (so cached
+prefix tokens and new tokens are treated alike).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.kernels import ops
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Everything attention needs about the batch; built once per step, shared by all layers."""
+
+    positions: torch.Tensor  # [num_tokens] int64, position of each token in its sequence
+    slot_mapping: torch.Tensor  # [num_tokens] int64, cache slot (block_id * block_size + offset)
+    block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int32, padded with 0
+    seq_lens: torch.Tensor  # [num_seqs] int32, context length including this step's tokens
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32, cumulative new-token counts
+    logits_indices: torch.Tensor  # [num_sampled] int64, rows whose hidden state becomes logits
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+class PagedAttention(torch.nn.Module):
+    """Writes new K/V into the cache, then attends; no weights (projections live in the model)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, *, scale: float,
+                 sliding_window: int | None = None) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive, not {sliding_window}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_size = head_size
+        self.scale = scale
+        self.sliding_window = sliding_window
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, num_heads, head_size]
+        key: torch.Tensor,  # [T, num_kv_heads, head_size]
+        value: torch.Tensor,  # [T, num_kv_heads, head_size]
+        kv_cache: tuple[torch.Tensor, torch.Tensor],  # K and V, each [num_blocks, block_size, kvh, hs]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, num_heads * head_size]
+        key_cache, value_cache = kv_cache
+        ops.write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+        out = ops.paged_attention(query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
+                                  metadata.query_start_loc, self.scale, self.sliding_window)  # [T, nh, hs]
+        return out.reshape(out.shape[0], self.num_heads * self.head_size)

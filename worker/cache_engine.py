@@ -1,0 +1,174 @@
+"""KV-cache tensors of one rank (device pool + host swap space), their block operations and sizing.
+
+Per layer, keys and values each live in one tensor [num_blocks, block_size, num_kv_heads, head_size]
+(num_kv_heads is this rank's share). Block ids index dimension 0, identical on every rank.
+A step's block operations run in this order before its forward, so that a block freed by a
+swap-out can be reused by a swap-in or a copy of the same step:
+
+    1. swap out   device block -> host block
+    2. swap in    host block   -> device block
+    3. copy       device block -> device block   (copy-on-write)
+
+Capacity: on CUDA the device pool takes what is left of
+gpu_memory_utilization x total memory after the weights and the peak activations of a profiling
+forward; on CPU it takes min(25% of available RAM, 4 GiB) so a shared host keeps room for other
+processes. Swap space (and an explicit KV budget) is converted to blocks by `blocks_for_bytes`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.kernels import ops
+
+GIB = 1 << 30
+CPU_KV_MEMORY_FRACTION = 0.25
+CPU_KV_MEMORY_CAP_BYTES = 4 * GIB
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class CacheConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class CacheShape:
+    """One rank's KV geometry."""
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int  # on this rank
+    head_size: int
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "block_size", "num_kv_heads", "head_size"):
+            if getattr(self, name) <= 0:
+                raise CacheConfigError(f"{name} must be positive, not {getattr(self, name)}")
+
+    def block_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
+        return (num_blocks, self.block_size, self.num_kv_heads, self.head_size)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """K and V of one block over all layers."""
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_size * element_size
+
+
+def available_host_memory() -> int:
+    """MemAvailable from /proc/meminfo, falling back to free pages where that file is absent."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def blocks_for_bytes(num_bytes: int, shape: CacheShape) -> int:
+    """Whole blocks fitting in num_bytes (swap space, an explicit KV budget)."""
+    if num_bytes < 0:
+        raise CacheConfigError(f"a memory budget must be >= 0 bytes, not {num_bytes}")
+    return num_bytes // shape.bytes_per_block
+
+
+def cpu_device_blocks(shape: CacheShape, available_bytes: int | None = None) -> int:
+    """Device pool size when the device is the CPU: min(25% of available RAM, 4 GiB) in blocks."""
+    available = available_host_memory() if available_bytes is None else available_bytes
+    budget = min(int(available * CPU_KV_MEMORY_FRACTION), CPU_KV_MEMORY_CAP_BYTES)
+    return budget // shape.bytes_per_block
+
+
+def cuda_device_blocks(shape: CacheShape, device: torch.device, gpu_memory_utilization: float) -> int:
+    """Device pool size on CUDA, to be called right after a profiling forward.
+
+    The caching allocator still holds the profiling run's activations, so total - free is the
+    process's peak footprint (weights + activations + other users of the GPU).
+    """
+    if not 0.0 < gpu_memory_utilization <= 1.0:
+        raise CacheConfigError(f"gpu_memory_utilization must be in (0, 1], not {gpu_memory_utilization}")
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    peak = max(total - free, torch.cuda.max_memory_reserved(device))
+    budget = int(total * gpu_memory_utilization) - peak
+    return max(budget, 0) // shape.bytes_per_block
+
+
+class CacheEngine:
+    """Allocates the device pool and the host swap space and runs a step's block operations."""
+
+    def __init__(self, shape: CacheShape, num_gpu_blocks: int, num_cpu_blocks: int, device: torch.device) -> None:
+        if num_gpu_blocks <= 0:
+            raise CacheConfigError(f"num_gpu_blocks must be positive, not {num_gpu_blocks}")
+        if num_cpu_blocks < 0:
+            raise CacheConfigError(f"num_cpu_blocks must be >= 0, not {num_cpu_blocks}")
+        self.shape = shape
+        self.device = torch.device(device)
+        self.num_gpu_blocks = num_gpu_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        self.gpu_cache: list[KVCache] = self._allocate(num_gpu_blocks, self.device, pin=False)
+        pin = self.device.type == "cuda"
+        self.cpu_cache: list[KVCache] = self._allocate(num_cpu_blocks, torch.device("cpu"), pin=pin)
+
+    def _allocate(self, num_blocks: int, device: torch.device, pin: bool) -> list[KVCache]:
+        block_shape = self.shape.block_shape(num_blocks)
+        caches = []
+        for _ in range(self.shape.num_layers):
+            key = torch.zeros(block_shape, dtype=self.shape.dtype, device=device, pin_memory=pin)  # [nb, bs, kvh, hs]
+            value = torch.zeros(block_shape, dtype=self.shape.dtype, device=device, pin_memory=pin)
+            caches.append((key, value))
+        return caches
+
+    @staticmethod
+    def _mapping(pairs: list[tuple[int, int]], device: torch.device) -> torch.Tensor:  # [num_pairs, 2] int64
+        return torch.tensor(pairs, dtype=torch.int64, device=device).reshape(-1, 2)
+
+    def _check(self, ids, limit: int, what: str) -> None:
+        bad = [block_id for block_id in ids if not 0 <= block_id < limit]
+        if bad:
+            raise CacheConfigError(f"{what} block ids {bad[:8]} are outside [0, {limit})")
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """(device block, host block) pairs."""
+        if not pairs:
+            return
+        self._check((src for src, _ in pairs), self.num_gpu_blocks, "swap-out source")
+        self._check((dst for _, dst in pairs), self.num_cpu_blocks, "swap-out destination")
+        self._swap(self.gpu_cache, self.cpu_cache, pairs)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """(host block, device block) pairs."""
+        if not pairs:
+            return
+        self._check((src for src, _ in pairs), self.num_cpu_blocks, "swap-in source")
+        self._check((dst for _, dst in pairs), self.num_gpu_blocks, "swap-in destination")
+        self._swap(self.cpu_cache, self.gpu_cache, pairs)
+
+    def _swap(self, src: list[KVCache], dst: list[KVCache], pairs: list[tuple[int, int]]) -> None:
+        mapping = self._mapping(pairs, torch.device("cpu"))
+        for (src_key, src_value), (dst_key, dst_value) in zip(src, dst):
+            ops.swap_blocks(src_key, dst_key, mapping)
+            ops.swap_blocks(src_value, dst_value, mapping)
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        """(source device block, destination device block) pairs."""
+        if not pairs:
+            return
+        self._check((block for pair in pairs for block in pair), self.num_gpu_blocks, "copy")
+        keys = [key for key, _ in self.gpu_cache]
+        values = [value for _, value in self.gpu_cache]
+        ops.copy_blocks(keys, values, self._mapping(pairs, self.device))
+
+    def execute_block_ops(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
+                          copy: list[tuple[int, int]]) -> None:
+        self.swap_out(swap_out)
+        self.swap_in(swap_in)
+        self.copy(copy)

@@ -1,0 +1,90 @@
+"""Turns a step's scheduled sequences into the flat tensors of one forward.
+
+For sequences s with new-token counts q_s and start positions p_s:
+
+    token rows        [ s0: q0 rows ][ s1: q1 rows ] ...      query_start_loc = [0, q0, q0 + q1, ...]
+    positions         p_s, p_s + 1, ..., p_s + q_s - 1        seq_lens        = p_s + q_s
+    slot of a token   block_table_s[pos // block_size] * block_size + pos % block_size
+    logits rows       the last row of each sequence that samples
+
+Built with numpy over whole arrays; the only Python loops are over sequences.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedserve.step_plan import SampleSpec, ScheduledSeq
+from pagedserve.worker.attention import AttentionMetadata
+
+
+class PlanError(ValueError):
+    """A step plan that cannot be executed (empty sequence, short block table, bad block id)."""
+
+
+@dataclass(slots=True)
+class ModelInput:
+    token_ids: torch.Tensor  # [num_tokens] int64
+    metadata: AttentionMetadata
+    sample_seq_ids: list[int]  # one per logits row, in row order
+    sample_specs: list[SampleSpec]
+    sample_positions: list[int]  # position of the token each logits row samples
+
+    @property
+    def num_sampled(self) -> int:
+        return len(self.sample_seq_ids)
+
+
+def build_model_input(seqs: list[ScheduledSeq], *, block_size: int, num_blocks: int, max_positions: int,
+                      device: torch.device) -> ModelInput:
+    """Raises PlanError when a sequence has no tokens, exceeds max_positions, or its blocks do not fit."""
+    num_seqs = len(seqs)
+    q_lens = np.fromiter((len(seq.token_ids) for seq in seqs), dtype=np.int64, count=num_seqs)  # [S]
+    starts = np.fromiter((seq.start_position for seq in seqs), dtype=np.int64, count=num_seqs)  # [S]
+    if num_seqs == 0 or q_lens.min() <= 0 or starts.min() < 0:
+        raise PlanError("every scheduled sequence needs at least one new token and a start position >= 0")
+    seq_lens = starts + q_lens  # [S]
+    if seq_lens.max() > max_positions:
+        raise PlanError(f"a sequence reaches length {int(seq_lens.max())}, beyond the model's {max_positions}")
+    query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)  # [S + 1]
+    np.cumsum(q_lens, out=query_start_loc[1:])
+    num_tokens = int(query_start_loc[-1])
+    token_ids = np.fromiter(itertools.chain.from_iterable(seq.token_ids for seq in seqs), dtype=np.int64,
+                            count=num_tokens)  # [T]
+    seq_of_token = np.repeat(np.arange(num_seqs), q_lens)  # [T]
+    positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(query_start_loc[:-1] - starts, q_lens)  # [T]
+
+    table_lens = np.fromiter((len(seq.block_table) for seq in seqs), dtype=np.int64, count=num_seqs)  # [S]
+    if np.any(table_lens * block_size < seq_lens):
+        short = int(np.argmax(table_lens * block_size < seq_lens))
+        raise PlanError(f"sequence {seqs[short].seq_id}: {int(table_lens[short])} blocks cannot hold "
+                        f"{int(seq_lens[short])} tokens")
+    block_tables = np.zeros((num_seqs, int(table_lens.max())), dtype=np.int32)  # [S, max_blocks]
+    for row, seq in enumerate(seqs):
+        block_tables[row, : len(seq.block_table)] = seq.block_table
+    if block_tables.min() < 0 or block_tables.max() >= num_blocks:
+        raise PlanError(f"block ids must be in [0, {num_blocks})")
+    slot_mapping = (block_tables[seq_of_token, positions // block_size].astype(np.int64) * block_size
+                    + positions % block_size)  # [T]
+
+    sampled = [row for row, seq in enumerate(seqs) if seq.sample is not None]
+    logits_indices = query_start_loc[1:][sampled] - 1  # [num_sampled]
+    metadata = AttentionMetadata(
+        positions=torch.from_numpy(positions).to(device),
+        slot_mapping=torch.from_numpy(slot_mapping).to(device),
+        block_tables=torch.from_numpy(block_tables).to(device),
+        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
+        query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(device),
+        logits_indices=torch.from_numpy(logits_indices).to(device),
+    )
+    return ModelInput(
+        token_ids=torch.from_numpy(token_ids).to(device),
+        metadata=metadata,
+        sample_seq_ids=[seqs[row].seq_id for row in sampled],
+        sample_specs=[seqs[row].sample for row in sampled],
+        sample_positions=[int(seq_lens[row]) for row in sampled],
+    )

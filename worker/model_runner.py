@@ -1,0 +1,170 @@
+"""Everything one worker rank computes for a step: block operations, forward, logits, sampling.
+
+    runner = ModelRunner(path, device="cpu", dtype="auto", block_size=16)
+    runner.load()
+    num_gpu_blocks = runner.profile_num_blocks()             # or kv_cache_memory_gib=...
+    runner.init_cache(num_gpu_blocks, runner.num_blocks_for_bytes(4 << 30))
+    result = runner.execute(plan)        # rank 0: one SeqSample per sampling sequence
+
+With world_size > 1 the caller initialises torch.distributed (and picks the rank's device) before
+load(); every rank executes every plan, only rank 0 samples.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from pagedserve.model_config import load_model_info
+from pagedserve.step_plan import SampleSpec, ScheduledSeq, StepPlan, StepResult
+from pagedserve.worker.cache_engine import (
+    GIB,
+    CacheEngine,
+    CacheShape,
+    blocks_for_bytes,
+    cpu_device_blocks,
+    cuda_device_blocks,
+)
+from pagedserve.worker.loader import load_weights, resolve_dtype
+from pagedserve.worker.model_input import build_model_input
+from pagedserve.worker.models.llama import LlamaForCausalLM
+from pagedserve.worker.models.llama_config import LlamaModelConfig
+from pagedserve.worker.sampler import Sampler
+from pagedserve.worker.tensor_parallel import TensorParallelGroup
+
+DEFAULT_PROFILE_TOKENS = 2048
+DEFAULT_PROFILE_SEQS = 256
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+_PROFILE_SPEC = SampleSpec(temperature=1.0, top_p=0.9, top_k=50, num_logprobs=5)  # the costliest path
+
+
+class RunnerStateError(RuntimeError):
+    pass
+
+
+class ModelRunner:
+    def __init__(self, model_path: str | Path, *, device: str | torch.device = "cpu",
+                 dtype: str | torch.dtype = "auto", block_size: int = 16, rank: int = 0, world_size: int = 1,
+                 max_model_len: int | None = None, seed: int | None = None) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, not {block_size}")
+        if max_model_len is not None and max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, not {max_model_len}")
+        self.model_path = Path(model_path)
+        self.device = torch.device(device)
+        self.requested_dtype = dtype
+        self.block_size = block_size
+        self.rank = rank
+        self.world_size = world_size
+        self.max_model_len = max_model_len
+        self.seed = seed
+        self.config: LlamaModelConfig | None = None
+        self.model: LlamaForCausalLM | None = None
+        self.cache: CacheEngine | None = None
+        self.sampler: Sampler | None = None
+        self.dtype: torch.dtype | None = None
+
+    def load(self) -> None:
+        """Reads config.json, builds this rank's shard of the model and loads its weights."""
+        self.config = LlamaModelConfig.from_folder(self.model_path)
+        if isinstance(self.requested_dtype, torch.dtype):
+            self.dtype = self.requested_dtype
+        else:
+            checkpoint_dtype = load_model_info(self.model_path).torch_dtype
+            self.dtype = resolve_dtype(self.requested_dtype, checkpoint_dtype, self.device)
+        tp = TensorParallelGroup(rank=self.rank, world_size=self.world_size)
+        self.model = LlamaForCausalLM(self.config, tp=tp, dtype=self.dtype, device=self.device,
+                                      max_positions=self.max_model_len or self.config.max_position_embeddings)
+        load_weights(self.model, self.model_path)
+        self.model.eval()
+        if self.rank == 0:
+            self.sampler = Sampler(self.device, seed=self.seed)
+
+    def _require_model(self) -> LlamaForCausalLM:
+        if self.model is None:
+            raise RunnerStateError("load() must run first")
+        return self.model
+
+    @property
+    def cache_shape(self) -> CacheShape:
+        model = self._require_model()
+        return CacheShape(num_layers=len(model.layers), block_size=self.block_size,
+                          num_kv_heads=model.num_kv_heads_per_rank, head_size=model.head_size, dtype=self.dtype)
+
+    def num_blocks_for_bytes(self, num_bytes: int) -> int:
+        """How many KV blocks of this rank fit in num_bytes (e.g. the swap space)."""
+        return blocks_for_bytes(num_bytes, self.cache_shape)
+
+    def profile_num_blocks(self, *, kv_cache_memory_gib: float | None = None,
+                           max_num_batched_tokens: int = DEFAULT_PROFILE_TOKENS,
+                           max_num_seqs: int = DEFAULT_PROFILE_SEQS,
+                           gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION) -> int:
+        """This rank's device pool size in blocks (see pagedserve.worker.cache_engine for the rules).
+
+        kv_cache_memory_gib, when given, is the budget itself. Otherwise, on CUDA, one forward of
+        max_num_batched_tokens tokens over max_num_seqs sequences (sampling included) against a
+        one-block scratch cache measures the peak memory first; on CPU a share of available RAM.
+        """
+        shape = self.cache_shape
+        if kv_cache_memory_gib is not None:
+            if kv_cache_memory_gib <= 0:
+                raise ValueError(f"kv_cache_memory_gib must be positive, not {kv_cache_memory_gib}")
+            return blocks_for_bytes(int(kv_cache_memory_gib * GIB), shape)
+        if self.device.type != "cuda":
+            return cpu_device_blocks(shape)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_forward(shape, max_num_batched_tokens, max_num_seqs)
+        num_gpu_blocks = cuda_device_blocks(shape, self.device, gpu_memory_utilization)
+        torch.cuda.empty_cache()
+        return num_gpu_blocks
+
+    def _profile_forward(self, shape: CacheShape, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+        model = self._require_model()
+        max_len = model.max_positions
+        num_seqs = max(min(max_num_seqs, max_num_batched_tokens), -(-max_num_batched_tokens // max_len))
+        lengths = [max_num_batched_tokens // num_seqs] * num_seqs
+        lengths[0] += max_num_batched_tokens - sum(lengths)
+        seqs = [ScheduledSeq(seq_id=i, token_ids=[0] * length, start_position=0,
+                             block_table=[0] * -(-length // shape.block_size), sample=_PROFILE_SPEC)
+                for i, length in enumerate(lengths) if length > 0]
+        scratch = [(torch.zeros(shape.block_shape(1), dtype=shape.dtype, device=self.device),
+                    torch.zeros(shape.block_shape(1), dtype=shape.dtype, device=self.device))
+                   for _ in range(shape.num_layers)]
+        inputs = build_model_input(seqs, block_size=shape.block_size, num_blocks=1, max_positions=max_len,
+                                   device=self.device)
+        inputs.metadata.slot_mapping.fill_(-1)  # nothing is written into the scratch block
+        with torch.inference_mode():
+            logits = model.compute_logits(model(inputs.token_ids, inputs.metadata, scratch))
+            if self.sampler is not None and logits is not None:
+                self.sampler.sample(logits, inputs.sample_specs, inputs.sample_seq_ids, inputs.sample_positions)
+        del scratch, logits
+
+    def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        self.cache = CacheEngine(self.cache_shape, num_gpu_blocks, num_cpu_blocks, self.device)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Block operations, then the forward; rank 0 returns the samples, other ranks none."""
+        model = self._require_model()
+        if self.cache is None:
+            raise RunnerStateError("init_cache() must run before execute()")
+        self.cache.execute_block_ops(plan.blocks_to_swap_out, plan.blocks_to_swap_in, plan.blocks_to_copy)
+        result = StepResult(step_id=plan.step_id, epoch=plan.epoch)
+        if not plan.seqs:
+            return result
+        inputs = build_model_input(plan.seqs, block_size=self.block_size, num_blocks=self.cache.num_gpu_blocks,
+                                   max_positions=model.max_positions, device=self.device)
+        with torch.inference_mode():
+            started = time.perf_counter()
+            hidden = model(inputs.token_ids, inputs.metadata, self.cache.gpu_cache)  # [num_sampled, hidden]
+            logits = model.compute_logits(hidden) if inputs.num_sampled else None  # [num_sampled, vocab]
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            result.forward_seconds = time.perf_counter() - started
+            if self.sampler is not None and logits is not None:
+                result.samples = self.sampler.sample(logits, inputs.sample_specs, inputs.sample_seq_ids,
+                                                     inputs.sample_positions)
+        return result
+
