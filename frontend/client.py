@@ -1,0 +1,59 @@
+"""`pagedserve generate [--address HOST:PORT] PROMPT`: streams a completion's text to the terminal."""
+
+from __future__ import annotations
+
+import sys
+from typing import TextIO
+
+import grpc
+
+from pagedserve.v1 import generation_pb2, generation_pb2_grpc
+
+_FINISH_NAMES = {
+    generation_pb2.FINISH_REASON_LENGTH: "length",
+    generation_pb2.FINISH_REASON_STOP: "stop",
+    generation_pb2.FINISH_REASON_STOP_SEQUENCE: "stop_sequence",
+}
+
+
+def build_request(prompt: str, max_tokens: int = 64, temperature: float = 0.0,
+                  seed: int | None = None) -> generation_pb2.GenerateRequest:
+    params = generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature)
+    if seed is not None:
+        params.seed = seed
+    return generation_pb2.GenerateRequest(prompt=prompt, params=params)
+
+
+def generate_cli(address: str, prompt: str, max_tokens: int = 64, temperature: float = 0.0,
+                 seed: int | None = None, *, timeout: float | None = None,
+                 out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """Streams the text of one completion to `out` as it arrives; a summary line goes to `err`.
+    Returns the exit code: 0, 1 on an RPC error, 2 on invalid arguments."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    request = build_request(prompt, max_tokens=max_tokens, temperature=temperature, seed=seed)
+    finish_reason = generation_pb2.FINISH_REASON_UNSPECIFIED
+    usage = None
+    with grpc.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        try:
+            for message in stub.GenerateStream(request, timeout=timeout, wait_for_ready=False):
+                for completion in message.completions:
+                    if completion.text:
+                        out.write(completion.text)
+                        out.flush()
+                    if completion.finish_reason:
+                        finish_reason = completion.finish_reason
+                if message.HasField("usage"):
+                    usage = message.usage
+        except grpc.RpcError as exc:
+            out.write("\n")
+            err.write(f"pagedserve generate: {exc.code().name}: {exc.details()}\n")
+            return 2 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
+    out.write("\n")
+    out.flush()
+    summary = f"[finish_reason={_FINISH_NAMES.get(finish_reason, 'unspecified')}"
+    if usage is not None:
+        summary += f" prompt_tokens={usage.prompt_tokens} completion_tokens={usage.completion_tokens}"
+    err.write(summary + "]\n")
+    return 0

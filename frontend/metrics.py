@@ -1,0 +1,91 @@
+"""The frontend's Prometheus metrics (names pinned by the public contract) and a per-request timer.
+
+`pagedserve_requests_total{finish_reason}` counts finished requests by the finish reason of their
+first completion (`length`, `stop`, `stop_sequence`), plus `abort` (the client cancelled or its
+deadline passed), `rejected` (INVALID_ARGUMENT, RESOURCE_EXHAUSTED) and `error` (anything else).
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
+FINISH_LABELS = ("length", "stop", "stop_sequence", "abort", "rejected", "error")
+
+
+class FrontendMetrics:
+    """Metrics in their own registry, so several frontends can live in one process (tests)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.time_to_first_token = Histogram(
+            "pagedserve_time_to_first_token_seconds", "Time from request arrival to its first token.",
+            buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.inter_token_latency = Histogram(
+            "pagedserve_inter_token_latency_seconds", "Time between successive token outputs of a request.",
+            buckets=_ITL_BUCKETS, registry=self.registry)
+        self.request_latency = Histogram(
+            "pagedserve_request_latency_seconds", "Time from request arrival to its end.",
+            buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.requests = Counter(
+            "pagedserve_requests", "Finished requests by finish reason.", ["finish_reason"],
+            registry=self.registry)
+        self.prompt_tokens = Counter(
+            "pagedserve_prompt_tokens", "Prompt tokens of requests the scheduler accepted.",
+            registry=self.registry)
+        self.generation_tokens = Counter(
+            "pagedserve_generation_tokens", "Tokens generated and returned to clients.", registry=self.registry)
+        for label in FINISH_LABELS:
+            self.requests.labels(finish_reason=label)
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+        """Starts the /metrics HTTP endpoint in a daemon thread; returns the bound port (0 picks one)."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._http_server = server
+        return server.server_port
+
+    def stop(self) -> None:
+        server = getattr(self, "_http_server", None)
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+
+    def start_request(self) -> RequestTimer:
+        return RequestTimer(self)
+
+
+class RequestTimer:
+    """Times one request: first token, gaps between token outputs, whole latency."""
+
+    def __init__(self, metrics: FrontendMetrics) -> None:
+        self._metrics = metrics
+        self._arrival = time.monotonic()
+        self._last_token_time: float | None = None
+        self._is_done = False
+
+    def on_accepted(self, num_prompt_tokens: int) -> None:
+        self._metrics.prompt_tokens.inc(num_prompt_tokens)
+
+    def on_tokens(self, num_tokens: int) -> None:
+        """One scheduler output carried `num_tokens` new tokens (over all completions)."""
+        if num_tokens <= 0:
+            return
+        now = time.monotonic()
+        if self._last_token_time is None:
+            self._metrics.time_to_first_token.observe(now - self._arrival)
+        else:
+            self._metrics.inter_token_latency.observe(now - self._last_token_time)
+        self._last_token_time = now
+        self._metrics.generation_tokens.inc(num_tokens)
+
+    def on_done(self, finish_label: str) -> None:
+        """Records the end of the request once; later calls are ignored."""
+        if self._is_done:
+            return
+        self._is_done = True
+        label = finish_label if finish_label in FINISH_LABELS else "error"
+        self._metrics.requests.labels(finish_reason=label).inc()
+        self._metrics.request_latency.observe(time.monotonic() - self._arrival)

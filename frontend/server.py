@@ -1,0 +1,146 @@
+"""The frontend process: public gRPC server (Generation, health, reflection) and Prometheus metrics.
+
+```
+ serve_frontend()
+   ├─ grpc.server  host:port   pagedserve.v1.Generation   (servicer.py)
+   │                           grpc.health.v1.Health       "" = alive, Generation = scheduler ready
+   │                           server reflection           both services listed
+   ├─ ReadinessMonitor thread  polls the scheduler's GetInfo (readiness.py)
+   └─ /metrics HTTP            host:metrics_port, when a metrics port is given
+```
+
+`run_frontend()` is the `pagedserve frontend` entry: it serves until SIGINT or SIGTERM, then marks
+every health service NOT_SERVING, gives in-flight requests a grace period and stops.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pagedserve.frontend.metrics import FrontendMetrics
+from pagedserve.frontend.readiness import DEFAULT_POLL_INTERVAL_S, GENERATION_SERVICE, ReadinessMonitor
+from pagedserve.frontend.scheduler_client import MAX_MESSAGE_BYTES, SchedulerClient
+from pagedserve.frontend.servicer import GenerationServicer, generation_rpc_handler
+from pagedserve.frontend.tokenizer import TokenizerLoadError, load_tokenizer
+from pagedserve.log import configure_logging
+
+DEFAULT_MAX_CONCURRENT_RPCS = 512
+STOP_GRACE_S = 5.0
+_SERVER_OPTIONS = (
+    ("grpc.so_reuseport", 0),  # a port already in use is an error, not shared
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+)
+
+
+
+class FrontendStartError(RuntimeError):
+    """The frontend could not start (port in use, no tokenizer)."""
+
+
+class FrontendServer:
+    """A running frontend; `port` and `metrics_port` are the bound ports (useful when 0 was asked)."""
+
+    def __init__(self, server: grpc.Server, port: int, metrics: FrontendMetrics, metrics_port: int | None,
+                 readiness: ReadinessMonitor, client: SchedulerClient) -> None:
+        self.server = server
+        self.port = port
+        self.metrics = metrics
+        self.metrics_port = metrics_port
+        self.readiness = readiness
+        self._client = client
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """NOT_SERVING everywhere, refuse new calls, wait up to `grace_s` for running ones, then
+        cancel the rest (which aborts them in the scheduler)."""
+        self.readiness.stop()
+        self.server.stop(grace_s).wait()
+        self._client.close()
+        self.metrics.stop()
+
+    def wait_for_termination(self, timeout: float | None = None) -> bool:
+        return self.server.wait_for_termination(timeout)
+
+
+def serve_frontend(model_path: str | Path, scheduler_address: str, host: str = "127.0.0.1", port: int = 50051,
+                   metrics_port: int | None = None, *, max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS,
+                   health_poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
+                   frontend_id: str | None = None) -> FrontendServer:
+    """Loads the tokenizer, binds host:port (0 picks a free port) and starts serving; returns at once."""
+    try:
+        tokenizer = load_tokenizer(model_path)
+    except TokenizerLoadError as exc:
+        raise FrontendStartError(str(exc)) from exc
+    client = SchedulerClient(scheduler_address, frontend_id=frontend_id or f"{socket.gethostname()}:{os.getpid()}")
+    metrics = FrontendMetrics()
+    health_servicer = health.HealthServicer(experimental_non_blocking=True)
+    readiness = ReadinessMonitor(client, health_servicer, poll_interval_s=health_poll_interval_s)
+    servicer = GenerationServicer(tokenizer, client, readiness, metrics)
+
+    # Each streaming call holds a worker thread; beyond max_concurrent_rpcs calls get RESOURCE_EXHAUSTED.
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_concurrent_rpcs, thread_name_prefix="rpc"),
+                         options=_SERVER_OPTIONS, maximum_concurrent_rpcs=max_concurrent_rpcs)
+    server.add_generic_rpc_handlers((generation_rpc_handler(servicer),))
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    try:
+        bound_port = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError as exc:
+        client.close()
+        raise FrontendStartError(f"cannot listen on {host}:{port}: {exc}") from exc
+    if bound_port == 0:
+        client.close()
+        raise FrontendStartError(f"cannot listen on {host}:{port} (in use?)")
+
+    bound_metrics_port = None
+    if metrics_port is not None:
+        try:
+            bound_metrics_port = metrics.serve(metrics_port, host=host)
+        except OSError as exc:
+            client.close()
+            raise FrontendStartError(f"cannot serve metrics on {host}:{metrics_port}: {exc}") from exc
+    server.start()
+    readiness.start()
+    return FrontendServer(server, bound_port, metrics, bound_metrics_port, readiness, client)
+
+
+def run_frontend(model_path: str | Path, scheduler_address: str, host: str = "127.0.0.1", port: int = 50051,
+                 metrics_port: int | None = None, *, max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS,
+                 grace_s: float = STOP_GRACE_S) -> int:
+    """`pagedserve frontend`: serves until SIGINT/SIGTERM, then stops gracefully. Returns the exit code."""
+    process_log = configure_logging("frontend")
+    stop_requested = threading.Event()
+
+    def request_stop(signum, _frame) -> None:
+        process_log.info("frontend_stopping", signal=signal.Signals(signum).name)
+        stop_requested.set()
+
+    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            frontend = serve_frontend(model_path, scheduler_address, host, port, metrics_port,
+                                      max_concurrent_rpcs=max_concurrent_rpcs)
+        except FrontendStartError as exc:
+            process_log.error("frontend_start_failed", error=str(exc))
+            return 1
+        process_log.info("frontend_serving", address=f"{host}:{frontend.port}", scheduler=scheduler_address,
+                         metrics_port=frontend.metrics_port, model=str(model_path))
+        while not stop_requested.wait(0.5):
+            pass
+        frontend.stop(grace_s)
+        process_log.info("frontend_stopped")
+        return 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

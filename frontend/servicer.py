@@ -1,0 +1,180 @@
+"""The public pagedserve.v1.Generation service: convert, call, map exceptions to status codes.
+
+```
+ InvalidParameter, undecodable request (bad UTF-8), scheduler INVALID_ARGUMENT  -> INVALID_ARGUMENT
+ SchedulerBusy (waiting queue full)                                             -> RESOURCE_EXHAUSTED
+ SchedulerUnavailable (unreachable, not ready, draining), scheduler abort       -> UNAVAILABLE
+ SchedulerTimeout                                                               -> DEADLINE_EXCEEDED
+ anything else                                                                  -> INTERNAL
+```
+
+A client that cancels, or whose deadline passes, ends the RPC; the RPC's done-callback cancels the
+internal Submit stream, which aborts the request in the scheduler and frees its blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+import structlog
+from google.protobuf.message import DecodeError
+
+from pagedserve.frontend.completion_state import SchedulerAbortedCompletion
+from pagedserve.frontend.generation import Generation
+from pagedserve.frontend.metrics import FrontendMetrics, RequestTimer
+from pagedserve.frontend.public_codec import finish_label, stream_message, whole_response
+from pagedserve.frontend.readiness import GENERATION_SERVICE, ReadinessMonitor
+from pagedserve.frontend.scheduler_client import (
+    SchedulerBusy, SchedulerClient, SchedulerError, SchedulerRejected, SchedulerTimeout,
+    SchedulerUnavailable, SubmitCancelled,
+)
+from pagedserve.frontend.tokenizer import Tokenizer
+from pagedserve.frontend.validation import ModelLimits, validate_request
+from pagedserve.sampling_params import InvalidParameter
+from pagedserve.v1 import generation_pb2
+
+log = structlog.get_logger()
+NO_DEADLINE_S = 1e6  # time_remaining() above this means the client set no deadline
+
+
+@dataclass(frozen=True, slots=True)
+class UndecodableRequest:
+    """Stands in for a request protobuf could not parse (for example a string with bad UTF-8)."""
+
+    error: str
+
+
+class _StatusError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str, label: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.label = label
+
+
+def _status_for(exc: Exception) -> _StatusError:
+    if isinstance(exc, _StatusError):
+        return exc
+    if isinstance(exc, (InvalidParameter, SchedulerRejected)):
+        return _StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), "rejected")
+    if isinstance(exc, SchedulerBusy):
+        return _StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), "rejected")
+    if isinstance(exc, SchedulerUnavailable):
+        return _StatusError(grpc.StatusCode.UNAVAILABLE, str(exc), "error")
+    if isinstance(exc, SchedulerAbortedCompletion):
+        return _StatusError(grpc.StatusCode.UNAVAILABLE, f"{exc} (it may be draining)", "error")
+    if isinstance(exc, SchedulerTimeout):
+        return _StatusError(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed before the request finished",
+                            "abort")
+    if isinstance(exc, SchedulerError):
+        return _StatusError(grpc.StatusCode.INTERNAL, str(exc), "error")
+    return _StatusError(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}", "error")
+
+
+class GenerationServicer:
+    """Implements Generate, GenerateStream, Tokenize and ModelInfo."""
+
+    def __init__(self, tokenizer: Tokenizer, client: SchedulerClient, readiness: ReadinessMonitor,
+                 metrics: FrontendMetrics) -> None:
+        self._tokenizer = tokenizer
+        self._client = client
+        self._readiness = readiness
+        self._metrics = metrics
+
+    def Generate(self, request, context) -> generation_pb2.GenerateResponse:
+        timer = self._metrics.start_request()
+        generation = None
+        try:
+            generation = self._start(request, context, timer)
+            with structlog.contextvars.bound_contextvars(request_id=generation.request.request_id):
+                usage = None
+                for update in generation.run():
+                    usage = update.usage or usage
+                timer.on_done(finish_label(generation.states))
+                return whole_response(generation.request.request_id, generation.states, usage)
+        except Exception as exc:  # every failure becomes a status code
+            self._fail(exc, context, timer, generation)
+
+    def GenerateStream(self, request, context):
+        timer = self._metrics.start_request()
+        generation = None
+        try:
+            generation = self._start(request, context, timer)
+            with structlog.contextvars.bound_contextvars(request_id=generation.request.request_id):
+                for update in generation.run():
+                    yield stream_message(generation.request.request_id, update.completions, update.usage)
+                timer.on_done(finish_label(generation.states))
+        except Exception as exc:  # every failure becomes a status code
+            self._fail(exc, context, timer, generation)
+        finally:
+            timer.on_done("abort")  # counts only when the stream was closed early (client gone)
+
+    def Tokenize(self, request, context) -> generation_pb2.TokenizeResponse:
+        if isinstance(request, UndecodableRequest):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable request: {request.error}")
+        return generation_pb2.TokenizeResponse(token_ids=self._tokenizer.encode(request.text))
+
+    def ModelInfo(self, request, context) -> generation_pb2.ModelInfoResponse:
+        try:
+            info = self._client.get_info()
+        except SchedulerError as exc:
+            status = _status_for(exc)
+            context.abort(status.code, str(status))
+        return generation_pb2.ModelInfoResponse(
+            model_name=info.model_name, max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size or self._tokenizer.vocab_size,
+            eos_token_ids=self._tokenizer.eos_token_ids, block_size=info.block_size,
+            num_kv_blocks=info.num_kv_blocks, tensor_parallel_size=info.tensor_parallel_size)
+
+    def _start(self, request, context, timer: RequestTimer) -> Generation:
+        if isinstance(request, UndecodableRequest):
+            raise _StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable request: {request.error}", "rejected")
+        info = self._readiness.require_ready()
+        limits = ModelLimits(max_model_len=info.max_model_len, vocab_size=info.vocab_size or self._tokenizer.vocab_size)
+        validated = validate_request(request, self._tokenizer, limits)
+        remaining = context.time_remaining()
+        timeout = remaining if remaining is not None and remaining < NO_DEADLINE_S else None
+        generation = Generation(validated, self._client, self._tokenizer, timer, timeout=timeout)
+        context.add_callback(generation.cancel)
+        return generation
+
+    def _fail(self, exc: Exception, context, timer: RequestTimer, generation: Generation | None) -> None:
+        request_id = generation.request.request_id if generation is not None else ""
+        if isinstance(exc, SubmitCancelled) or (generation is not None and generation.is_cancelled):
+            timer.on_done("abort")
+            log.info("request_cancelled", request_id=request_id)
+            context.abort(grpc.StatusCode.CANCELLED, "the client cancelled the request")
+        status = _status_for(exc)
+        timer.on_done(status.label)
+        if status.code == grpc.StatusCode.INTERNAL:
+            log.error("request_failed", request_id=request_id, code=status.code.name, error=str(status), exc_info=exc)
+        else:
+            log.info("request_failed", request_id=request_id, code=status.code.name, error=str(status))
+        context.abort(status.code, str(status))
+
+
+def _lenient_deserializer(message_class):
+    def deserialize(data: bytes):
+        try:
+            return message_class.FromString(data)
+        except DecodeError as exc:
+            return UndecodableRequest(str(exc))
+
+    return deserialize
+
+
+def generation_rpc_handler(servicer: GenerationServicer) -> grpc.GenericRpcHandler:
+    """The service's handlers; requests that do not parse reach the servicer as UndecodableRequest
+    (so they end as INVALID_ARGUMENT, where gRPC itself would answer INTERNAL)."""
+    pb = generation_pb2
+    methods = {
+        "Generate": grpc.unary_unary_rpc_method_handler(
+            servicer.Generate, _lenient_deserializer(pb.GenerateRequest), pb.GenerateResponse.SerializeToString),
+        "GenerateStream": grpc.unary_stream_rpc_method_handler(
+            servicer.GenerateStream, _lenient_deserializer(pb.GenerateRequest), pb.GenerateResponse.SerializeToString),
+        "Tokenize": grpc.unary_unary_rpc_method_handler(
+            servicer.Tokenize, _lenient_deserializer(pb.TokenizeRequest), pb.TokenizeResponse.SerializeToString),
+        "ModelInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.ModelInfo, _lenient_deserializer(pb.ModelInfoRequest), pb.ModelInfoResponse.SerializeToString),
+    }
+    return grpc.method_handlers_generic_handler(GENERATION_SERVICE, methods)

@@ -1,0 +1,306 @@
+"""The real frontend gRPC server against a scripted scheduler (a double of the scheduler process)."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from pagedserve.frontend.client import generate_cli
+from pagedserve.v1 import generation_pb2 as pb
+from pagedserve.v1 import generation_pb2_grpc
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+SCRIPT_0 = "The keeper climbed the stairs to light the lamp."
+SCRIPT_1 = "Ships passed in the night and saw the beam."
+
+
+@pytest.fixture()
+def channel(frontend):
+    with grpc.insecure_channel(f"127.0.0.1:{frontend.port}") as chan:
+        yield chan
+
+
+@pytest.fixture()
+def stub(channel):
+    return generation_pb2_grpc.GenerationStub(channel)
+
+
+def _script(fake, tokenizer, *texts: str) -> list[list[int]]:
+    scripts = [tokenizer.encode(text)[1:] for text in texts]
+    fake.tokens_by_index = dict(enumerate(scripts))
+    return scripts
+
+
+def _request(prompt="Hello", request_id="", **params) -> pb.GenerateRequest:
+    return pb.GenerateRequest(request_id=request_id, prompt=prompt, params=pb.SamplingParams(**params))
+
+
+def _wait_for(predicate, timeout=5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def test_stream_delivers_deltas_then_finish_and_usage(stub, fake, tokenizer):
+    (script,) = _script(fake, tokenizer, SCRIPT_0)
+    fake.cached_prompt_tokens = 2
+    messages = list(stub.GenerateStream(_request("Hello there", max_tokens=len(script), request_id="r-1"), timeout=10))
+    assert len(messages) == len(script), "one message per scheduler step"
+    assert all(m.request_id == "r-1" for m in messages)
+    assert all(c.finish_reason == pb.FINISH_REASON_UNSPECIFIED for m in messages[:-1] for c in m.completions)
+    assert all(not m.HasField("usage") for m in messages[:-1])
+    last = messages[-1]
+    assert last.completions[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert "".join(c.text for m in messages for c in m.completions) == SCRIPT_0
+    assert [t for m in messages for c in m.completions for t in c.token_ids] == script
+    prompt_ids = tokenizer.encode("Hello there")
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens, last.usage.cached_prompt_tokens) == (
+        len(prompt_ids), len(script), 2)
+    submitted = fake.submits[-1]
+    assert list(submitted.prompt_token_ids) == prompt_ids and submitted.request_id == "r-1"
+    assert submitted.sampling.max_tokens == len(script) and submitted.sampling.top_p == 1.0
+
+
+def test_generate_returns_the_whole_result(stub, fake, tokenizer):
+    (script,) = _script(fake, tokenizer, SCRIPT_0)
+    response = stub.Generate(_request(max_tokens=len(script)), timeout=10)
+    assert len(response.request_id) >= 16
+    (completion,) = response.completions
+    assert completion.text == SCRIPT_0 and list(completion.token_ids) == script
+    assert completion.finish_reason == pb.FINISH_REASON_LENGTH
+    assert response.usage.completion_tokens == len(script)
+    assert not completion.logprobs
+
+
+def test_stop_token_id_finishes_with_stop(stub, fake, tokenizer):
+    (script,) = _script(fake, tokenizer, SCRIPT_0)
+    response = stub.Generate(_request(max_tokens=50, stop_token_ids=[script[3]]), timeout=10)
+    assert list(response.completions[0].token_ids) == script[:4]
+    assert response.completions[0].finish_reason == pb.FINISH_REASON_STOP
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_across_tokens_finishes_one_index_only(stub, fake, tokenizer, include):
+    scripts = _script(fake, tokenizer, SCRIPT_0, SCRIPT_1)
+    stop = "stairs"
+    assert not any(tokenizer.decode([t]) == stop for t in scripts[0]), "the stop string must span tokens"
+    max_tokens = len(scripts[1])
+    messages = list(stub.GenerateStream(
+        _request(max_tokens=max_tokens, n=2, stop=[stop], include_stop_str_in_output=include,
+                 request_id=f"stop-{include}"), timeout=10))
+    texts = {0: "", 1: ""}
+    finishes = {}
+    for message in messages:
+        indices = [c.index for c in message.completions]
+        assert len(indices) == len(set(indices)), "each message names an index at most once"
+        for c in message.completions:
+            texts[c.index] += c.text
+            if c.finish_reason:
+                assert c.index not in finishes, "a completion finishes once"
+                finishes[c.index] = (c.finish_reason, c.stop_sequence)
+    cut = SCRIPT_0.index(stop) + (len(stop) if include else 0)
+    assert texts[0] == SCRIPT_0[:cut]
+    assert finishes[0] == (pb.FINISH_REASON_STOP_SEQUENCE, stop)
+    assert texts[1] == SCRIPT_1 and finishes[1] == (pb.FINISH_REASON_LENGTH, "")
+    assert fake.finish_requests == [(f"stop-{include}", 0)]
+    assert messages[-1].usage.completion_tokens < 2 * max_tokens
+
+
+def test_stop_string_ending_the_last_completion_releases_the_request(stub, fake, tokenizer):
+    _script(fake, tokenizer, SCRIPT_0)
+    fake.step_delay_s = 0.01
+    response = stub.Generate(_request(max_tokens=100, stop=["lamp"], request_id="last"), timeout=10)
+    assert response.completions[0].text == SCRIPT_0[:SCRIPT_0.index("lamp")]
+    assert response.completions[0].stop_sequence == "lamp"
+    assert _wait_for(lambda: "last" in fake.cancelled_ids), "the internal stream was not closed"
+    assert fake.finish_requests == [], "closing the stream is enough when nothing else runs"
+
+
+def test_beam_search_completions_arrive_once_at_the_end(stub, fake, tokenizer):
+    scripts = _script(fake, tokenizer, SCRIPT_0, SCRIPT_1, "A third beam.")
+    messages = list(stub.GenerateStream(_request(max_tokens=8, beam_width=3), timeout=10))
+    assert len(messages) == 1
+    (message,) = messages
+    assert [c.index for c in message.completions] == [0, 1, 2]
+    assert [c.cumulative_logprob for c in message.completions] == [-1.0, -2.0, -3.0]
+    for completion, script in zip(message.completions, scripts):
+        assert list(completion.token_ids) == script[:8]
+        assert completion.text == tokenizer.decode(script[:8])
+        assert completion.finish_reason == pb.FINISH_REASON_LENGTH
+    assert message.usage.completion_tokens == sum(len(s[:8]) for s in scripts)
+
+
+def test_logprobs_when_asked(stub, fake, tokenizer):
+    (script,) = _script(fake, tokenizer, SCRIPT_0)
+    response = stub.Generate(_request(max_tokens=4, logprobs=2), timeout=10)
+    logprobs = response.completions[0].logprobs
+    assert [lp.token_id for lp in logprobs] == script[:4]
+    assert all(lp.logprob == pytest.approx(-0.5) and len(lp.top) == 2 for lp in logprobs)
+    assert response.completions[0].cumulative_logprob == pytest.approx(-2.0)
+
+
+@pytest.mark.parametrize("params, field_name", [
+    (dict(temperature=-1.0), "temperature"),
+    (dict(max_tokens=200), "max_tokens"),
+    (dict(stop_token_ids=[512]), "stop_token_ids"),
+])
+def test_invalid_parameters_are_invalid_argument(stub, fake, params, field_name):
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Generate(_request(**params), timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith(f"{field_name}:")
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.GenerateStream(_request(**params), timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert fake.submits == []
+
+
+def test_token_ids_outside_the_model_vocabulary(stub, fake):
+    request = pb.GenerateRequest(prompt_token_ids=pb.PromptTokenIds(ids=[5, 512]))
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Generate(request, timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prompt_token_ids" in info.value.details()
+
+
+def test_invalid_utf8_is_invalid_argument_not_a_crash(channel, stub, fake):
+    raw = b"\x12\x02\xff\xfe"  # GenerateRequest.prompt (field 2) holding bytes that are not UTF-8
+    for method in ("Generate", "Tokenize"):
+        call = channel.unary_unary(f"/pagedserve.v1.Generation/{method}",
+                                   request_serializer=lambda data: data, response_deserializer=lambda data: data)
+        with pytest.raises(grpc.RpcError) as info:
+            call(raw if method == "Generate" else b"\x0a\x02\xff\xfe", timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, method
+        assert "UTF-8" in info.value.details()
+    assert stub.Tokenize(pb.TokenizeRequest(text="still fine"), timeout=10).token_ids
+
+
+def test_scheduler_statuses_map_to_public_codes(stub, fake):
+    fake.reject_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Generate(_request(), timeout=10)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    fake.reject_code = grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.GenerateStream(_request(), timeout=10))
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_not_ready_scheduler_means_unavailable_and_not_serving(channel, stub, fake, frontend):
+    health = health_pb2_grpc.HealthStub(channel)
+    check = lambda service: health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status  # noqa: E731
+    assert _wait_for(lambda: check("pagedserve.v1.Generation") == SERVING)
+    fake.is_ready = False
+    assert _wait_for(lambda: check("pagedserve.v1.Generation") == NOT_SERVING)
+    assert check("") == SERVING, "the process itself stays alive"
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Generate(_request(), timeout=10)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "not ready" in info.value.details()
+    fake.is_ready = True
+    assert _wait_for(lambda: check("pagedserve.v1.Generation") == SERVING)
+    assert stub.Generate(_request(max_tokens=2), timeout=10).completions[0].token_ids
+
+
+def test_cancelled_client_call_closes_the_internal_stream(stub, fake, tokenizer):
+    _script(fake, tokenizer, SCRIPT_0)
+    fake.step_delay_s = 0.05
+    call = stub.GenerateStream(_request(max_tokens=100, request_id="gone"), timeout=10)
+    first = next(call)
+    assert first.completions[0].token_ids
+    call.cancel()
+    assert _wait_for(lambda: "gone" in fake.cancelled_ids), "the scheduler stream outlived the client call"
+    assert "gone" not in fake.completed_ids
+
+
+def test_cancelled_unary_call_closes_the_internal_stream_at_once(stub, fake, tokenizer):
+    _script(fake, tokenizer, SCRIPT_0)
+    fake.step_delay_s = 0.05
+    future = stub.Generate.future(_request(max_tokens=100, request_id="unary-gone"))
+    assert _wait_for(lambda: any(s.request_id == "unary-gone" for s in fake.submits))
+    time.sleep(0.1)
+    future.cancel()
+    assert _wait_for(lambda: "unary-gone" in fake.cancelled_ids, timeout=2.0)
+    assert "unary-gone" not in fake.completed_ids
+
+
+def test_deadline_exceeded_aborts_the_request(stub, fake, tokenizer):
+    _script(fake, tokenizer, SCRIPT_0)
+    fake.step_delay_s = 0.05
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Generate(_request(max_tokens=100, request_id="late"), timeout=0.4)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert _wait_for(lambda: "late" in fake.cancelled_ids)
+
+
+def test_unreachable_scheduler_is_unavailable(tokenizer_folder):
+    from pagedserve.frontend.server import serve_frontend
+    from pagedserve.supervisor import free_port
+
+    server = serve_frontend(tokenizer_folder, f"127.0.0.1:{free_port()}", port=0, health_poll_interval_s=0.1)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as chan:
+            stub = generation_pb2_grpc.GenerationStub(chan)
+            for rpc in (lambda: stub.Generate(_request(), timeout=10),
+                        lambda: list(stub.GenerateStream(_request(), timeout=10)),
+                        lambda: stub.ModelInfo(pb.ModelInfoRequest(), timeout=10)):
+                with pytest.raises(grpc.RpcError) as info:
+                    rpc()
+                assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            health = health_pb2_grpc.HealthStub(chan)
+            status = health.Check(health_pb2.HealthCheckRequest(service="pagedserve.v1.Generation"), timeout=5)
+            assert status.status == NOT_SERVING
+    finally:
+        server.stop(grace_s=0.5)
+
+
+def test_reflection_lists_the_services(channel, frontend):
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                          timeout=5)
+    names = {service.name for response in responses for service in response.list_services_response.service}
+    assert {"pagedserve.v1.Generation", "grpc.health.v1.Health"} <= names
+
+
+def test_tokenize_and_model_info(stub, fake, tokenizer):
+    assert list(stub.Tokenize(pb.TokenizeRequest(text="the lamp"), timeout=5).token_ids) == tokenizer.encode("the lamp")
+    info = stub.ModelInfo(pb.ModelInfoRequest(), timeout=5)
+    assert (info.model_name, info.max_model_len, info.vocab_size, list(info.eos_token_ids)) == (
+        "fake-model", 128, 512, [2])
+    assert (info.block_size, info.num_kv_blocks, info.tensor_parallel_size) == (16, 100, 1)
+
+
+def test_metrics_use_the_pinned_names(stub, fake, tokenizer, frontend):
+    (script,) = _script(fake, tokenizer, SCRIPT_0)
+    stub.Generate(_request(max_tokens=5), timeout=10)
+    url = f"http://127.0.0.1:{frontend.metrics_port}/metrics"
+    body = urllib.request.urlopen(url, timeout=5).read().decode()
+    for name in ("pagedserve_time_to_first_token_seconds_count", "pagedserve_inter_token_latency_seconds_count",
+                 "pagedserve_request_latency_seconds_count", "pagedserve_prompt_tokens_total",
+                 "pagedserve_generation_tokens_total"):
+        assert name in body, name
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in body.splitlines()
+              if line and not line.startswith("#")}
+    assert values['pagedserve_requests_total{finish_reason="length"}'] >= 1
+    assert values["pagedserve_generation_tokens_total"] >= 5
+    assert values["pagedserve_inter_token_latency_seconds_count"] >= 4
+
+
+def test_generate_cli_streams_text(frontend, fake, tokenizer, capsys):
+    (script,) = _script(fake, tokenizer, SCRIPT_0)
+    code = generate_cli(f"127.0.0.1:{frontend.port}", "Hello", max_tokens=len(script), timeout=10)
+    captured = capsys.readouterr()
+    assert code == 0
+    assert captured.out == SCRIPT_0 + "\n"
+    assert "finish_reason=length" in captured.err
+    bad = generate_cli(f"127.0.0.1:{frontend.port}", "Hello", max_tokens=1000, timeout=10)
+    assert bad == 2 and "INVALID_ARGUMENT" in capsys.readouterr().err
