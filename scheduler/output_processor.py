@@ -1,0 +1,133 @@
+"""Applies a StepResult: appends sampled tokens, applies stops, advances beam searches, forks
+followers whose shared prefix is now computed, and reports deltas.
+
+Stops, checked on the token just appended (it is part of the output, like HF's EOS):
+
+    STOP    the token is a stop id (EOS unless ignore_eos, or stop_token_ids) and the sequence
+            has more than min_tokens outputs (before that the worker suppresses them)
+    LENGTH  max_tokens outputs (max_tokens <= max_model_len - prompt is checked on admission)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pagedserve.scheduler.beam_search import BeamCandidate, BeamHypothesis
+from pagedserve.scheduler.errors import StepOrderError
+from pagedserve.scheduler.outputs import CompletionDelta, FinishReason, RequestOutput, TokenLogprob
+from pagedserve.scheduler.sequence import GroupStatus, Sequence, SequenceGroup
+from pagedserve.step_plan import SeqSample, StepResult
+
+if TYPE_CHECKING:
+    from pagedserve.scheduler.scheduler import Scheduler
+    from pagedserve.scheduler.step_builder import ScheduledStep
+
+
+class OutputProcessor:
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    def process(self, step: ScheduledStep, result: StepResult) -> list[RequestOutput]:
+        samples = {sample.seq_id: sample for sample in result.samples}
+        deltas_of: dict[SequenceGroup, list[CompletionDelta]] = {}
+        beam_samples: dict[SequenceGroup, list[SeqSample]] = {}
+        for group, seq in step.sampled:
+            if group.status is not GroupStatus.RUNNING or seq.is_finished:
+                continue  # aborted or finished by the frontend while the step ran
+            sample = samples.get(seq.seq_id)
+            if sample is None:
+                raise StepOrderError(f"step {result.step_id}: no sample for sequence {seq.seq_id}")
+            if group.beam is not None:
+                beam_samples.setdefault(group, []).append(sample)
+                continue
+            delta = self._append(group, seq, sample)
+            deltas_of.setdefault(group, []).append(delta)
+        for group in step.groups:
+            if group.fork_at is not None and group.status is GroupStatus.RUNNING:
+                self.scheduler.fork_if_ready(group)
+        for group, group_samples in beam_samples.items():
+            deltas = self._advance_beams(group, group_samples)
+            if deltas:
+                deltas_of[group] = deltas
+        outputs = []
+        for group, deltas in deltas_of.items():
+            is_finished = not group.seqs
+            if is_finished:
+                self.scheduler.finish_group(group)
+            outputs.append(RequestOutput(request_id=group.request_id, deltas=deltas,
+                                         prompt_tokens=len(group.request.prompt_token_ids),
+                                         cached_prompt_tokens=group.num_cached_prompt_tokens,
+                                         is_finished=is_finished))
+        return outputs
+
+    def _append(self, group: SequenceGroup, seq: Sequence, sample: SeqSample) -> CompletionDelta:
+        token_id = sample.token_id
+        seq.token_ids.append(token_id)
+        seq.cumulative_logprob += sample.logprob
+        logprobs = []
+        if group.request.sampling.logprobs > 0:
+            logprobs.append(TokenLogprob(token_id, sample.logprob, list(sample.top_token_ids),
+                                         list(sample.top_logprobs)))
+        num_outputs = len(seq.token_ids) - seq.num_prompt_tokens
+        finish_reason = None
+        if token_id in group.stop_token_ids and num_outputs > group.request.sampling.min_tokens:
+            finish_reason = FinishReason.STOP
+        elif num_outputs >= group.max_output_tokens:
+            finish_reason = FinishReason.LENGTH
+        if finish_reason is not None:
+            self.scheduler.finish_seq(group, seq, finish_reason)
+        return CompletionDelta(index=seq.output_index, token_ids=[token_id], logprobs=logprobs,
+                               cumulative_logprob=seq.cumulative_logprob, finish_reason=finish_reason)
+
+    def _advance_beams(self, group: SequenceGroup, samples: list[SeqSample]) -> list[CompletionDelta]:
+        """One beam search step over every live beam; deltas only when the search ends."""
+        parents = group.seqs
+        if len(samples) != len(parents):
+            raise StepOrderError(f"request {group.request_id}: {len(samples)} of {len(parents)} beams sampled")
+        state = group.beam
+        is_logging = group.request.sampling.logprobs > 0
+
+        def token_logprob(candidate: BeamCandidate) -> TokenLogprob:
+            sample = samples[candidate.beam_index]
+            return TokenLogprob(candidate.token_id, candidate.logprob, list(sample.top_token_ids),
+                                list(sample.top_logprobs))
+
+        def make_hypothesis(candidate: BeamCandidate, score: float) -> BeamHypothesis:
+            parent = parents[candidate.beam_index]
+            return BeamHypothesis(
+                token_ids=parent.output_token_ids + [candidate.token_id],
+                score=score,
+                is_stopped_by_token=candidate.token_id in group.stop_token_ids,
+                logprobs=parent.output_logprobs + [token_logprob(candidate)] if is_logging else [],
+            )
+
+        candidates = [list(zip(sample.beam_token_ids, sample.beam_logprobs)) for sample in samples]
+        step = state.step(candidates, make_hypothesis)
+        manager = self.scheduler.block_manager
+        children: list[tuple[Sequence, BeamCandidate]] = []
+        claimed: set[int] = set()
+        for candidate in step.continuations:
+            parent = parents[candidate.beam_index]
+            if candidate.beam_index in claimed:
+                child = parent.copy_as(self.scheduler.new_seq_id(), 0)
+                manager.fork(parent, child)
+            else:
+                claimed.add(candidate.beam_index)
+                child = parent
+            children.append((child, candidate))
+        for index, parent in enumerate(parents):
+            if index not in claimed:
+                manager.free(parent)
+        for child, candidate in children:  # parents were copied above, before any of them grows
+            child.token_ids.append(candidate.token_id)
+            child.cumulative_logprob += candidate.logprob
+            if is_logging:
+                child.output_logprobs.append(token_logprob(candidate))
+        group.seqs = [child for child, _ in children]
+        if not step.is_done:
+            return []
+        return [CompletionDelta(index=index, token_ids=hypothesis.token_ids, logprobs=hypothesis.logprobs,
+                                cumulative_logprob=hypothesis.score,
+                                finish_reason=FinishReason.STOP if hypothesis.is_stopped_by_token
+                                else FinishReason.LENGTH)
+                for index, hypothesis in enumerate(state.finished)]

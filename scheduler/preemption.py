@@ -1,0 +1,52 @@
+"""Which way to preempt a running group when the GPU pool runs out of blocks.
+
+    swap       move the group's blocks to the CPU pool (each physical block once), back later
+    recompute  free the blocks, keep the tokens, prefill them again later
+
+preemption_mode="swap" and "recompute" force one way; "swap" falls back to recompute when the CPU
+pool cannot take the group. preemption_mode="auto" compares two estimates:
+
+    swap cost      = distinct blocks of the group        * swap_seconds_per_block (out and back in)
+    recompute cost = tokens the group would compute again * recompute_seconds_per_token
+
+and swaps only when swapping is strictly cheaper and the CPU pool has room. Tokens computed again
+count the group's shared prefix once (it is recomputed once and forked, see sequence.py) and
+leave out full blocks that other requests also hold: those stay on the GPU and come back through
+the prefix cache. Short sequences, whose last block is mostly empty, therefore lean to recompute.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from pagedserve.scheduler.block_pool import BlockPool
+from pagedserve.scheduler.scheduler_config import SchedulerConfig
+from pagedserve.scheduler.sequence import Sequence
+
+
+class PreemptionMode(enum.Enum):
+    SWAP = "swap"
+    RECOMPUTE = "recompute"
+
+
+def num_tokens_to_recompute(seqs: list[Sequence], pool: BlockPool, block_size: int) -> int:
+    """KV slots the group holds alone: what recomputing it would redo."""
+    slots_of: dict[int, int] = {}
+    refs_in_group: dict[int, int] = {}
+    for seq in seqs:
+        computed = seq.num_computed_tokens
+        for index, block in enumerate(seq.block_table):
+            slots_of[block] = max(slots_of.get(block, 0), min(block_size, computed - index * block_size))
+            refs_in_group[block] = refs_in_group.get(block, 0) + 1
+    return sum(slots for block, slots in slots_of.items() if pool.ref_counts[block] <= refs_in_group[block])
+
+
+def choose_preemption_mode(config: SchedulerConfig, *, num_blocks: int, num_recompute_tokens: int,
+                           can_swap: bool) -> PreemptionMode:
+    if not can_swap or config.preemption_mode == "recompute":
+        return PreemptionMode.RECOMPUTE
+    if config.preemption_mode == "swap":
+        return PreemptionMode.SWAP
+    swap_cost = num_blocks * config.swap_seconds_per_block
+    recompute_cost = num_recompute_tokens * config.recompute_seconds_per_token
+    return PreemptionMode.SWAP if swap_cost < recompute_cost else PreemptionMode.RECOMPUTE

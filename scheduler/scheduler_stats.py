@@ -1,0 +1,35 @@
+"""Counters and gauges the step loop exports as metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedserve.scheduler.block_pool import BlockPool
+
+
+@dataclass(slots=True, frozen=True)
+class PoolStats:
+    num_total: int
+    num_free: int
+    num_used: int
+    num_cached: int  # unreferenced but kept for the prefix cache (always 0 on the CPU)
+
+    @staticmethod
+    def of(pool: BlockPool) -> PoolStats:
+        return PoolStats(num_total=pool.num_blocks, num_free=pool.num_free, num_used=pool.num_used,
+                         num_cached=pool.num_cached)
+
+
+@dataclass(slots=True, frozen=True)
+class SchedulerStats:
+    num_running: int  # groups (requests), not sequences
+    num_waiting: int
+    num_swapped: int
+    num_running_seqs: int
+    gpu: PoolStats
+    cpu: PoolStats
+    num_steps: int
+    num_preemptions_swap: int
+    num_preemptions_recompute: int
+    num_prefix_cache_queries: int  # full prompt blocks looked up
+    num_prefix_cache_hits: int  # of those, blocks reused

@@ -1,0 +1,261 @@
+"""Builds one step: which tokens of which sequences to compute, within the step budget.
+
+Order of service, first come first served inside each pass:
+
+    1. running groups, oldest first: their decodes are reserved budget up front, so a long
+       prefill chunk of an older group never starves a newer group's decode; prefill chunks
+       (a prompt in progress, or a preempted group computing its tokens again) get what is left.
+       A group that needs blocks the pool lacks preempts the newest running group (possibly
+       itself) until they fit.
+    2. swapped groups, oldest first, swapped back in while they fit (not after a preemption).
+    3. waiting groups, oldest first, admitted while they fit (not while any group is swapped or
+       after a preemption); the first that does not fit stops admission.
+
+    budget:  max_num_batched_tokens  [ decodes ][ prefill chunks ........ ][ unused ]
+             max_num_seqs            one slot per scheduled sequence
+
+Beam search steps all live beams together: a beam group samples only in a step where every beam
+computes its whole tail; otherwise its beams compute up to their last token and sample later.
+"""
+
+from __future__ import annotations
+
+from bisect import insort
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pagedserve.scheduler.sample_specs import sample_spec_for
+from pagedserve.scheduler.sequence import GroupStatus, Sequence, SequenceGroup
+from pagedserve.step_plan import ScheduledSeq, StepPlan
+
+if TYPE_CHECKING:
+    from pagedserve.scheduler.scheduler import Scheduler
+
+
+@dataclass(slots=True)
+class ScheduledStep:
+    """A StepPlan plus what process_result needs to interpret its StepResult."""
+
+    plan: StepPlan
+    sampled: list[tuple[SequenceGroup, Sequence]]  # aligned with the plan's sequences that sample
+    groups: list[SequenceGroup]  # every group with a sequence in the plan
+    num_prefill_tokens: int = 0  # tokens of sequences with more than one token in this step
+    num_decode_tokens: int = 0
+    num_preemptions: int = 0
+
+
+@dataclass(slots=True)
+class Chunk:
+    seq: Sequence
+    num_tokens: int
+    is_sampling: bool
+
+
+def plan_chunks(group: SequenceGroup, max_num_tokens: int, max_num_seqs: int) -> list[Chunk]:
+    """What each runnable sequence of the group computes now: decodes first, then prefill
+    chunks in sequence order, within max_num_tokens tokens and max_num_seqs sequences."""
+    seqs = group.runnable_seqs()
+    if group.beam is not None and len(group.seqs) > 1:
+        return _plan_beam_chunks(group, seqs, max_num_tokens, max_num_seqs)
+    chunks: list[Chunk] = []
+    prefills: list[tuple[Sequence, int, int]] = []
+    for seq in seqs:
+        target = group.prefill_target(seq)
+        uncomputed = target - seq.num_computed_tokens
+        if uncomputed == 1:
+            if max_num_tokens < 1 or max_num_seqs < 1:
+                break
+            chunks.append(Chunk(seq, 1, target == len(seq.token_ids)))
+            max_num_tokens -= 1
+            max_num_seqs -= 1
+        elif uncomputed > 1:
+            prefills.append((seq, target, uncomputed))
+    for seq, target, uncomputed in prefills:
+        if max_num_tokens < 1 or max_num_seqs < 1:
+            break
+        num_tokens = min(uncomputed, max_num_tokens)
+        chunks.append(Chunk(seq, num_tokens, seq.num_computed_tokens + num_tokens == len(seq.token_ids)))
+        max_num_tokens -= num_tokens
+        max_num_seqs -= 1
+    return chunks
+
+
+def _plan_beam_chunks(group: SequenceGroup, seqs: list[Sequence], max_num_tokens: int,
+                      max_num_seqs: int) -> list[Chunk]:
+    tails = [len(seq.token_ids) - seq.num_computed_tokens for seq in seqs]
+    if group.fork_at is None and len(seqs) <= max_num_seqs and sum(tails) <= max_num_tokens:
+        return [Chunk(seq, tail, True) for seq, tail in zip(seqs, tails) if tail > 0]
+    chunks = []
+    for seq in seqs:  # with a fork pending only the leader runs, up to fork_at (< its length)
+        target = group.fork_at if group.fork_at is not None else len(seq.token_ids) - 1
+        uncomputed = target - seq.num_computed_tokens
+        if uncomputed <= 0:
+            continue
+        if max_num_tokens < 1 or max_num_seqs < 1:
+            break
+        num_tokens = min(uncomputed, max_num_tokens)
+        chunks.append(Chunk(seq, num_tokens, False))
+        max_num_tokens -= num_tokens
+        max_num_seqs -= 1
+    return chunks
+
+
+def num_decode_tokens(group: SequenceGroup) -> int:
+    """Tokens the group's decodes take this step (reserved before any prefill chunk)."""
+    return sum(1 for seq in group.runnable_seqs()
+               if group.prefill_target(seq) - seq.num_computed_tokens == 1)
+
+
+class StepBuilder:
+    """One schedule() call; mutates the scheduler's queues and tables as it goes."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.block_manager = scheduler.block_manager
+        config = scheduler.config
+        self.num_tokens_left = config.max_num_batched_tokens
+        self.num_seqs_left = config.max_num_seqs
+        self.scheduled: list[ScheduledSeq] = []
+        self.sampled: list[tuple[SequenceGroup, Sequence]] = []
+        self.groups: list[SequenceGroup] = []
+        self.emitted: list[tuple[SequenceGroup, Sequence]] = []
+        self.blocks_to_swap_out: list[tuple[int, int]] = []
+        self.blocks_to_swap_in: list[tuple[int, int]] = []
+        self.blocks_to_copy: list[tuple[int, int]] = []
+        self.num_prefill_tokens = 0
+        self.num_decode_tokens = 0
+        self.num_preemptions = 0
+
+    def build(self, step_id: int, epoch: int) -> ScheduledStep | None:
+        self._schedule_running()
+        if self.num_preemptions == 0:
+            num_free_slots = self.scheduler.config.max_num_seqs - sum(
+                group.max_num_running_seqs for group in self.scheduler.running)
+            num_free_slots = self._swap_in(num_free_slots)
+            if not self.scheduler.swapped:
+                self._admit_waiting(num_free_slots)
+        # Blocks filled in this step become findable only now: a prefix hit in the same step
+        # would read KV that this step's forward is still writing.
+        register = self.block_manager.prefix_cache.register_computed
+        for _, seq in self.emitted:
+            register(seq)
+        if not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in):
+            return None
+        plan = StepPlan(step_id=step_id, seqs=self.scheduled, blocks_to_swap_out=self.blocks_to_swap_out,
+                        blocks_to_swap_in=self.blocks_to_swap_in, blocks_to_copy=self.blocks_to_copy,
+                        epoch=epoch)
+        return ScheduledStep(plan=plan, sampled=self.sampled, groups=self.groups,
+                             num_prefill_tokens=self.num_prefill_tokens,
+                             num_decode_tokens=self.num_decode_tokens, num_preemptions=self.num_preemptions)
+
+    # -- pass 1: running groups ---------------------------------------------------------------
+    def _schedule_running(self) -> None:
+        running = self.scheduler.running
+        gpu = self.block_manager.gpu_pool
+        decode_tokens = [num_decode_tokens(group) for group in running]
+        num_reserved = sum(decode_tokens)
+        index = 0
+        while index < len(running):
+            group = running[index]
+            num_reserved -= decode_tokens[index]
+            chunks = plan_chunks(group, self.num_tokens_left - num_reserved, self.num_seqs_left)
+            if chunks:
+                num_needed = self.block_manager.count_blocks_needed(
+                    ((chunk.seq, chunk.num_tokens) for chunk in chunks), gpu)
+                while gpu.num_available < num_needed and running[-1] is not group:
+                    self._preempt(running[-1])
+                    num_reserved -= decode_tokens.pop()
+                if gpu.num_available < num_needed:
+                    self._preempt(group)
+                    return
+                self._emit(group, chunks)
+            index += 1
+
+    def _preempt(self, group: SequenceGroup) -> None:
+        self.scheduler.preempt(group, self.blocks_to_swap_out)
+        self.num_preemptions += 1
+
+    # -- pass 2: swapped groups -------------------------------------------------------------
+    def _swap_in(self, num_free_slots: int) -> int:
+        swapped = self.scheduler.swapped
+        manager = self.block_manager
+        while swapped:
+            group = swapped[0]
+            if group.max_num_running_seqs > num_free_slots:
+                break
+            chunks = plan_chunks(group, self.num_tokens_left, self.num_seqs_left)
+            if not chunks:
+                break
+            num_needed = manager.num_distinct_blocks(group.seqs) + manager.count_blocks_needed(
+                ((chunk.seq, chunk.num_tokens) for chunk in chunks), manager.cpu_pool)
+            if num_needed > manager.gpu_pool.num_available:
+                break
+            self.blocks_to_swap_in.extend(manager.swap_in(group.seqs))
+            swapped.pop(0)
+            self._start_running(group)
+            num_free_slots -= group.max_num_running_seqs
+            self._emit(group, chunks)
+        return num_free_slots
+
+    # -- pass 3: waiting groups -------------------------------------------------------------
+    def _admit_waiting(self, num_free_slots: int) -> None:
+        waiting = self.scheduler.waiting
+        manager = self.block_manager
+        prefix_cache = manager.prefix_cache
+        while waiting and self.num_tokens_left > 0:
+            group = waiting[0]
+            if group.max_num_running_seqs > num_free_slots:
+                break
+            leader = group.seqs[0]
+            limit = min(group.prefill_target(leader), len(leader.token_ids) - 1)
+            num_queries, cached_blocks = prefix_cache.find_prefix(leader, limit)
+            manager.adopt_prefix(leader, cached_blocks)
+            self.scheduler.fork_if_ready(group)
+            chunks = plan_chunks(group, self.num_tokens_left, self.num_seqs_left)
+            num_needed = manager.count_blocks_needed(
+                ((chunk.seq, chunk.num_tokens) for chunk in chunks), manager.gpu_pool)
+            if not chunks or num_needed > manager.gpu_pool.num_available:
+                self.scheduler.drop_kv(group)
+                break
+            prefix_cache.record(num_queries, len(cached_blocks))
+            if not group.is_admitted_once:
+                group.is_admitted_once = True
+                group.num_cached_prompt_tokens = len(cached_blocks) * manager.block_size
+            waiting.pop(0)
+            self._start_running(group)
+            num_free_slots -= group.max_num_running_seqs
+            self._emit(group, chunks)
+
+    # -- shared -----------------------------------------------------------------------------
+    def _start_running(self, group: SequenceGroup) -> None:
+        group.status = GroupStatus.RUNNING
+        insort(self.scheduler.running, group, key=_arrival)
+
+    def _emit(self, group: SequenceGroup, chunks: list[Chunk]) -> None:
+        manager = self.block_manager
+        copies = self.blocks_to_copy
+        scheduled = self.scheduled
+        for chunk in chunks:
+            seq = chunk.seq
+            num_tokens = chunk.num_tokens
+            manager.append_slots(seq, num_tokens, copies)
+            start = seq.num_computed_tokens
+            seq.num_computed_tokens = start + num_tokens
+            self.emitted.append((group, seq))
+            spec = None
+            if chunk.is_sampling:
+                spec = sample_spec_for(group, seq)
+                self.sampled.append((group, seq))
+            scheduled.append(ScheduledSeq(seq.seq_id, seq.token_ids[start:start + num_tokens], start,
+                                          list(seq.block_table), spec))
+            if num_tokens == 1:
+                self.num_decode_tokens += 1
+            else:
+                self.num_prefill_tokens += num_tokens
+            self.num_tokens_left -= num_tokens
+            self.num_seqs_left -= 1
+        self.groups.append(group)
+
+
+def _arrival(group: SequenceGroup) -> int:
+    return group.arrival_index
