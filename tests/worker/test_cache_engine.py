@@ -1,0 +1,86 @@
+"""Cache engine: block copy and swap round trips, operation order, sizing rules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.worker.cache_engine import (
+    CPU_KV_MEMORY_CAP_BYTES,
+    GIB,
+    CacheConfigError,
+    CacheEngine,
+    CacheShape,
+    blocks_for_bytes,
+    cpu_device_blocks,
+)
+
+SHAPE = CacheShape(num_layers=3, block_size=4, num_kv_heads=2, head_size=8, dtype=torch.float32)
+
+
+def _filled_engine(num_gpu_blocks: int = 10, num_cpu_blocks: int = 6) -> CacheEngine:
+    engine = CacheEngine(SHAPE, num_gpu_blocks, num_cpu_blocks, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(0)
+    for key, value in engine.gpu_cache:
+        key.copy_(torch.randn(key.shape, generator=generator))
+        value.copy_(torch.randn(value.shape, generator=generator))
+    return engine
+
+
+def _block(engine: CacheEngine, block_id: int, on_cpu: bool = False) -> list[torch.Tensor]:
+    caches = engine.cpu_cache if on_cpu else engine.gpu_cache
+    return [tensor[block_id].clone() for layer in caches for tensor in layer]
+
+
+def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_copy_duplicates_blocks_in_every_layer():
+    engine = _filled_engine()
+    before = {block: _block(engine, block) for block in range(10)}
+    engine.copy([(2, 7), (3, 8)])
+    assert _equal(_block(engine, 7), before[2]) and _equal(_block(engine, 8), before[3])
+    assert _equal(_block(engine, 2), before[2]) and _equal(_block(engine, 0), before[0])
+
+
+def test_swap_out_then_in_round_trip_preserves_contents():
+    engine = _filled_engine()
+    before = {block: _block(engine, block) for block in (1, 4, 9)}
+    engine.swap_out([(1, 0), (4, 5), (9, 2)])
+    assert _equal(_block(engine, 5, on_cpu=True), before[4])
+    for key, value in engine.gpu_cache:  # the device blocks get reused by others meanwhile
+        key[[1, 4, 9]] = 0.0
+        value[[1, 4, 9]] = 0.0
+    engine.swap_in([(0, 3), (5, 6), (2, 1)])
+    assert _equal(_block(engine, 3), before[1])
+    assert _equal(_block(engine, 6), before[4])
+    assert _equal(_block(engine, 1), before[9])
+
+
+def test_block_ops_run_swap_out_then_swap_in_then_copy():
+    """A block swapped out and refilled by a swap-in in the same step keeps the swapped-in data."""
+    engine = _filled_engine()
+    original = {block: _block(engine, block) for block in (2, 5)}
+    engine.swap_out([(5, 0)])
+    engine.execute_block_ops(swap_out=[(2, 1)], swap_in=[(0, 2)], copy=[(2, 8)])
+    assert _equal(_block(engine, 1, on_cpu=True), original[2])
+    assert _equal(_block(engine, 2), original[5])
+    assert _equal(_block(engine, 8), original[5])
+
+
+def test_out_of_range_block_ids_are_rejected():
+    engine = _filled_engine()
+    with pytest.raises(CacheConfigError, match="outside"):
+        engine.copy([(0, 10)])
+    with pytest.raises(CacheConfigError, match="outside"):
+        engine.swap_out([(0, 6)])
+
+
+def test_sizing_rules():
+    assert SHAPE.bytes_per_block == 2 * 3 * 4 * 2 * 8 * 4
+    assert blocks_for_bytes(SHAPE.bytes_per_block * 5 + 1, SHAPE) == 5
+    assert cpu_device_blocks(SHAPE, available_bytes=8 * SHAPE.bytes_per_block * 4) == 8  # 25% of available
+    assert cpu_device_blocks(SHAPE, available_bytes=1000 * GIB) == CPU_KV_MEMORY_CAP_BYTES // SHAPE.bytes_per_block
+    with pytest.raises(CacheConfigError):
+        CacheShape(num_layers=0, block_size=4, num_kv_heads=2, head_size=8, dtype=torch.float32)
