@@ -7,6 +7,7 @@ ModelRunner and appends sampled tokens.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedserve.step_plan import SampleSpec, ScheduledSeq, StepPlan, StepResult
@@ -41,8 +42,11 @@ class DrivenSeq:
 
 
 class PlanDriver:
-    def __init__(self, runner: ModelRunner, num_blocks: int) -> None:
+    def __init__(self, runner: ModelRunner, num_blocks: int,
+                 share_samples: Callable[[dict[int, int]], dict[int, int]] | None = None) -> None:
+        """share_samples: with tensor parallelism, hands rank 0's {seq_id: token} to every rank."""
         self.runner = runner
+        self.share_samples = share_samples
         self.block_size = runner.block_size
         self.free_blocks = list(range(num_blocks))[::-1]
         self.step_id = 0
@@ -74,11 +78,13 @@ class PlanDriver:
                         blocks_to_swap_in=list(swap_in), blocks_to_copy=list(copy))
         result = self.runner.execute(plan)
         self.plans.append(plan)
-        by_id = {sample.seq_id: sample for sample in result.samples}
+        sampled = {sample.seq_id: sample.token_id for sample in result.samples}
+        if self.share_samples is not None:
+            sampled = self.share_samples(sampled)
         for seq, count in work:
             seq.num_computed += count
             if seq.num_computed == len(seq.tokens):
-                seq.tokens.append(by_id[seq.seq_id].token_id)
+                seq.tokens.append(sampled[seq.seq_id])
         self.results.append(result)
         return result
 
