@@ -27,11 +27,17 @@ from pagedserve.scheduler.sampling_codec import sampling_to_proto
 
 DEFAULT_RPC_TIMEOUT_S = 5.0
 MAX_MESSAGE_BYTES = 64 * 2**20
+# Keepalive notices a scheduler that vanished without closing its connections. The client's
+# default cap of two pings without data keeps a default-configured server from answering
+# "too many pings" (GOAWAY); the readiness monitor's GetInfo polls keep data flowing anyway.
 _CHANNEL_OPTIONS = (
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
+    # Reconnect quickly to a scheduler that starts after the frontend or restarts.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 )

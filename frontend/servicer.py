@@ -21,7 +21,7 @@ import structlog
 from google.protobuf.message import DecodeError
 
 from pagedserve.frontend.completion_state import SchedulerAbortedCompletion
-from pagedserve.frontend.generation import Generation
+from pagedserve.frontend.generation import Generation, Usage
 from pagedserve.frontend.metrics import FrontendMetrics, RequestTimer
 from pagedserve.frontend.public_codec import finish_label, stream_message, whole_response
 from pagedserve.frontend.readiness import GENERATION_SERVICE, ReadinessMonitor
@@ -90,7 +90,7 @@ class GenerationServicer:
                 usage = None
                 for update in generation.run():
                     usage = update.usage or usage
-                timer.on_done(finish_label(generation.states))
+                self._finished(generation, timer, usage)
                 return whole_response(generation.request.request_id, generation.states, usage)
         except Exception as exc:  # every failure becomes a status code
             self._fail(exc, context, timer, generation)
@@ -102,8 +102,9 @@ class GenerationServicer:
             generation = self._start(request, context, timer)
             with structlog.contextvars.bound_contextvars(request_id=generation.request.request_id):
                 for update in generation.run():
+                    if update.usage is not None:
+                        self._finished(generation, timer, update.usage)
                     yield stream_message(generation.request.request_id, update.completions, update.usage)
-                timer.on_done(finish_label(generation.states))
         except Exception as exc:  # every failure becomes a status code
             self._fail(exc, context, timer, generation)
         finally:
@@ -137,6 +138,13 @@ class GenerationServicer:
         generation = Generation(validated, self._client, self._tokenizer, timer, timeout=timeout)
         context.add_callback(generation.cancel)
         return generation
+
+    @staticmethod
+    def _finished(generation: Generation, timer: RequestTimer, usage: Usage) -> None:
+        label = finish_label(generation.states)
+        timer.on_done(label)
+        log.info("request_finished", finish_reason=label, prompt_tokens=usage.prompt_tokens,
+                 completion_tokens=usage.completion_tokens, cached_prompt_tokens=usage.cached_prompt_tokens)
 
     def _fail(self, exc: Exception, context, timer: RequestTimer, generation: Generation | None) -> None:
         request_id = generation.request.request_id if generation is not None else ""

@@ -52,7 +52,8 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, with BOS (and EOS) added when the tokenizer's config says so."""
-        return list(self._hf.encode(text, add_special_tokens=True))
+        # verbose=False: over-long prompts are refused by validation, not warned about on stderr.
+        return list(self._hf.encode(text, add_special_tokens=True, verbose=False))
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of `token_ids`, special tokens skipped; ids the tokenizer does not know decode to ''."""

@@ -131,13 +131,13 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
 
 
 class FakeSchedulerServer:
-    """The fake on 127.0.0.1 at a free port."""
+    """The fake on 127.0.0.1, at `port` or a free one."""
 
-    def __init__(self) -> None:
+    def __init__(self, port: int = 0) -> None:
         self.fake = FakeScheduler()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(self.fake, self.server)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
         self.server.start()
 
     @property

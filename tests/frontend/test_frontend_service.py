@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import socket
 import time
 import urllib.request
 
@@ -9,6 +11,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from fake_scheduler import FakeSchedulerServer
 
 from pagedserve.frontend.client import generate_cli
 from pagedserve.v1 import generation_pb2 as pb
@@ -39,6 +43,12 @@ def _script(fake, tokenizer, *texts: str) -> list[list[int]]:
 
 def _request(prompt="Hello", request_id="", **params) -> pb.GenerateRequest:
     return pb.GenerateRequest(request_id=request_id, prompt=prompt, params=pb.SamplingParams(**params))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _wait_for(predicate, timeout=5.0) -> bool:
@@ -242,11 +252,12 @@ def test_deadline_exceeded_aborts_the_request(stub, fake, tokenizer):
     assert _wait_for(lambda: "late" in fake.cancelled_ids)
 
 
-def test_unreachable_scheduler_is_unavailable(tokenizer_folder):
+def test_unreachable_scheduler_is_unavailable_until_it_starts(tokenizer_folder, tokenizer):
     from pagedserve.frontend.server import serve_frontend
-    from pagedserve.supervisor import free_port
 
-    server = serve_frontend(tokenizer_folder, f"127.0.0.1:{free_port()}", port=0, health_poll_interval_s=0.1)
+    scheduler_port = _free_port()
+    server = serve_frontend(tokenizer_folder, f"127.0.0.1:{scheduler_port}", port=0, health_poll_interval_s=0.1)
+    late_scheduler = None
     try:
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as chan:
             stub = generation_pb2_grpc.GenerationStub(chan)
@@ -257,10 +268,16 @@ def test_unreachable_scheduler_is_unavailable(tokenizer_folder):
                     rpc()
                 assert info.value.code() == grpc.StatusCode.UNAVAILABLE
             health = health_pb2_grpc.HealthStub(chan)
-            status = health.Check(health_pb2.HealthCheckRequest(service="pagedserve.v1.Generation"), timeout=5)
-            assert status.status == NOT_SERVING
+            check = lambda: health.Check(  # noqa: E731
+                health_pb2.HealthCheckRequest(service="pagedserve.v1.Generation"), timeout=5).status
+            assert check() == NOT_SERVING
+            late_scheduler = FakeSchedulerServer(port=scheduler_port)
+            assert _wait_for(lambda: check() == SERVING, timeout=5.0), "the frontend never reconnected"
+            assert stub.Generate(_request(max_tokens=2), timeout=10).usage.completion_tokens == 2
     finally:
         server.stop(grace_s=0.5)
+        if late_scheduler is not None:
+            late_scheduler.stop()
 
 
 def test_reflection_lists_the_services(channel, frontend):
@@ -295,12 +312,25 @@ def test_metrics_use_the_pinned_names(stub, fake, tokenizer, frontend):
     assert values["pagedserve_inter_token_latency_seconds_count"] >= 4
 
 
-def test_generate_cli_streams_text(frontend, fake, tokenizer, capsys):
+def test_generate_cli_streams_text(frontend, fake, tokenizer):
     (script,) = _script(fake, tokenizer, SCRIPT_0)
-    code = generate_cli(f"127.0.0.1:{frontend.port}", "Hello", max_tokens=len(script), timeout=10)
-    captured = capsys.readouterr()
+    fake.step_delay_s = 0.01
+    out, err = _RecordingStream(), io.StringIO()
+    code = generate_cli(f"127.0.0.1:{frontend.port}", "Hello", max_tokens=len(script), timeout=10, out=out, err=err)
     assert code == 0
-    assert captured.out == SCRIPT_0 + "\n"
-    assert "finish_reason=length" in captured.err
-    bad = generate_cli(f"127.0.0.1:{frontend.port}", "Hello", max_tokens=1000, timeout=10)
-    assert bad == 2 and "INVALID_ARGUMENT" in capsys.readouterr().err
+    assert "".join(out.writes) == SCRIPT_0 + "\n"
+    assert len(out.writes) > 5, "the text was not streamed piece by piece"
+    assert "finish_reason=length" in err.getvalue()
+    err = io.StringIO()
+    bad = generate_cli(f"127.0.0.1:{frontend.port}", "Hello", max_tokens=1000, timeout=10, out=io.StringIO(), err=err)
+    assert bad == 2 and "INVALID_ARGUMENT" in err.getvalue()
+
+
+class _RecordingStream(io.StringIO):
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return super().write(text)
