@@ -2,10 +2,10 @@
 
 Per row, in this order:
 
-    raw logits ──► repetition penalty (prompt + output) ──► presence/frequency penalties (output)
-               ──► suppress_token_ids = -inf                                    = "processed"
+    raw logits --> repetition penalty (prompt + output) --> presence/frequency penalties (output)
+               --> suppress_token_ids = -inf                                    = "processed"
     greedy:       argmax(processed)                       (ties: the lowest id, like torch.argmax)
-    random:       processed / temperature ──► top-k ──► top-p ──► min-p ──► draw
+    random:       processed / temperature --> top-k --> top-p --> min-p --> draw
     beam search:  top num_beam_candidates of log_softmax(raw), suppressed ids excluded; the best
                   one is the chosen token
 

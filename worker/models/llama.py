@@ -2,10 +2,12 @@
 
 One decoder layer on a flat token batch (T rows, see pagedserve.worker.attention):
 
-    h ──► RMSNorm ──► qkv_proj ──► RoPE(q, k) ──► write K/V to cache ──► paged attention ──► o_proj ──┐
-    └─────────────────────────────────── residual ────────────────────────────────────────────────────+
-    h ──► RMSNorm ──► gate_up_proj ──► silu(gate) * up ──► down_proj ──────────────────────────────────+
+    x --+--> RMSNorm --> qkv_proj --> RoPE(q, k) --> write K/V --> paged attention --> o_proj --> (+) --> h
+        +--------------------------------- residual ----------------------------------------------^
+    h --+--> RMSNorm --> gate_up_proj --> silu(gate) * up --> down_proj ---------------------> (+) --> next x
+        +--------------------------------- residual ----------------------------------------------^
 
+The residual adds are folded into the next RMSNorm (see pagedserve.worker.layernorm).
 Only the rows named by metadata.logits_indices (the last token of each sampling sequence) go
 through the final norm and the LM head.
 """
