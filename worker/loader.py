@@ -103,7 +103,7 @@ def load_weights(model: torch.nn.Module, folder: str | Path) -> int:
                 for piece in pieces:
                     num_bytes += _copy_slice(handle, piece, params[piece.param_name])
                     filled[piece.param_name] += piece.length
-    _check_filled(model, params, filled)
+    _check_filled(model, slices, params, filled)
     return num_bytes
 
 
@@ -121,10 +121,11 @@ def _copy_slice(handle, piece: TensorSlice, param: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _check_filled(model: torch.nn.Module, params: dict[str, torch.Tensor], filled: dict[str, int]) -> None:
+def _check_filled(model: torch.nn.Module, slices: list[TensorSlice], params: dict[str, torch.Tensor],
+                  filled: dict[str, int]) -> None:
     """Every parameter is fully covered along its sliced dimension (vocabulary padding rows excepted)."""
     padded = {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, VocabParallelEmbedding)}
-    dims = {piece.param_name: piece.dim for piece in model.checkpoint_slices()}
+    dims = {piece.param_name: piece.dim for piece in slices}
     for name, param in params.items():
         if name in padded:
             continue

@@ -52,7 +52,7 @@ class RopeConfig:
             raise RopeConfigError(f"head size must be a positive even number, not {self.head_size}")
         if self.theta <= 0:
             raise RopeConfigError(f"rope_theta must be positive, not {self.theta}")
-        if self.rope_type != "default" and "factor" not in self.params and self.rope_type != "yarn":
+        if self.rope_type in ("linear", "dynamic", "llama3") and "factor" not in self.params:
             raise RopeConfigError(f"RoPE type {self.rope_type!r} needs a 'factor'")
         if self.rope_type == "llama3":
             missing = {"low_freq_factor", "high_freq_factor", "original_max_position_embeddings"} - set(self.params)
