@@ -45,6 +45,12 @@ class RunnerStateError(RuntimeError):
 
 
 class ModelRunner:
+    """One rank's model, KV cache and (rank 0) sampler.
+
+    dtype "auto" takes the checkpoint's torch_dtype on CUDA and float32 on CPU; max_model_len bounds
+    positions (default max_position_embeddings); seed fixes the generator of unseeded sampling.
+    """
+
     def __init__(self, model_path: str | Path, *, device: str | torch.device = "cpu",
                  dtype: str | torch.dtype = "auto", block_size: int = 16, rank: int = 0, world_size: int = 1,
                  max_model_len: int | None = None, seed: int | None = None) -> None:
