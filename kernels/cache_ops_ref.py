@@ -41,9 +41,13 @@ def swap_blocks_ref(
     dst_cache: torch.Tensor,  # [num_dst_blocks, block_size, num_kv_heads, head_size]
     block_mapping: torch.Tensor,  # [num_pairs, 2] int64: (src block, dst block), on the CPU
 ) -> None:
-    """Moves whole blocks between devices (GPU<->CPU swap) or within one."""
+    """Moves whole blocks between devices (GPU<->CPU swap) or within one.
+
+    The copy is synchronous: a non_blocking device-to-host copy could still be in flight when the
+    host-side index assignment reads it.
+    """
     if block_mapping.numel() == 0:
         return
     src = block_mapping[:, 0].to(src_cache.device)
     dst = block_mapping[:, 1].to(dst_cache.device)
-    dst_cache[dst] = src_cache[src].to(dst_cache.device, non_blocking=True)
+    dst_cache[dst] = src_cache[src].to(dst_cache.device)

@@ -3,7 +3,8 @@ Triton interpreter in a child process (see triton_interpreter_process.py for why
 test process itself never sets TRITON_INTERPRET, so other test folders are unaffected.
 
 Tests call kernels as `kernels.call("pagedserve.kernels.<module>:<function>", *args)` and compute
-the reference in the test process.
+the reference in the test process; `interpreter.call` always runs in the interpreter process
+(used for the sparse 4 GiB pools of kernel_sparse_pool.py, which only exist on the CPU).
 """
 
 from __future__ import annotations
@@ -28,11 +29,19 @@ def _load_runner_module():
 
 
 @pytest.fixture(scope="session")
-def kernels() -> Iterator:
-    runner_module = _load_runner_module()
-    runner = runner_module.InProcess() if HAS_CUDA else runner_module.InterpreterProcess()
-    yield runner
-    runner.close()
+def interpreter() -> Iterator:
+    """The Triton interpreter in a child process, on every machine (CPU tensors only)."""
+    process = _load_runner_module().InterpreterProcess()
+    yield process
+    process.close()
+
+
+@pytest.fixture(scope="session")
+def kernels(request):
+    """Where kernel tests run: compiled in this process on CUDA, else the interpreter process."""
+    if HAS_CUDA:
+        return _load_runner_module().InProcess()
+    return request.getfixturevalue("interpreter")
 
 
 @pytest.fixture
@@ -81,8 +90,8 @@ def build_paged_batch(
     if min_block_id + num_used > num_blocks:
         raise ValueError("pool too small for the batch")
     shape = (num_blocks, block_size, num_kv_heads, head_size)
-    key_cache = torch.full(shape, float("nan"), dtype=dtype)  # [num_blocks, bs, kvh, hs]
-    value_cache = torch.full(shape, float("nan"), dtype=dtype)
+    key_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)  # [num_blocks, bs, kvh, hs]
+    value_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
     ids = min_block_id + torch.randperm(num_blocks - min_block_id, generator=gen)[:num_used]  # [num_used]
     max_blocks = max(blocks_per_seq) + 1
     block_tables = torch.randint(0, num_blocks, (len(seqs), max_blocks), generator=gen, dtype=torch.int32)
@@ -90,17 +99,19 @@ def build_paged_batch(
     for i, ((ctx, q), n) in enumerate(zip(seqs, blocks_per_seq)):
         block_tables[i, :n] = ids[used:used + n]
         used += n
-        for pos in range(ctx + q):
-            block, slot = int(block_tables[i, pos // block_size]), pos % block_size
-            key_cache[block, slot] = torch.randn(num_kv_heads, head_size, generator=gen).to(dtype)
-            value_cache[block, slot] = torch.randn(num_kv_heads, head_size, generator=gen).to(dtype)
+        positions = torch.arange(ctx + q)  # [seq_len]
+        blocks = block_tables[i, positions // block_size].long().to(device)  # [seq_len]
+        slots = (positions % block_size).to(device)  # [seq_len]
+        kv_shape = (ctx + q, num_kv_heads, head_size)
+        key_cache[blocks, slots] = torch.randn(kv_shape, generator=gen).to(device=device, dtype=dtype)
+        value_cache[blocks, slots] = torch.randn(kv_shape, generator=gen).to(device=device, dtype=dtype)
     q_lens = torch.tensor([q for _, q in seqs], dtype=torch.int32)  # [num_seqs]
     query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.int32)  # [num_seqs + 1]
     query_start_loc[1:] = torch.cumsum(q_lens, 0)
     query = torch.randn(int(q_lens.sum()), num_heads, head_size, generator=gen).to(dtype)  # [T, nh, hs]
     seq_lens = torch.tensor([ctx + q for ctx, q in seqs], dtype=torch.int32)  # [num_seqs]
-    return PagedBatch(query.to(device), key_cache.to(device), value_cache.to(device), block_tables.to(device),
-                      seq_lens.to(device), query_start_loc.to(device))
+    return PagedBatch(query.to(device), key_cache, value_cache, block_tables.to(device), seq_lens.to(device),
+                      query_start_loc.to(device))
 
 
 @pytest.fixture

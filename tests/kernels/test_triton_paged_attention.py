@@ -68,6 +68,15 @@ def test_sliding_window(run_both, paged_batch, assert_matches, sliding_window, n
     assert not torch.allclose(out.float(), full.float(), atol=1e-2), "the window changed nothing"
 
 
+def test_window_left_edge_at_every_offset(run_both, paged_batch, assert_matches):
+    # decodes of 17..50 tokens with a window of 16: the first visible position takes every value
+    # mod 32, so it falls on every slot of a block and of a KV tile, first and last ones included
+    seqs = [(n - 1, 1) for n in range(17, 51)] + [(30, 40)]
+    batch = paged_batch(seqs, num_heads=2, num_kv_heads=1, head_size=64, block_size=16, dtype=F32)
+    out, ref = run_both(batch, sliding_window=16, num_kv_splits=1)
+    assert_matches(out, ref)
+
+
 def test_window_of_one_returns_own_value(run_both, paged_batch):
     batch = paged_batch([(6, 3)], num_heads=2, num_kv_heads=1, head_size=64, block_size=8, dtype=F32)
     out, _ = run_both(batch, sliding_window=1, num_kv_splits=1)
@@ -131,4 +140,11 @@ def test_random_batches(run_both, paged_batch, assert_matches, seqs, num_kv_head
     batch = paged_batch(seqs, num_heads=num_kv_heads * group, num_kv_heads=num_kv_heads, head_size=head_size,
                         block_size=block_size, dtype=F32)
     out, ref = run_both(batch, sliding_window=sliding_window, num_kv_splits=num_kv_splits)
+    assert_matches(out, ref)
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, 2])
+def test_int64_offsets_in_a_4_gib_pool(interpreter, tmp_path, assert_matches, num_kv_splits):
+    """Block ids above 2^20 whose offsets pass 2^31 elements (see kernel_sparse_pool.py)."""
+    out, ref = interpreter.call("kernel_sparse_pool:attention", str(tmp_path / "pool.bin"), num_kv_splits)
     assert_matches(out, ref)

@@ -88,6 +88,9 @@ class InterpreterProcess:
     """A child Python that runs `call`s with the Triton interpreter."""
 
     def __init__(self) -> None:
+        self._start()
+
+    def _start(self) -> None:
         request_read, request_write = os.pipe()
         reply_read, reply_write = os.pipe()
         self._process = subprocess.Popen(
@@ -100,12 +103,20 @@ class InterpreterProcess:
         self._replies = Connection(reply_read, writable=False)
 
     def call(self, target: str, *args: Any, env: dict[str, str] | None = None, **kwargs: Any) -> Any:
-        """Runs `module:function`(*args, **kwargs) in the child, with `env` set for the call."""
-        self._requests.send_bytes(pickle.dumps((target, args, kwargs, env or {})))
+        """Runs `module:function`(*args, **kwargs) in the child, with `env` set for the call.
+
+        A child that dies (a kernel reading unmapped memory segfaults the interpreter) fails this
+        call and is replaced, so later calls still run.
+        """
         try:
+            self._requests.send_bytes(pickle.dumps((target, args, kwargs, env or {})))
             status, value, args_after = pickle.loads(self._replies.recv_bytes())
-        except EOFError:
-            raise RuntimeError(f"the Triton interpreter process exited with {self._process.wait()}") from None
+        except (EOFError, OSError):
+            exit_code = self._process.wait()
+            self.close()
+            self._start()
+            raise RuntimeError(f"the Triton interpreter process died (exit code {exit_code}) running "
+                               f"{target}") from None
         if status == "error":
             raise value
         _copy_back(args, args_after)
