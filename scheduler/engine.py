@@ -242,12 +242,9 @@ class Engine:
         return True
 
     def _record(self, scheduled, seconds: float) -> StepRecord:
-        plan = scheduled.plan
-        seq_to_request = getattr(scheduled, "seq_request_ids", None) or {}
-        request_ids = sorted({seq_to_request.get(seq.seq_id, str(seq.seq_id)) for seq in plan.seqs})
-        num_decode = sum(1 for seq in plan.seqs if len(seq.token_ids) == 1 and seq.sample is not None)
-        record = StepRecord(plan.step_id, request_ids, plan.num_tokens - num_decode, num_decode,
-                            seconds)
+        request_ids = sorted({group.request_id for group in scheduled.groups})
+        record = StepRecord(scheduled.plan.step_id, request_ids, scheduled.num_prefill_tokens,
+                            scheduled.num_decode_tokens, seconds)
         self.state.recent_steps.append(record)
         return record
 

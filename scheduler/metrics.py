@@ -39,8 +39,8 @@ class SchedulerMetrics:
         self.requests_running.set(stats.num_running)
         self.requests_waiting.set(stats.num_waiting)
         self.requests_swapped.set(stats.num_swapped)
-        self.kv_blocks_total.set(stats.num_gpu_blocks_total)
-        self.kv_blocks_used.set(stats.num_gpu_blocks_used)
+        self.kv_blocks_total.set(stats.gpu.num_total)
+        self.kv_blocks_used.set(stats.gpu.num_used)
         self._advance(self.preemptions.labels(mode="swap"), "swap", stats.num_preemptions_swap)
         self._advance(self.preemptions.labels(mode="recompute"), "recompute",
                       stats.num_preemptions_recompute)

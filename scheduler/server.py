@@ -115,13 +115,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         msg = scheduler_pb2.SchedulerStats(is_pool_consistent=is_consistent)
         if stats is not None:
-            for name in ("num_running", "num_waiting", "num_swapped", "num_gpu_blocks_total",
-                         "num_gpu_blocks_free", "num_gpu_blocks_used", "num_gpu_blocks_cached",
-                         "num_cpu_blocks_total", "num_cpu_blocks_free", "num_cpu_blocks_used",
-                         "num_cpu_blocks_cached", "num_steps", "num_preemptions_swap",
-                         "num_preemptions_recompute", "num_prefix_cache_queries",
-                         "num_prefix_cache_hits"):
+            for name in ("num_running", "num_waiting", "num_swapped", "num_steps",
+                         "num_preemptions_swap", "num_preemptions_recompute",
+                         "num_prefix_cache_queries", "num_prefix_cache_hits"):
                 setattr(msg, name, getattr(stats, name))
+            for device, pool in (("gpu", stats.gpu), ("cpu", stats.cpu)):
+                for field in ("total", "free", "used", "cached"):
+                    setattr(msg, f"num_{device}_blocks_{field}", getattr(pool, f"num_{field}"))
         recent = list(self.engine.state.recent_steps)
         if request.max_recent_steps:
             recent = recent[-request.max_recent_steps:]
