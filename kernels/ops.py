@@ -1,12 +1,22 @@
 """Kernel dispatcher: Triton on CUDA, the plain-torch reference elsewhere.
 
-PAGEDSERVE_KERNELS=triton|reference forces one implementation (auto by default); with
-TRITON_INTERPRET=1 the Triton kernels also run on CPU tensors.
+The worker calls only these four functions; their signatures are those of the references in
+`paged_attention_ref` and `cache_ops_ref`. PAGEDSERVE_KERNELS picks the implementation:
+
+    auto (default)   Triton when the tensors are on CUDA and triton is installed, else reference
+    triton           always Triton; on CPU tensors this needs TRITON_INTERPRET=1 set before the
+                     kernel modules are first imported (the Triton interpreter, for tests)
+    reference        always the plain-torch reference (the production CPU path)
+
+triton is imported lazily, on the first call that picks it, so importing this module works on a
+machine without triton.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from functools import cache
 
 import torch
 
@@ -14,6 +24,11 @@ from pagedserve.kernels.cache_ops_ref import copy_blocks_ref, swap_blocks_ref, w
 from pagedserve.kernels.paged_attention_ref import paged_attention_ref
 
 KERNELS_ENV = "PAGEDSERVE_KERNELS"
+
+
+@cache
+def has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def use_triton(device: torch.device) -> bool:
@@ -24,22 +39,39 @@ def use_triton(device: torch.device) -> bool:
         return True
     if choice != "auto":
         raise ValueError(f"{KERNELS_ENV} must be auto, triton or reference, not {choice!r}")
-    return device.type == "cuda"
+    return device.type == "cuda" and has_triton()
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
                     sliding_window=None):
+    if use_triton(query.device):
+        from pagedserve.kernels.paged_attention import paged_attention as paged_attention_triton
+        return paged_attention_triton(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                                      scale, sliding_window)
     return paged_attention_ref(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                                scale, sliding_window)
 
 
 def write_kv_cache(key, value, key_cache, value_cache, slot_mapping):
+    if use_triton(key_cache.device):
+        from pagedserve.kernels.cache_ops import write_kv_cache as write_kv_cache_triton
+        write_kv_cache_triton(key, value, key_cache, value_cache, slot_mapping)
+        return
     write_kv_cache_ref(key, value, key_cache, value_cache, slot_mapping)
 
 
 def copy_blocks(key_caches, value_caches, block_mapping):
+    if key_caches and use_triton(key_caches[0].device):
+        from pagedserve.kernels.cache_ops import copy_blocks as copy_blocks_triton
+        copy_blocks_triton(key_caches, value_caches, block_mapping)
+        return
     copy_blocks_ref(key_caches, value_caches, block_mapping)
 
 
 def swap_blocks(src_cache, dst_cache, block_mapping):
+    device = dst_cache.device if dst_cache.device.type == "cuda" else src_cache.device
+    if use_triton(device):
+        from pagedserve.kernels.cache_ops import swap_blocks as swap_blocks_runs
+        swap_blocks_runs(src_cache, dst_cache, block_mapping)
+        return
     swap_blocks_ref(src_cache, dst_cache, block_mapping)
