@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from pagedserve.log import get_logger
+from pagedserve.scheduler.admission import Admission
 from pagedserve.scheduler.outputs import Request, RequestOutput
 from pagedserve.scheduler.worker_link import WorkerLink, WorkerLost
 
@@ -28,10 +29,6 @@ MAX_RECENT_STEPS = 256
 
 class EngineUnavailable(RuntimeError):
     """Workers are not (or no longer) ready, or the engine is draining."""
-
-
-class QueueFull(RuntimeError):
-    """The waiting queue is at its bound; the request was not accepted."""
 
 
 @dataclass(slots=True)
@@ -44,13 +41,14 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     preemption_mode: str = "auto"
     max_waiting_requests: int = 4096
+    max_waiting_tokens: int = 1 << 20  # prompt tokens of requests not yet scheduled
     startup_timeout: float = 600.0
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in ("auto", "swap", "recompute"):
             raise ValueError("preemption_mode must be auto, swap or recompute")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                     "max_waiting_requests"):
+                     "max_waiting_requests", "max_waiting_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
@@ -64,6 +62,7 @@ class StepRecord:
     num_prefill_tokens: int
     num_decode_tokens: int
     seconds: float
+    queue_seconds: list[float] = field(default_factory=list)  # requests scheduled for the first time
 
 
 @dataclass
@@ -88,8 +87,7 @@ class Engine:
         self._wakeup = threading.Event()
         self._stopping = threading.Event()
         self._sinks: dict[str, Sink] = {}
-        self._pending_submits = 0
-        self._pending_lock = threading.Lock()
+        self.admission = Admission(config.max_waiting_requests, config.max_waiting_tokens)
         self._thread = threading.Thread(target=self._run, name="step-loop", daemon=True)
         self._log = get_logger(component="engine")
 
@@ -106,10 +104,7 @@ class Engine:
     def submit(self, request: Request, sink: Sink) -> None:
         if not self.state.is_ready:
             raise EngineUnavailable("workers are not ready")
-        with self._pending_lock:
-            if self.state.num_waiting + self._pending_submits >= self.config.max_waiting_requests:
-                raise QueueFull(f"the waiting queue holds {self.config.max_waiting_requests} requests")
-            self._pending_submits += 1
+        self.admission.admit(request.request_id, len(request.prompt_token_ids))
         self._post(lambda: self._add(request, sink))
 
     def abort(self, request_id: str) -> None:
@@ -145,20 +140,21 @@ class Engine:
     # ---- loop thread -------------------------------------------------------------------------
 
     def _add(self, request: Request, sink: Sink) -> None:
-        with self._pending_lock:
-            self._pending_submits -= 1
         if self.scheduler is None or not self.state.is_ready:
+            self.admission.release(request.request_id)
             sink(EngineUnavailable("workers are not ready"))
             return
         try:
             self.scheduler.add_request(request)
         except Exception as exc:  # RequestRejected and bad input go back to that caller only
+            self.admission.release(request.request_id)
             sink(exc)
             return
         self._sinks[request.request_id] = sink
 
     def _abort(self, request_id: str) -> None:
         self._sinks.pop(request_id, None)
+        self.admission.release(request_id)
         if self.scheduler is not None:
             self.scheduler.abort_request(request_id)
 
@@ -226,6 +222,9 @@ class Engine:
         if scheduled is None:
             self.state.num_waiting = self.scheduler.stats().num_waiting
             return False
+        now = time.monotonic()
+        queue_seconds = [seconds for group in scheduled.groups
+                         if (seconds := self.admission.release(group.request_id, now)) is not None]
         result = self.link.run_step(scheduled.plan)
         outputs = self.scheduler.process_result(scheduled, result)
         for output in outputs:
@@ -236,6 +235,7 @@ class Engine:
                 del self._sinks[output.request_id]
             sink(output)
         record = self._record(scheduled, time.perf_counter() - started)
+        record.queue_seconds = queue_seconds
         self.state.num_waiting = self.scheduler.stats().num_waiting
         if self._on_step is not None:
             self._on_step(self, record)
@@ -257,5 +257,6 @@ class Engine:
 
     def _fail_all(self, error: Exception) -> None:
         sinks, self._sinks = self._sinks, {}
+        self.admission.clear()
         for sink in sinks.values():
             sink(error)
