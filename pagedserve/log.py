@@ -18,6 +18,7 @@ def configure_logging(process: str, level: str | None = None) -> structlog.stdli
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            _add_process(process),
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
@@ -28,6 +29,18 @@ def configure_logging(process: str, level: str | None = None) -> structlog.stdli
         cache_logger_on_first_use=False,
     )
     return structlog.get_logger().bind(process=process, pid=os.getpid())
+
+
+def _add_process(process: str):
+    """Names the process on every event, whichever logger or thread logs it."""
+    pid = os.getpid()
+
+    def add(_logger, _method, event_dict: dict) -> dict:
+        event_dict.setdefault("process", process)
+        event_dict.setdefault("pid", pid)
+        return event_dict
+
+    return add
 
 
 def get_logger(**bindings) -> structlog.stdlib.BoundLogger:

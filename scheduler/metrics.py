@@ -5,6 +5,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+REJECT_REASONS = ("queue_full", "invalid", "unavailable", "draining")
 
 
 class SchedulerMetrics:
@@ -30,12 +32,20 @@ class SchedulerMetrics:
         self.step_seconds = Histogram("pagedserve_step_seconds",
                                       "Wall time of one scheduler step (schedule + forward + update)",
                                       buckets=STEP_BUCKETS, registry=r)
+        self.queue_time = Histogram("pagedserve_queue_time_seconds",
+                                    "Time from a request's arrival at the scheduler to its first schedule",
+                                    buckets=QUEUE_BUCKETS, registry=r)
+        self.requests_rejected = Counter("pagedserve_requests_rejected",
+                                         "Requests the scheduler refused before starting them, by reason",
+                                         ["reason"], registry=r)
+        for reason in REJECT_REASONS:
+            self.requests_rejected.labels(reason=reason)
         self._last = {"swap": 0, "recompute": 0, "queries": 0, "hits": 0}
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         start_http_server(port, addr=host, registry=self.registry)
 
-    def update(self, stats, step_seconds: float | None) -> None:
+    def update(self, stats, step_seconds: float | None, queue_seconds: list[float] = ()) -> None:
         self.requests_running.set(stats.num_running)
         self.requests_waiting.set(stats.num_waiting)
         self.requests_swapped.set(stats.num_swapped)
@@ -48,6 +58,8 @@ class SchedulerMetrics:
         self._advance(self.prefix_hits, "hits", stats.num_prefix_cache_hits)
         if step_seconds is not None:
             self.step_seconds.observe(step_seconds)
+        for seconds in queue_seconds:
+            self.queue_time.observe(seconds)
 
     def _advance(self, counter, key: str, total: int) -> None:
         """Counters follow the scheduler's running totals (which restart with a new pool)."""

@@ -1,7 +1,18 @@
 """The scheduler's internal gRPC service (frontend -> scheduler), served with grpc.aio.
 
 Each Submit is one server stream: the engine's loop thread hands outputs to the stream through
-the event loop; a stream the client closes (cancel, deadline, frontend gone) aborts its request.
+the event loop. A stream that closes before its request finished aborts the request in the
+engine, which frees its blocks before the next step: a client that cancels, a deadline that
+passes (the frontend forwards it as the Submit deadline), and a frontend that dies (its TCP
+connection closes; server keepalive pings find one whose host vanished) all end that way.
+
+Drain (SIGTERM/SIGINT):
+
+    draining ── GetInfo says not ready (frontends turn NOT_SERVING), new Submits: UNAVAILABLE
+       │        open streams run to the end, up to shutdown_timeout
+       ▼
+    engine stop ── streams still open end with UNAVAILABLE (their requests are aborted),
+                   workers are told to shut down; then the server closes
 """
 
 from __future__ import annotations
@@ -12,18 +23,32 @@ import time
 from dataclasses import dataclass
 
 import grpc
+import structlog
 
 from pagedserve.internal import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.log import configure_logging
 from pagedserve.model_config import ModelInfo, load_model_info
 from pagedserve.sampling_params import InvalidParameter
-from pagedserve.scheduler.engine import Engine, EngineConfig, EngineUnavailable, QueueFull
+from pagedserve.scheduler.admission import QueueFull
+from pagedserve.scheduler.engine import Engine, EngineConfig, EngineUnavailable
 from pagedserve.scheduler.metrics import SchedulerMetrics
 from pagedserve.scheduler.outputs import Request, RequestOutput
 from pagedserve.scheduler.sampling_codec import output_to_proto, sampling_from_proto
 from pagedserve.scheduler.worker_link import WorkerLink
 
 MAX_MESSAGE_BYTES = 64 * 2**20
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+DRAIN_POLL_S = 0.05
+# Pings to frontends find a connection whose peer vanished without closing it (host lost).
+_SERVER_OPTIONS = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
+)
 
 
 @dataclass(slots=True)
@@ -37,6 +62,15 @@ class SchedulerServerConfig:
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     heartbeat_timeout: float = 10.0
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if self.shutdown_timeout < 0:
+            raise ValueError("shutdown_timeout must be >= 0")
+
+
+_REJECT_REASON = {grpc.StatusCode.INVALID_ARGUMENT: "invalid", grpc.StatusCode.RESOURCE_EXHAUSTED: "queue_full",
+                  grpc.StatusCode.UNAVAILABLE: "unavailable"}
 
 
 def _status_for(exc: Exception) -> grpc.StatusCode:
@@ -49,13 +83,42 @@ def _status_for(exc: Exception) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+def _close_reason(context) -> str:
+    remaining = context.time_remaining()
+    return "deadline_exceeded" if remaining is not None and remaining <= 0 else "stream_closed"
+
+
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
-    def __init__(self, engine: Engine, model: ModelInfo, tensor_parallel_size: int) -> None:
+    def __init__(self, engine: Engine, model: ModelInfo, tensor_parallel_size: int,
+                 metrics: SchedulerMetrics | None = None) -> None:
         self.engine = engine
         self.model = model
         self.tensor_parallel_size = tensor_parallel_size
+        self.metrics = metrics or SchedulerMetrics()
+        self.is_draining = False
+        self.num_open_streams = 0  # Submit streams not yet ended (event loop only: no lock)
+        self._log = structlog.get_logger()
+
+    async def drain(self, timeout: float) -> int:
+        """Refuses new Submits and waits up to `timeout` for open streams; returns those left."""
+        self.is_draining = True
+        deadline = time.monotonic() + timeout
+        while self.num_open_streams and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        return self.num_open_streams
+
+    async def _refuse(self, context, log, exc: Exception) -> None:
+        code = _status_for(exc)
+        self.metrics.requests_rejected.labels(reason=_REJECT_REASON.get(code, "invalid")).inc()
+        log.info("request_rejected", code=code.name, error=str(exc))
+        await context.abort(code, str(exc))
 
     async def Submit(self, request, context):
+        log = self._log.bind(request_id=request.request_id, frontend_id=request.frontend_id)
+        if self.is_draining:
+            self.metrics.requests_rejected.labels(reason="draining").inc()
+            log.info("request_rejected", code="UNAVAILABLE", error="draining")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is draining; retry on another replica")
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         sink = lambda item: loop.call_soon_threadsafe(outputs.put_nowait, item)  # noqa: E731
@@ -69,20 +132,34 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         try:
             self.engine.submit(internal, sink)
         except Exception as exc:
-            await context.abort(_status_for(exc), str(exc))
-        is_finished = False
+            await self._refuse(context, log, exc)
+        log.info("request_submitted", prompt_tokens=len(internal.prompt_token_ids),
+                 max_tokens=internal.sampling.max_tokens, num_completions=internal.sampling.num_completions)
+        self.num_open_streams += 1
+        is_finished = is_started = False
+        finish_reasons: dict[int, str] = {}
         try:
             while not is_finished:
                 item = await outputs.get()
                 if isinstance(item, Exception):
                     is_finished = True
+                    if not is_started:  # refused by the scheduler core, or no workers
+                        await self._refuse(context, log, item)
+                    log.warning("request_failed", error=str(item))
                     await context.abort(_status_for(item), str(item))
+                is_started = True
                 output: RequestOutput = item
                 is_finished = output.is_finished
+                for delta in output.deltas:
+                    if delta.finish_reason is not None:
+                        finish_reasons[delta.index] = delta.finish_reason.value
                 yield output_to_proto(output)
+            log.info("request_finished", finish_reasons=[finish_reasons[i] for i in sorted(finish_reasons)])
         finally:
+            self.num_open_streams -= 1
             if not is_finished:
                 self.engine.abort(request.request_id)
+                log.info("request_aborted", reason=_close_reason(context))
 
     async def FinishCompletion(self, request, context):
         self.engine.finish_completion(request.request_id, request.index)
@@ -96,7 +173,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         state = self.engine.state
         config = self.engine.config
         return scheduler_pb2.SchedulerInfo(
-            is_ready=state.is_ready,
+            is_ready=state.is_ready and not self.is_draining,
             model_name=self.model.name,
             max_model_len=config.max_model_len,
             vocab_size=self.model.vocab_size,
@@ -153,18 +230,15 @@ async def _serve(config: SchedulerServerConfig, engine_config: EngineConfig, mod
         if record is None:
             metrics.reset_totals()
             return
-        metrics.update(engine.scheduler.stats(), record.seconds)
+        metrics.update(engine.scheduler.stats(), record.seconds, record.queue_seconds)
 
     link = WorkerLink(config.plan_address, config.result_address, config.tensor_parallel_size,
                       heartbeat_timeout=config.heartbeat_timeout)
     engine = Engine(engine_config, link, on_step=on_step)
     engine.start()
-    server = grpc.aio.server(options=[
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ])
-    scheduler_pb2_grpc.add_SchedulerServicer_to_server(
-        SchedulerServicer(engine, model, config.tensor_parallel_size), server)
+    server = grpc.aio.server(options=list(_SERVER_OPTIONS))
+    servicer = SchedulerServicer(engine, model, config.tensor_parallel_size, metrics)
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     bound = server.add_insecure_port(f"{config.host}:{config.port}")
     await server.start()
     log.info("scheduler_listening", address=f"{config.host}:{bound}",
@@ -174,10 +248,14 @@ async def _serve(config: SchedulerServerConfig, engine_config: EngineConfig, mod
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("scheduler_stopping")
+    log.info("scheduler_draining", num_open_streams=servicer.num_open_streams,
+             shutdown_timeout=config.shutdown_timeout)
+    num_left = await servicer.drain(config.shutdown_timeout)
+    log.info("scheduler_stopping", num_streams_cut=num_left)
+    await asyncio.to_thread(engine.stop)  # open streams end with UNAVAILABLE
     await server.stop(grace=2.0)
-    await asyncio.to_thread(engine.stop)
     link.close()
+    log.info("scheduler_stopped")
 
 
 def run_scheduler(config: SchedulerServerConfig, engine_config: EngineConfig) -> int:
