@@ -36,6 +36,8 @@ to float32 before tl.dot; float32 data uses IEEE dots rather than TF32.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -50,7 +52,7 @@ LOG2_E = 1.4426950408889634
 @triton.jit
 def _find_seq_idx(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q: tl.constexpr):
     """Last sequence i with query_start_loc[i] // BLOCK_Q + i <= q_block_id (binary search)."""
-    lo = 0
+    lo: tl.int32 = 0
     hi = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
@@ -192,6 +194,8 @@ def _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_s
     if query.shape[2] != key_cache.shape[3] or query.shape[1] % key_cache.shape[2] != 0:
         raise ValueError(f"query heads {query.shape[1]} x {query.shape[2]} do not fit KV heads "
                          f"{key_cache.shape[2]} x {key_cache.shape[3]}")
+    if query.shape[2] < 16:
+        raise ValueError(f"head size {query.shape[2]} is below 16, the smallest tl.dot operand")
     if query.dtype != key_cache.dtype or key_cache.dtype != value_cache.dtype:
         raise TypeError(f"query and caches must share a dtype, got {query.dtype}, {key_cache.dtype}, "
                         f"{value_cache.dtype}")
@@ -206,11 +210,16 @@ def _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_s
                            "pagedserve.kernels.paged_attention is imported")
 
 
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def choose_num_kv_splits(num_programs: int, max_context: int, device: torch.device) -> int:
     """Splits of the KV range so that about two programs run per SM; 1 when the grid is full."""
     if device.type != "cuda":
         return 1
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     if num_programs >= num_sms:
         return 1
     by_occupancy = triton.cdiv(2 * num_sms, num_programs)
