@@ -56,9 +56,17 @@ class ReadinessMonitor:
         self._thread = threading.Thread(target=self._poll, name="readiness-monitor", daemon=True)
         self._thread.start()
 
+    def begin_drain(self) -> None:
+        """Marks the Generation service NOT_SERVING for good; the process stays alive ("" SERVING)."""
+        with self._lock:
+            self._is_shutting_down = True
+            self._health.set(GENERATION_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+        log.info("readiness_draining")
+
     def stop(self) -> None:
         """Stops polling and marks every service NOT_SERVING (graceful shutdown)."""
-        self._is_shutting_down = True
+        with self._lock:
+            self._is_shutting_down = True
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self._poll_interval_s + GET_INFO_TIMEOUT_S + 1.0)
@@ -68,7 +76,7 @@ class ReadinessMonitor:
         """Asks the scheduler now and updates the health status; returns the answer or None."""
         try:
             info = self._client.get_info(timeout=GET_INFO_TIMEOUT_S)
-            error = "" if info.is_ready else "the scheduler is not ready (workers are still loading)"
+            error = "" if info.is_ready else "the scheduler is not ready (workers loading or lost, or it is draining)"
         except SchedulerError as exc:
             info, error = None, f"the scheduler at {self._client.address} is unreachable: {exc}"
         with self._lock:
@@ -81,9 +89,10 @@ class ReadinessMonitor:
             self._last_error = error
         if is_ready != was_ready:
             log.info("scheduler_readiness_changed", is_ready=is_ready, reason=error or "ready")
-        if not self._is_shutting_down:
-            status = health_pb2.HealthCheckResponse.SERVING if is_ready else health_pb2.HealthCheckResponse.NOT_SERVING
-            self._health.set(GENERATION_SERVICE, status)
+        with self._lock:
+            if not self._is_shutting_down:
+                status = health_pb2.HealthCheckResponse.SERVING if is_ready else health_pb2.HealthCheckResponse.NOT_SERVING
+                self._health.set(GENERATION_SERVICE, status)
         return info
 
     def require_ready(self) -> SchedulerInfo:

@@ -3,14 +3,16 @@
 ```
  serve_frontend()
    ├─ grpc.server  host:port   pagedserve.v1.Generation   (servicer.py)
-   │                           grpc.health.v1.Health       "" = alive, Generation = scheduler ready
-   │                           server reflection           both services listed
+   │   plaintext, TLS or mTLS  grpc.health.v1.Health       "" = alive, Generation = scheduler ready
+   │   (transport.py)          server reflection           both services listed
    ├─ ReadinessMonitor thread  polls the scheduler's GetInfo (readiness.py)
    └─ /metrics HTTP            host:metrics_port, when a metrics port is given
 ```
 
-`run_frontend()` is the `pagedserve frontend` entry: it serves until SIGINT or SIGTERM, then marks
-every health service NOT_SERVING, gives in-flight requests a grace period and stops.
+`run_frontend()` is the `pagedserve frontend` entry: it serves until SIGINT or SIGTERM, then
+drains (drain.py): readiness NOT_SERVING and new requests UNAVAILABLE at once, running requests
+finish for up to the shutdown timeout, whatever is left is cut (UNAVAILABLE, aborted in the
+scheduler), and the process exits 0.
 """
 
 from __future__ import annotations
@@ -26,23 +28,19 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pagedserve.frontend.drain import InFlight
 from pagedserve.frontend.metrics import FrontendMetrics
 from pagedserve.frontend.readiness import DEFAULT_POLL_INTERVAL_S, GENERATION_SERVICE, ReadinessMonitor
-from pagedserve.frontend.scheduler_client import MAX_MESSAGE_BYTES, SchedulerClient
+from pagedserve.frontend.scheduler_client import SchedulerClient
 from pagedserve.frontend.servicer import GenerationServicer, generation_rpc_handler
 from pagedserve.frontend.tokenizer import TokenizerLoadError, load_tokenizer
+from pagedserve.frontend.transport import TransportConfig, TransportConfigError
 from pagedserve.log import configure_logging
 
 DEFAULT_MAX_CONCURRENT_RPCS = 512
 STOP_GRACE_S = 5.0
-_SERVER_OPTIONS = (
-    ("grpc.so_reuseport", 0),  # a port already in use is an error, not shared
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-)
-
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+CUT_GRACE_S = 2.0  # after the shutdown timeout: how long cut requests get to send their status
 
 
 class FrontendStartError(RuntimeError):
@@ -53,13 +51,25 @@ class FrontendServer:
     """A running frontend; `port` and `metrics_port` are the bound ports (useful when 0 was asked)."""
 
     def __init__(self, server: grpc.Server, port: int, metrics: FrontendMetrics, metrics_port: int | None,
-                 readiness: ReadinessMonitor, client: SchedulerClient) -> None:
+                 readiness: ReadinessMonitor, client: SchedulerClient, in_flight: InFlight) -> None:
         self.server = server
         self.port = port
         self.metrics = metrics
         self.metrics_port = metrics_port
         self.readiness = readiness
+        self.in_flight = in_flight
         self._client = client
+
+    def drain(self, shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> int:
+        """Readiness NOT_SERVING and new requests UNAVAILABLE now; running requests get up to
+        `shutdown_timeout_s` to finish, the rest are cut; then the server stops. Returns the
+        number of requests cut."""
+        self.readiness.begin_drain()
+        num_cut = self.in_flight.drain(shutdown_timeout_s)
+        if num_cut:
+            self.in_flight.cut(CUT_GRACE_S)
+        self.stop(grace_s=CUT_GRACE_S)
+        return num_cut
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """NOT_SERVING everywhere, refuse new calls, wait up to `grace_s` for running ones, then
@@ -76,26 +86,34 @@ class FrontendServer:
 def serve_frontend(model_path: str | Path, scheduler_address: str, host: str = "127.0.0.1", port: int = 50051,
                    metrics_port: int | None = None, *, max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS,
                    health_poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
-                   frontend_id: str | None = None) -> FrontendServer:
+                   frontend_id: str | None = None, transport: TransportConfig | None = None) -> FrontendServer:
     """Loads the tokenizer, binds host:port (0 picks a free port) and starts serving; returns at once."""
+    transport = transport or TransportConfig()
     try:
         tokenizer = load_tokenizer(model_path)
-    except TokenizerLoadError as exc:
+        credentials = transport.server_credentials()
+    except (TokenizerLoadError, TransportConfigError) as exc:
         raise FrontendStartError(str(exc)) from exc
     client = SchedulerClient(scheduler_address, frontend_id=frontend_id or f"{socket.gethostname()}:{os.getpid()}")
     metrics = FrontendMetrics()
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     readiness = ReadinessMonitor(client, health_servicer, poll_interval_s=health_poll_interval_s)
-    servicer = GenerationServicer(tokenizer, client, readiness, metrics)
+    in_flight = InFlight()
+    servicer = GenerationServicer(tokenizer, client, readiness, metrics, in_flight)
 
-    # Each streaming call holds a worker thread; beyond max_concurrent_rpcs calls get RESOURCE_EXHAUSTED.
+    # Each streaming call holds a worker thread; beyond max_concurrent_rpcs calls get RESOURCE_EXHAUSTED
+    # (so no queue of calls grows without bound under overload).
+    options = [("grpc.so_reuseport", 0), *transport.server_options()]  # a port in use is an error, not shared
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_concurrent_rpcs, thread_name_prefix="rpc"),
-                         options=_SERVER_OPTIONS, maximum_concurrent_rpcs=max_concurrent_rpcs)
+                         options=options, maximum_concurrent_rpcs=max_concurrent_rpcs)
     server.add_generic_rpc_handlers((generation_rpc_handler(servicer),))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     try:
-        bound_port = server.add_insecure_port(f"{host}:{port}")
+        if credentials is None:
+            bound_port = server.add_insecure_port(f"{host}:{port}")
+        else:
+            bound_port = server.add_secure_port(f"{host}:{port}", credentials)
     except RuntimeError as exc:
         client.close()
         raise FrontendStartError(f"cannot listen on {host}:{port}: {exc}") from exc
@@ -112,13 +130,14 @@ def serve_frontend(model_path: str | Path, scheduler_address: str, host: str = "
             raise FrontendStartError(f"cannot serve metrics on {host}:{metrics_port}: {exc}") from exc
     server.start()
     readiness.start()
-    return FrontendServer(server, bound_port, metrics, bound_metrics_port, readiness, client)
+    return FrontendServer(server, bound_port, metrics, bound_metrics_port, readiness, client, in_flight)
 
 
 def run_frontend(model_path: str | Path, scheduler_address: str, host: str = "127.0.0.1", port: int = 50051,
                  metrics_port: int | None = None, *, max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS,
-                 grace_s: float = STOP_GRACE_S) -> int:
-    """`pagedserve frontend`: serves until SIGINT/SIGTERM, then stops gracefully. Returns the exit code."""
+                 shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+                 transport: TransportConfig | None = None) -> int:
+    """`pagedserve frontend`: serves until SIGINT/SIGTERM, then drains. Returns the exit code."""
     process_log = configure_logging("frontend")
     stop_requested = threading.Event()
 
@@ -130,16 +149,19 @@ def run_frontend(model_path: str | Path, scheduler_address: str, host: str = "12
     try:
         try:
             frontend = serve_frontend(model_path, scheduler_address, host, port, metrics_port,
-                                      max_concurrent_rpcs=max_concurrent_rpcs)
+                                      max_concurrent_rpcs=max_concurrent_rpcs, transport=transport)
         except FrontendStartError as exc:
             process_log.error("frontend_start_failed", error=str(exc))
             return 1
+        tls = "off" if transport is None or not transport.is_tls else "mutual" if transport.is_mutual_tls else "on"
         process_log.info("frontend_serving", address=f"{host}:{frontend.port}", scheduler=scheduler_address,
-                         metrics_port=frontend.metrics_port, model=str(model_path))
+                         metrics_port=frontend.metrics_port, model=str(model_path), tls=tls)
         while not stop_requested.wait(0.5):
             pass
-        frontend.stop(grace_s)
-        process_log.info("frontend_stopped")
+        process_log.info("frontend_draining", num_in_flight=len(frontend.in_flight),
+                         shutdown_timeout=shutdown_timeout_s)
+        num_cut = frontend.drain(shutdown_timeout_s)
+        process_log.info("frontend_stopped", num_requests_cut=num_cut)
         return 0
     finally:
         for sig, handler in previous.items():

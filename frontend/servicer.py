@@ -3,28 +3,34 @@
 ```
  InvalidParameter, undecodable request (bad UTF-8), scheduler INVALID_ARGUMENT  -> INVALID_ARGUMENT
  SchedulerBusy (waiting queue full)                                             -> RESOURCE_EXHAUSTED
- SchedulerUnavailable (unreachable, not ready, draining), scheduler abort       -> UNAVAILABLE
- SchedulerTimeout                                                               -> DEADLINE_EXCEEDED
+ SchedulerUnavailable (unreachable, not ready, draining), scheduler abort,
+ this frontend draining (Draining) or cut at the end of its drain               -> UNAVAILABLE
+ SchedulerTimeout, the client's deadline passed                                 -> DEADLINE_EXCEEDED
  anything else                                                                  -> INTERNAL
 ```
 
 A client that cancels, or whose deadline passes, ends the RPC; the RPC's done-callback cancels the
 internal Submit stream, which aborts the request in the scheduler and frees its blocks.
+
+The request id is the request's `request_id`, else the `x-request-id` call metadata, else a fresh
+one; it is bound to every log line of the call and sent back as `x-request-id` metadata (with the
+first response, or in the trailers of an error). Nothing is sent before the first response, so an
+error that comes first (RESOURCE_EXHAUSTED, UNAVAILABLE) is a trailers-only response a proxy can
+retry elsewhere.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import grpc
 import structlog
-from google.protobuf.message import DecodeError
 
 from pagedserve.frontend.completion_state import SchedulerAbortedCompletion
+from pagedserve.frontend.drain import Draining, InFlight
 from pagedserve.frontend.generation import Generation, Usage
 from pagedserve.frontend.metrics import FrontendMetrics, RequestTimer
 from pagedserve.frontend.public_codec import finish_label, stream_message, whole_response
 from pagedserve.frontend.readiness import GENERATION_SERVICE, ReadinessMonitor
+from pagedserve.frontend.request_decoding import UndecodableRequest, lenient_deserializer
 from pagedserve.frontend.scheduler_client import (
     SchedulerBusy, SchedulerClient, SchedulerError, SchedulerRejected, SchedulerTimeout,
     SchedulerUnavailable, SubmitCancelled,
@@ -36,13 +42,7 @@ from pagedserve.v1 import generation_pb2
 
 log = structlog.get_logger()
 NO_DEADLINE_S = 1e6  # time_remaining() above this means the client set no deadline
-
-
-@dataclass(frozen=True, slots=True)
-class UndecodableRequest:
-    """Stands in for a request protobuf could not parse (for example a string with bad UTF-8)."""
-
-    error: str
+REQUEST_ID_METADATA = "x-request-id"
 
 
 class _StatusError(Exception):
@@ -61,6 +61,8 @@ def _status_for(exc: Exception) -> _StatusError:
         return _StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), "rejected")
     if isinstance(exc, SchedulerUnavailable):
         return _StatusError(grpc.StatusCode.UNAVAILABLE, str(exc), "error")
+    if isinstance(exc, Draining):
+        return _StatusError(grpc.StatusCode.UNAVAILABLE, str(exc), "rejected")
     if isinstance(exc, SchedulerAbortedCompletion):
         return _StatusError(grpc.StatusCode.UNAVAILABLE, f"{exc} (it may be draining)", "error")
     if isinstance(exc, SchedulerTimeout):
@@ -75,11 +77,12 @@ class GenerationServicer:
     """Implements Generate, GenerateStream, Tokenize and ModelInfo."""
 
     def __init__(self, tokenizer: Tokenizer, client: SchedulerClient, readiness: ReadinessMonitor,
-                 metrics: FrontendMetrics) -> None:
+                 metrics: FrontendMetrics, in_flight: InFlight | None = None) -> None:
         self._tokenizer = tokenizer
         self._client = client
         self._readiness = readiness
         self._metrics = metrics
+        self.in_flight = in_flight or InFlight()
 
     def Generate(self, request, context) -> generation_pb2.GenerateResponse:
         timer = self._metrics.start_request()
@@ -91,28 +94,39 @@ class GenerationServicer:
                 for update in generation.run():
                     usage = update.usage or usage
                 self._finished(generation, timer, usage)
+                context.send_initial_metadata(((REQUEST_ID_METADATA, generation.request.request_id),))
                 return whole_response(generation.request.request_id, generation.states, usage)
         except Exception as exc:  # every failure becomes a status code
-            self._fail(exc, context, timer, generation)
+            self._fail(exc, request, context, timer, generation)
+        finally:
+            if generation is not None:
+                self.in_flight.leave(generation)
 
     def GenerateStream(self, request, context):
         timer = self._metrics.start_request()
         generation = None
         try:
             generation = self._start(request, context, timer)
-            with structlog.contextvars.bound_contextvars(request_id=generation.request.request_id):
+            request_id = generation.request.request_id
+            with structlog.contextvars.bound_contextvars(request_id=request_id):
+                is_first = True
                 for update in generation.run():
                     if update.usage is not None:
                         self._finished(generation, timer, update.usage)
-                    yield stream_message(generation.request.request_id, update.completions, update.usage)
+                    if is_first:
+                        context.send_initial_metadata(((REQUEST_ID_METADATA, request_id),))
+                        is_first = False
+                    yield stream_message(request_id, update.completions, update.usage)
         except Exception as exc:  # every failure becomes a status code
-            self._fail(exc, context, timer, generation)
+            self._fail(exc, request, context, timer, generation)
         finally:
             timer.on_done("abort")  # counts only when the stream was closed early (client gone)
+            if generation is not None:
+                self.in_flight.leave(generation)
 
     def Tokenize(self, request, context) -> generation_pb2.TokenizeResponse:
         if isinstance(request, UndecodableRequest):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable request: {request.error}")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         return generation_pb2.TokenizeResponse(token_ids=self._tokenizer.encode(request.text))
 
     def ModelInfo(self, request, context) -> generation_pb2.ModelInfoResponse:
@@ -129,13 +143,18 @@ class GenerationServicer:
 
     def _start(self, request, context, timer: RequestTimer) -> Generation:
         if isinstance(request, UndecodableRequest):
-            raise _StatusError(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable request: {request.error}", "rejected")
+            raise _StatusError(grpc.StatusCode.INVALID_ARGUMENT, request.message, "rejected")
+        if self.in_flight.is_draining:
+            raise Draining("the frontend is shutting down; retry on another instance")
+        if not request.request_id:
+            request.request_id = _metadata_request_id(context)
         info = self._readiness.require_ready()
         limits = ModelLimits(max_model_len=info.max_model_len, vocab_size=info.vocab_size or self._tokenizer.vocab_size)
         validated = validate_request(request, self._tokenizer, limits)
         remaining = context.time_remaining()
         timeout = remaining if remaining is not None and remaining < NO_DEADLINE_S else None
         generation = Generation(validated, self._client, self._tokenizer, timer, timeout=timeout)
+        self.in_flight.enter(generation)
         context.add_callback(generation.cancel)
         return generation
 
@@ -146,10 +165,23 @@ class GenerationServicer:
         log.info("request_finished", finish_reason=label, prompt_tokens=usage.prompt_tokens,
                  completion_tokens=usage.completion_tokens, cached_prompt_tokens=usage.cached_prompt_tokens)
 
-    def _fail(self, exc: Exception, context, timer: RequestTimer, generation: Generation | None) -> None:
+    def _fail(self, exc: Exception, request, context, timer: RequestTimer, generation: Generation | None) -> None:
         request_id = generation.request.request_id if generation is not None else ""
+        if not request_id and not isinstance(request, UndecodableRequest):
+            request_id = request.request_id
+        if request_id:
+            context.set_trailing_metadata(((REQUEST_ID_METADATA, request_id),))
+        if generation is not None and self.in_flight.was_cut(generation):
+            timer.on_done("error")
+            log.info("request_cut_by_drain", request_id=request_id)
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the frontend shut down before the request finished; "
+                          "retry on another instance")
         if isinstance(exc, SubmitCancelled) or (generation is not None and generation.is_cancelled):
             timer.on_done("abort")
+            remaining = context.time_remaining()
+            if remaining is not None and remaining <= 0:
+                log.info("request_deadline_exceeded", request_id=request_id)
+                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed before the request finished")
             log.info("request_cancelled", request_id=request_id)
             context.abort(grpc.StatusCode.CANCELLED, "the client cancelled the request")
         status = _status_for(exc)
@@ -161,14 +193,11 @@ class GenerationServicer:
         context.abort(status.code, str(status))
 
 
-def _lenient_deserializer(message_class):
-    def deserialize(data: bytes):
-        try:
-            return message_class.FromString(data)
-        except DecodeError as exc:
-            return UndecodableRequest(str(exc))
-
-    return deserialize
+def _metadata_request_id(context) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == REQUEST_ID_METADATA and isinstance(value, str):
+            return value
+    return ""
 
 
 def generation_rpc_handler(servicer: GenerationServicer) -> grpc.GenericRpcHandler:
@@ -177,12 +206,12 @@ def generation_rpc_handler(servicer: GenerationServicer) -> grpc.GenericRpcHandl
     pb = generation_pb2
     methods = {
         "Generate": grpc.unary_unary_rpc_method_handler(
-            servicer.Generate, _lenient_deserializer(pb.GenerateRequest), pb.GenerateResponse.SerializeToString),
+            servicer.Generate, lenient_deserializer(pb.GenerateRequest), pb.GenerateResponse.SerializeToString),
         "GenerateStream": grpc.unary_stream_rpc_method_handler(
-            servicer.GenerateStream, _lenient_deserializer(pb.GenerateRequest), pb.GenerateResponse.SerializeToString),
+            servicer.GenerateStream, lenient_deserializer(pb.GenerateRequest), pb.GenerateResponse.SerializeToString),
         "Tokenize": grpc.unary_unary_rpc_method_handler(
-            servicer.Tokenize, _lenient_deserializer(pb.TokenizeRequest), pb.TokenizeResponse.SerializeToString),
+            servicer.Tokenize, lenient_deserializer(pb.TokenizeRequest), pb.TokenizeResponse.SerializeToString),
         "ModelInfo": grpc.unary_unary_rpc_method_handler(
-            servicer.ModelInfo, _lenient_deserializer(pb.ModelInfoRequest), pb.ModelInfoResponse.SerializeToString),
+            servicer.ModelInfo, lenient_deserializer(pb.ModelInfoRequest), pb.ModelInfoResponse.SerializeToString),
     }
     return grpc.method_handlers_generic_handler(GENERATION_SERVICE, methods)

@@ -1,0 +1,83 @@
+"""Transport settings of the public port: message size, keepalive, TLS and mutual TLS.
+
+Plaintext is the default (a localhost or sidecar-terminated deployment). With `tls_cert_file` and
+`tls_key_file` the port speaks TLS; adding `tls_client_ca_file` makes it mutual: a client must
+present a certificate signed by that CA, or the handshake fails.
+
+Keepalive: the server pings a connection idle for `keepalive_time_s` and closes it when no answer
+comes within `keepalive_timeout_s`, so a client whose host vanished has its requests cancelled
+(and aborted in the scheduler). Clients may ping too, down to every MIN_CLIENT_PING_INTERVAL_S,
+also without calls in flight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 2**20
+DEFAULT_KEEPALIVE_TIME_S = 60.0
+DEFAULT_KEEPALIVE_TIMEOUT_S = 20.0
+MIN_CLIENT_PING_INTERVAL_S = 5.0
+
+
+class TransportConfigError(ValueError):
+    """A transport setting is out of range or names a file that cannot be read."""
+
+
+@dataclass(frozen=True, slots=True)
+class TransportConfig:
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    keepalive_time_s: float = DEFAULT_KEEPALIVE_TIME_S
+    keepalive_timeout_s: float = DEFAULT_KEEPALIVE_TIMEOUT_S
+    tls_cert_file: str | None = None  # PEM certificate chain of this server
+    tls_key_file: str | None = None  # PEM private key of that certificate
+    tls_client_ca_file: str | None = None  # PEM CA bundle: clients must present a cert it signed
+
+    def __post_init__(self) -> None:
+        if self.max_message_bytes <= 0:
+            raise TransportConfigError("max_message_bytes must be positive")
+        if self.keepalive_time_s <= 0 or self.keepalive_timeout_s <= 0:
+            raise TransportConfigError("keepalive_time_s and keepalive_timeout_s must be positive")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise TransportConfigError("TLS needs both a certificate (--tls-cert) and its key (--tls-key)")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise TransportConfigError("mutual TLS (--tls-client-ca) needs a server certificate and key as well")
+
+    @property
+    def is_tls(self) -> bool:
+        return bool(self.tls_cert_file)
+
+    @property
+    def is_mutual_tls(self) -> bool:
+        return bool(self.tls_client_ca_file)
+
+    def server_options(self) -> list[tuple[str, int]]:
+        return [
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.keepalive_time_ms", int(self.keepalive_time_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(self.keepalive_timeout_s * 1000)),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", int(MIN_CLIENT_PING_INTERVAL_S * 1000)),
+            ("grpc.http2.max_pings_without_data", 0),
+        ]
+
+    def server_credentials(self) -> grpc.ServerCredentials | None:
+        """TLS credentials for the port, or None for plaintext."""
+        if not self.is_tls:
+            return None
+        key = _read(self.tls_key_file, "--tls-key")
+        cert = _read(self.tls_cert_file, "--tls-cert")
+        client_ca = _read(self.tls_client_ca_file, "--tls-client-ca") if self.is_mutual_tls else None
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca,
+                                           require_client_auth=self.is_mutual_tls)
+
+
+def _read(path: str, flag: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise TransportConfigError(f"{flag} {path}: {exc.strerror or exc}") from exc
