@@ -36,10 +36,9 @@ from pagedserve.frontend.servicer import GenerationServicer, generation_rpc_hand
 from pagedserve.frontend.tokenizer import TokenizerLoadError, load_tokenizer
 from pagedserve.frontend.transport import TransportConfig, TransportConfigError
 from pagedserve.log import configure_logging
+from pagedserve.service_options import DEFAULT_MAX_CONCURRENT_RPCS, DEFAULT_SHUTDOWN_TIMEOUT_S
 
-DEFAULT_MAX_CONCURRENT_RPCS = 512
 STOP_GRACE_S = 5.0
-DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 CUT_GRACE_S = 2.0  # after the shutdown timeout: how long cut requests get to send their status
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pagedserve.service_options import (
+    add_shutdown_arg, add_transport_args, add_waiting_tokens_arg, transport_from_args,
+)
 from pagedserve.supervisor import ServeConfig, run_serve
 
 DEFAULT_SCHEDULER_PORT = 50052
@@ -37,6 +40,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--preemption-mode", choices=["auto", "swap", "recompute"], default="auto")
     parser.add_argument("--max-waiting-requests", type=int, default=4096)
+    add_waiting_tokens_arg(parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="default: --metrics-port + 1")
     _add_worker_args(serve)
     _add_engine_args(serve)
+    add_shutdown_arg(serve)
+    add_transport_args(serve)
 
     frontend = sub.add_parser("frontend", help="the public gRPC frontend alone")
     _add_model(frontend)
@@ -62,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     frontend.add_argument("--port", type=int, default=50051)
     frontend.add_argument("--scheduler-address", default=f"127.0.0.1:{DEFAULT_SCHEDULER_PORT}")
     frontend.add_argument("--metrics-port", type=int, default=None)
+    add_shutdown_arg(frontend)
+    add_transport_args(frontend)
 
     scheduler = sub.add_parser("scheduler", help="the scheduler alone")
     _add_model(scheduler)
@@ -72,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     scheduler.add_argument("--tensor-parallel-size", type=int, default=1)
     scheduler.add_argument("--metrics-port", type=int, default=None)
     scheduler.add_argument("--heartbeat-timeout", type=float, default=10.0)
+    add_shutdown_arg(scheduler)
     _add_engine_args(scheduler)
 
     worker = sub.add_parser("worker", help="one worker rank alone")
@@ -106,6 +115,7 @@ def engine_config_from_args(args, max_position_embeddings: int):
         enable_prefix_caching=args.enable_prefix_caching,
         preemption_mode=args.preemption_mode,
         max_waiting_requests=args.max_waiting_requests,
+        max_waiting_tokens=args.max_waiting_tokens,
     )
 
 
@@ -120,7 +130,7 @@ def _run_scheduler(args) -> int:
         model_path=str(model_path), host=args.host, port=args.port,
         plan_address=args.plan_address, result_address=args.result_address,
         tensor_parallel_size=args.tensor_parallel_size, metrics_port=args.metrics_port,
-        heartbeat_timeout=args.heartbeat_timeout)
+        heartbeat_timeout=args.heartbeat_timeout, shutdown_timeout=args.shutdown_timeout)
     return run_scheduler(config, engine_config_from_args(args, info.max_position_embeddings))
 
 
@@ -143,7 +153,8 @@ def _run_frontend(args) -> int:
 
     return run_frontend(model_path=str(resolve_model(args.model)),
                         scheduler_address=args.scheduler_address, host=args.host, port=args.port,
-                        metrics_port=args.metrics_port)
+                        metrics_port=args.metrics_port, max_concurrent_rpcs=args.max_concurrent_rpcs,
+                        shutdown_timeout_s=args.shutdown_timeout, transport=transport_from_args(args))
 
 
 def _run_generate(args) -> int:

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagedserve.log import configure_logging
+from pagedserve.service_options import frontend_argv, scheduler_argv
 
 PR_SET_PDEATHSIG = 1
 STOP_TIMEOUT_SECONDS = 10.0
@@ -46,6 +47,7 @@ class ServeConfig:
     frontend_args: list[str]
     public_address: str = ""
     env: dict[str, str] | None = field(default=None)
+    stop_timeout: float = STOP_TIMEOUT_SECONDS  # frontend and scheduler: their drain, and a margin
 
     @classmethod
     def from_args(cls, args) -> "ServeConfig":
@@ -89,7 +91,10 @@ class ServeConfig:
                     "--scheduler-address", f"127.0.0.1:{scheduler_port}"]
         if args.metrics_port:
             frontend += ["--metrics-port", str(args.metrics_port)]
-        return cls(model, scheduler, workers, frontend, f"{args.host}:{args.port}")
+        scheduler += scheduler_argv(args)
+        frontend += frontend_argv(args)
+        return cls(model, scheduler, workers, frontend, f"{args.host}:{args.port}",
+                   stop_timeout=args.shutdown_timeout + STOP_TIMEOUT_SECONDS)
 
 
 class Supervisor:
@@ -128,7 +133,7 @@ class Supervisor:
 
     def _wait(self, child: subprocess.Popen, name: str) -> None:
         try:
-            child.wait(STOP_TIMEOUT_SECONDS)
+            child.wait(self.config.stop_timeout if name in ("frontend", "scheduler") else STOP_TIMEOUT_SECONDS)
         except subprocess.TimeoutExpired:
             self._log.warning("child_killed", child=name, pid=child.pid)
             child.kill()

@@ -35,9 +35,9 @@ from pagedserve.scheduler.metrics import SchedulerMetrics
 from pagedserve.scheduler.outputs import Request, RequestOutput
 from pagedserve.scheduler.sampling_codec import output_to_proto, sampling_from_proto
 from pagedserve.scheduler.worker_link import WorkerLink
+from pagedserve.service_options import DEFAULT_SHUTDOWN_TIMEOUT_S
 
 MAX_MESSAGE_BYTES = 64 * 2**20
-DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 DRAIN_POLL_S = 0.05
 # Pings to frontends find a connection whose peer vanished without closing it (host lost).
 _SERVER_OPTIONS = (
