@@ -6,14 +6,15 @@ context_len_i ... seq_len_i - 1 with context_len_i = seq_len_i - q_len_i.
 
 Work split. One program takes BLOCK_Q query tokens of one sequence and the whole group of
 GROUP = num_heads // num_kv_heads query heads that share one KV head, so each K/V tile is loaded
-once per group and used for BLOCK_M = BLOCK_Q * GROUP (padded) query rows:
+once per group and used for all BLOCK_M rows (BLOCK_M = 16 for decode-only batches, else 64, at
+least GROUP rounded up to a power of two; BLOCK_Q = BLOCK_M // GROUP):
 
-    rows of the Q tile (GROUP = 2, BLOCK_Q = 4)     KV tiles walked by the program
-    r0 tok0 head0   r1 tok0 head1                    seq positions, TILE_N tokens per tile:
-    r2 tok1 head0   r3 tok1 head1                    |ctx ctx ctx ctx|ctx ctx new new|new --- |
+    Q tile, GROUP = 3, BLOCK_M = 16, BLOCK_Q = 5     KV tiles walked by the program,
+    r0  tok0 h0   r1  tok0 h1   r2  tok0 h2          TILE_N positions each:
+    r3  tok1 h0   r4  tok1 h1   r5  tok1 h2          |ctx ctx ctx ctx|ctx ctx new new|new --- |
     ...                                               tile 0          tile 1          tile 2
-    r8..15 padding (masked)                          a token's (block, slot) comes from the block
-                                                     table: block_tables[i][pos // block_size]
+    r12 tok4 h0   r13 tok4 h1   r14 tok4 h2          position p lives in block
+    r15 padding (masked)                             block_tables[i][p // block_size], slot p % block_size
 
 Program ids over query blocks need no host sync: sequence i's query blocks start at
 query_start_loc[i] // BLOCK_Q + i, so num_tokens // BLOCK_Q + num_seqs programs cover every

@@ -124,7 +124,7 @@ def test_rejects_bad_inputs(kernels, paged_batch):
                      batch.seq_lens, batch.query_start_loc, 0.1)
 
 
-@settings(max_examples=10, deadline=None, derandomize=True,
+@settings(max_examples=25, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture])  # the fixtures are stateless factories
 @given(
     seqs=st.lists(st.tuples(st.integers(0, 50), st.integers(1, 12)), min_size=1, max_size=4),
@@ -134,11 +134,12 @@ def test_rejects_bad_inputs(kernels, paged_batch):
     block_size=st.sampled_from([8, 16, 32]),
     sliding_window=st.sampled_from([None, 7, 24]),
     num_kv_splits=st.sampled_from([1, 2]),
+    dtype=st.sampled_from([F16, BF16, F32]),
 )
 def test_random_batches(run_both, paged_batch, assert_matches, seqs, num_kv_heads, group, head_size, block_size,
-                        sliding_window, num_kv_splits):
+                        sliding_window, num_kv_splits, dtype):
     batch = paged_batch(seqs, num_heads=num_kv_heads * group, num_kv_heads=num_kv_heads, head_size=head_size,
-                        block_size=block_size, dtype=F32)
+                        block_size=block_size, dtype=dtype)
     out, ref = run_both(batch, sliding_window=sliding_window, num_kv_splits=num_kv_splits)
     assert_matches(out, ref)
 
