@@ -42,6 +42,9 @@ from pagedserve.v1 import generation_pb2
 
 log = structlog.get_logger()
 NO_DEADLINE_S = 1e6  # time_remaining() above this means the client set no deadline
+# A client's deadline passes first on its side; the server learns of it (the call is cancelled)
+# a little before its own copy of the deadline: a call cancelled this close to it timed out.
+DEADLINE_SLACK_S = 0.25
 REQUEST_ID_METADATA = "x-request-id"
 
 
@@ -179,7 +182,7 @@ class GenerationServicer:
         if isinstance(exc, SubmitCancelled) or (generation is not None and generation.is_cancelled):
             timer.on_done("abort")
             remaining = context.time_remaining()
-            if remaining is not None and remaining <= 0:
+            if remaining is not None and remaining <= DEADLINE_SLACK_S:
                 log.info("request_deadline_exceeded", request_id=request_id)
                 context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed before the request finished")
             log.info("request_cancelled", request_id=request_id)

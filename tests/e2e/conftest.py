@@ -65,9 +65,10 @@ def hf_reference():
     return generate
 
 
-def start_server(checkpoint: Path, tmp_path_factory, name: str, *args: str) -> ServeProcess:
+def start_server(checkpoint: Path, tmp_path_factory, name: str, *args: str, **options) -> ServeProcess:
+    """A ready `serve` of checkpoint; options go to ServeProcess (credentials, metrics)."""
     log_path = tmp_path_factory.mktemp("logs") / f"{name}.log"
-    server = ServeProcess(checkpoint, log_path, list(args))
+    server = ServeProcess(checkpoint, log_path, list(args), **options)
     try:
         server.wait_ready()
     except Exception:
@@ -80,6 +81,17 @@ def start_server(checkpoint: Path, tmp_path_factory, name: str, *args: str) -> S
 def llama_server(llama_checkpoint, tmp_path_factory):
     server = start_server(llama_checkpoint, tmp_path_factory, "llama", "--num-kv-blocks", "256",
                           "--max-num-batched-tokens", "512")
+    yield server
+    code = server.stop()
+    assert code == 0, f"serve exited with {code}:\n{server.logs()[-3000:]}"
+
+
+@pytest.fixture(scope="session")
+def service_server(llama_checkpoint, tmp_path_factory):
+    """One `serve` shared by the service-surface tests (cancellation, validation, fuzz,
+    observability): metrics on both processes, a pool small enough that a leak shows."""
+    server = start_server(llama_checkpoint, tmp_path_factory, "service", "--num-kv-blocks", "192",
+                          "--max-num-batched-tokens", "512", metrics=True)
     yield server
     code = server.stop()
     assert code == 0, f"serve exited with {code}:\n{server.logs()[-3000:]}"

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -20,22 +22,34 @@ READY_SERVICE = "pagedserve.v1.Generation"
 
 
 class ServeProcess:
-    """One `pagedserve serve` process tree on free local ports, logs in log_path."""
+    """One `pagedserve serve` process tree on free local ports, logs in log_path.
+
+    `credentials` (TLS to the public port) are used for `channel`; `metrics=True` also serves
+    both processes' Prometheus metrics on free ports (`metrics_port`, `scheduler_metrics_port`).
+    """
 
     def __init__(self, model: str | Path, log_path: Path, extra_args: list[str] | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, *,
+                 credentials: grpc.ChannelCredentials | None = None, metrics: bool = False) -> None:
         self.port = free_port()
         self.scheduler_port = free_port()
         self.log_path = log_path
+        self.metrics_port = free_port() if metrics else None
+        self.scheduler_metrics_port = free_port() if metrics else None
+        metrics_args = (["--metrics-port", str(self.metrics_port),
+                         "--scheduler-metrics-port", str(self.scheduler_metrics_port)] if metrics else [])
         command = [sys.executable, "-m", "pagedserve.cli", "serve", "--model", str(model),
                    "--port", str(self.port), "--scheduler-port", str(self.scheduler_port),
-                   "--device", "cpu", "--swap-space", "0.25", *(extra_args or [])]
+                   "--device", "cpu", "--swap-space", "0.25", *metrics_args, *(extra_args or [])]
         self._log_file = open(log_path, "wb")
         full_env = dict(os.environ)
         full_env.update(env or {})
         self.proc = subprocess.Popen(command, stdout=self._log_file, stderr=subprocess.STDOUT,
                                      start_new_session=True, env=full_env)
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        if credentials is None:
+            self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        else:
+            self.channel = grpc.secure_channel(f"127.0.0.1:{self.port}", credentials)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
         self.scheduler_channel = grpc.insecure_channel(f"127.0.0.1:{self.scheduler_port}")
         self.scheduler = scheduler_pb2_grpc.SchedulerStub(self.scheduler_channel)
@@ -46,6 +60,20 @@ class ServeProcess:
 
     def logs(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def log_events(self) -> list[dict]:
+        """The JSON log lines of every process of the tree, parsed."""
+        return [json.loads(line) for line in self.logs().splitlines() if line.startswith("{")]
+
+    def child_pids(self) -> dict[str, int]:
+        """pid of each child process by role: scheduler, worker-0 …, frontend."""
+        return {_role(pid): pid for pid in _children(self.proc.pid)}
+
+    def metrics(self, process: str = "frontend") -> str:
+        """The Prometheus text exposition of the frontend or the scheduler."""
+        port = self.metrics_port if process == "frontend" else self.scheduler_metrics_port
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            return response.read().decode()
 
     def health(self, service: str = READY_SERVICE) -> int:
         stub = health_pb2_grpc.HealthStub(self.channel)
@@ -102,3 +130,47 @@ def token_request(prompt_token_ids: list[int], **params) -> generation_pb2.Gener
 def text_request(prompt: str, **params) -> generation_pb2.GenerateRequest:
     return generation_pb2.GenerateRequest(prompt=prompt,
                                           params=generation_pb2.SamplingParams(**params))
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _role(pid: int) -> str:
+    """scheduler, frontend or worker-RANK, from a `python -m pagedserve.cli ROLE …` command line."""
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    role = argv[argv.index("pagedserve.cli") + 1] if "pagedserve.cli" in argv else str(pid)
+    if role == "worker":
+        role = f"worker-{argv[argv.index('--rank') + 1]}"
+    return role
+
+
+def resident_bytes(pid: int) -> int:
+    """Resident set size of a live process (VmRSS)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def wait_for(predicate, timeout: float = 30.0, interval: float = 0.05) -> bool:
+    """Polls predicate until it is true (True) or timeout passes (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
+
+
+def assert_pool_whole(server: ServeProcess, timeout: float = 30.0) -> scheduler_pb2.SchedulerStats:
+    """Waits until the scheduler is idle, then requires every block back: none used on GPU or
+    CPU, free + cached = total, and consistent reference counts."""
+    stats = server.wait_idle(timeout)
+    assert stats.is_pool_consistent, stats
+    assert stats.num_gpu_blocks_used == 0 and stats.num_cpu_blocks_used == 0, stats
+    assert stats.num_gpu_blocks_free + stats.num_gpu_blocks_cached == stats.num_gpu_blocks_total, stats
+    return stats
