@@ -89,7 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--tensor-parallel-size", type=int, default=1)
     worker.add_argument("--plan-address", default=DEFAULT_PLAN_ADDRESS)
     worker.add_argument("--result-address", default=DEFAULT_RESULT_ADDRESS)
-    worker.add_argument("--dist-init-address", default=DEFAULT_DIST_INIT_ADDRESS)
+    worker.add_argument("--dist-init-address", default=DEFAULT_DIST_INIT_ADDRESS,
+                        help="rendezvous of the tensor-parallel ranks: tcp://RANK0_HOST:PORT")
+    worker.add_argument("--dist-timeout", type=float, default=60.0, metavar="SECONDS",
+                        help="how long a rank waits in a collective (or the rendezvous) for the others")
+    worker.add_argument("--num-threads", type=int, default=None,
+                        help="torch CPU threads of this rank (default: torch's choice)")
     worker.add_argument("--block-size", type=int, default=16)
     _add_worker_args(worker)
 
@@ -143,6 +148,7 @@ def _run_worker(args) -> int:
         result_address=args.result_address, rank=args.rank, world_size=args.tensor_parallel_size,
         device=args.device, dtype=args.dtype, block_size=args.block_size,
         swap_space_gib=args.swap_space, dist_init_address=args.dist_init_address,
+        dist_timeout_s=args.dist_timeout, num_threads=args.num_threads,
         kv_cache_memory_gib=args.kv_cache_memory)
     return run_worker(config)
 

@@ -71,6 +71,7 @@ class ModelRunner:
         self.cache: CacheEngine | None = None
         self.sampler: Sampler | None = None
         self.dtype: torch.dtype | None = None
+        self.num_checkpoint_bytes_read = 0
 
     def load(self) -> None:
         """Reads config.json, builds this rank's shard of the model and loads its weights."""
@@ -83,7 +84,7 @@ class ModelRunner:
         tp = TensorParallelGroup(rank=self.rank, world_size=self.world_size)
         self.model = LlamaForCausalLM(self.config, tp=tp, dtype=self.dtype, device=self.device,
                                       max_positions=self.max_model_len or self.config.max_position_embeddings)
-        load_weights(self.model, self.model_path)
+        self.num_checkpoint_bytes_read = load_weights(self.model, self.model_path)
         self.model.eval()
         if self.rank == 0:
             self.sampler = Sampler(self.device, seed=self.seed)
@@ -92,6 +93,11 @@ class ModelRunner:
         if self.model is None:
             raise RunnerStateError("load() must run first")
         return self.model
+
+    @property
+    def num_weight_bytes(self) -> int:
+        """Bytes of this rank's parameters (its shard; a tied LM head counted once)."""
+        return sum(param.numel() * param.element_size() for param in self._require_model().parameters())
 
     @property
     def cache_shape(self) -> CacheShape:

@@ -1,31 +1,46 @@
 """The worker process: subscribes to step plans, runs them on its model shard, answers (rank 0).
 
     SUB  <- SchedulerMessage: InitCache (allocate KV blocks for an epoch), StepPlan, Shutdown
-    PUSH -> WorkerMessage:    Register, Ready, Heartbeat (every second, from a thread), StepResult
-                              (rank 0 only), WorkerError (then the process exits non-zero)
+    PUSH -> WorkerMessage:    Register (every second until the first InitCache), Ready,
+                              Heartbeat (every second, from a thread), StepResult (rank 0 only),
+                              WorkerError (then the process exits)
 
 Step plans are numbered within an epoch; a worker that sees a gap stops and says so, since its KV
 cache would no longer match the scheduler's block tables.
+
+Tensor parallelism: the ranks of one replica form a torch.distributed process group (NCCL on CUDA,
+gloo on CPU) at --dist-init-address, with --dist-timeout bounding every collective. Every rank
+executes every plan on its shard; rank 0 alone samples and answers. A rank whose collective fails
+(a peer died: gloo sees the connection close at once; a peer stalled: the timeout) reports a
+WorkerError and exits 1, since the group cannot be repaired; SIGTERM/SIGINT make a rank report
+"stopped" and exit 0. Either way the scheduler marks the replica unready at once.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import zmq
 
 from pagedserve.internal import step_pb2
 from pagedserve.log import configure_logging
 from pagedserve.plan_codec import encode_result, plan_from_proto
+from pagedserve.worker.tensor_parallel import CollectiveError
 
 HEARTBEAT_SECONDS = 1.0
 
 
 class StepGap(RuntimeError):
     pass
+
+
+class WorkerStopped(Exception):
+    """Raised in the main thread by SIGTERM or SIGINT."""
 
 
 @dataclass(slots=True)
@@ -40,11 +55,17 @@ class WorkerConfig:
     block_size: int = 16
     swap_space_gib: float = 4.0
     dist_init_address: str = "tcp://127.0.0.1:29500"
+    dist_timeout_s: float = 60.0
     kv_cache_memory_gib: float | None = None
+    num_threads: int | None = None  # torch intra-op threads (CPU); None: torch's default
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
+        if self.dist_timeout_s <= 0:
+            raise ValueError("dist_timeout_s must be positive")
+        if self.num_threads is not None and self.num_threads <= 0:
+            raise ValueError("num_threads must be positive")
         if self.block_size <= 0:
             raise ValueError("block_size must be positive")
         if self.swap_space_gib < 0:
@@ -87,27 +108,52 @@ def init_distributed(config: WorkerConfig, device: str) -> None:
         torch.cuda.set_device(config.rank % torch.cuda.device_count())
     backend = "nccl" if device.startswith("cuda") else "gloo"
     dist.init_process_group(backend, init_method=config.dist_init_address, rank=config.rank,
-                            world_size=config.world_size)
+                            world_size=config.world_size,
+                            timeout=timedelta(seconds=config.dist_timeout_s))
+
+
+def resident_bytes() -> int | None:
+    """This process's resident set size (Linux /proc); None where it cannot be read."""
+    try:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _raise_stopped(signum, frame) -> None:
+    raise WorkerStopped(f"stopped by {signal.Signals(signum).name}")
 
 
 def run_worker(config: WorkerConfig) -> int:
-    """Runs until Shutdown; returns the process exit code."""
+    """Runs until Shutdown or a signal; returns the process exit code."""
+    import torch
+
     from pagedserve.worker.model_runner import ModelRunner
 
     log = configure_logging("worker").bind(rank=config.rank)
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
     device = resolve_device(config.device)
     if device.startswith("cuda") and config.world_size > 1:
-        device = f"cuda:{config.rank % max(1, __import__('torch').cuda.device_count())}"
+        device = f"cuda:{config.rank % max(1, torch.cuda.device_count())}"
     init_distributed(config, device)
     runner = ModelRunner(config.model_path, device=device, dtype=config.dtype,
                          block_size=config.block_size, rank=config.rank,
                          world_size=config.world_size)
     started = time.monotonic()
+    rss_before = resident_bytes()
     runner.load()
+    rss_after = resident_bytes()
+    log.info("model_loaded", device=device, world_size=config.world_size,
+             seconds=round(time.monotonic() - started, 2),
+             num_weight_bytes=runner.num_weight_bytes,
+             num_checkpoint_bytes_read=runner.num_checkpoint_bytes_read,
+             num_rss_bytes=rss_after,
+             num_rss_load_bytes=None if rss_before is None else rss_after - rss_before)
     capacity = runner.profile_num_blocks(kv_cache_memory_gib=config.kv_cache_memory_gib)
     num_cpu_blocks = runner.num_blocks_for_bytes(int(config.swap_space_gib * 2**30))
-    log.info("model_loaded", device=device, seconds=round(time.monotonic() - started, 2),
-             num_gpu_blocks=capacity, num_cpu_blocks=num_cpu_blocks)
+    log.info("kv_capacity", num_gpu_blocks=capacity, num_cpu_blocks=num_cpu_blocks)
 
     context = zmq.Context.instance()
     sub = context.socket(zmq.SUB)
@@ -117,24 +163,45 @@ def run_worker(config: WorkerConfig) -> int:
     pusher = _Pusher(context, config.result_address)
     state = {"epoch": 0}
     stop = threading.Event()
+    register = step_pb2.WorkerMessage(register=step_pb2.Register(
+        rank=config.rank, world_size=config.world_size, num_gpu_blocks=capacity,
+        num_cpu_blocks=num_cpu_blocks, device=device, pid=os.getpid())).SerializeToString()
 
     def heartbeat() -> None:
+        """Registers until the scheduler has answered (it may start later or miss the first),
+        then heartbeats."""
         while not stop.wait(HEARTBEAT_SECONDS):
-            pusher.send(step_pb2.WorkerMessage(heartbeat=step_pb2.Heartbeat(
-                rank=config.rank, epoch=state["epoch"])))
+            if state["epoch"] == 0:
+                pusher.send(register)
+            else:
+                pusher.send(step_pb2.WorkerMessage(heartbeat=step_pb2.Heartbeat(
+                    rank=config.rank, epoch=state["epoch"])))
 
-    pusher.send(step_pb2.WorkerMessage(register=step_pb2.Register(
-        rank=config.rank, world_size=config.world_size, num_gpu_blocks=capacity,
-        num_cpu_blocks=num_cpu_blocks, device=device, pid=os.getpid())))
+    pusher.send(register)
     threading.Thread(target=heartbeat, name="heartbeat", daemon=True).start()
+    signal.signal(signal.SIGTERM, _raise_stopped)
+    signal.signal(signal.SIGINT, _raise_stopped)
     try:
         return _serve_plans(config, runner, sub, pusher, state, log)
+    except WorkerStopped as exc:
+        log.info("worker_stopping", reason=str(exc))
+        pusher.send(step_pb2.WorkerMessage(error=step_pb2.WorkerError(
+            rank=config.rank, message=str(exc))))
+        return 0
+    except CollectiveError as exc:
+        log.error("tensor_parallel_group_broken", error=str(exc))
+        pusher.send(step_pb2.WorkerMessage(error=step_pb2.WorkerError(
+            rank=config.rank,
+            message=f"its tensor-parallel group broke (another rank died or stalled): {exc}")))
+        return 1
     except Exception as exc:  # reported to the scheduler, then the process exits non-zero
         log.exception("worker_failed")
         pusher.send(step_pb2.WorkerMessage(error=step_pb2.WorkerError(
             rank=config.rank, message=f"{type(exc).__name__}: {exc}")))
         return 1
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         stop.set()
         time.sleep(0.05)
         pusher.close()

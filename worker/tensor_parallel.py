@@ -25,6 +25,11 @@ class TensorParallelError(ValueError):
     pass
 
 
+class CollectiveError(RuntimeError):
+    """A collective over the tensor-parallel group failed: a peer rank died, or stalled past the
+    process group's timeout. The group cannot be used again; the rank must stop."""
+
+
 @dataclass(frozen=True, slots=True)
 class ShardRange:
     """This rank's slice [start, start + size) of a dimension whose full size is `full_size`."""
@@ -67,7 +72,10 @@ class TensorParallelGroup:
             return x
         import torch.distributed as dist
 
-        dist.all_reduce(x, group=self.group)
+        try:
+            dist.all_reduce(x, group=self.group)
+        except RuntimeError as exc:  # gloo: peer closed or timed out; NCCL: communicator aborted
+            raise CollectiveError(f"all-reduce across {self.world_size} ranks failed: {exc}") from exc
         return x
 
     def gather_to_first(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
@@ -78,7 +86,10 @@ class TensorParallelGroup:
 
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.is_first else None
-        dist.gather(x, parts, dst=0, group=self.group)
+        try:
+            dist.gather(x, parts, dst=0, group=self.group)
+        except RuntimeError as exc:
+            raise CollectiveError(f"gather to rank 0 across {self.world_size} ranks failed: {exc}") from exc
         return torch.cat(parts, dim=dim) if self.is_first else None
 
     def even_shard(self, full_size: int, what: str) -> ShardRange:
