@@ -4,18 +4,24 @@
            ├─ worker rank 0 … TP-1 (each subscribes to the plans)
            └─ frontend             (public gRPC on --host:--port)
 
-SIGINT/SIGTERM stops the frontend first (no new requests), then the scheduler, then the workers.
-A child that exits on its own is reported and takes the others down with it. Children also get
-SIGTERM from the kernel if `serve` itself dies (PR_SET_PDEATHSIG), so nothing is orphaned.
+SIGINT/SIGTERM stops the frontend first (no new requests), then the scheduler (which tells the
+workers to exit), then whatever worker is left. A frontend or scheduler that exits on its own is
+reported and takes the others down with it (exit 1). A worker rank that exits on its own does not:
+the scheduler fails the in-flight requests with UNAVAILABLE and reports not ready (health
+NOT_SERVING), the other ranks of the replica are stopped (their process group is broken), and
+frontend and scheduler keep answering until `serve` is stopped, which then exits 1. Children also
+get SIGTERM from the kernel if `serve` itself dies (PR_SET_PDEATHSIG), so nothing is orphaned.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -30,6 +36,16 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def threads_per_rank(num_ranks: int) -> int:
+    """CPU threads for each of num_ranks workers on this host: oversubscribed cores make every
+    all-reduce wait for the slowest spinning thread."""
+    try:
+        num_cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        num_cores = os.cpu_count() or 1
+    return max(1, num_cores // num_ranks)
 
 
 def _die_with_parent() -> None:
@@ -86,6 +102,8 @@ class ServeConfig:
                       "--swap-space", str(args.swap_space)]
             if args.kv_cache_memory is not None:
                 worker += ["--kv-cache-memory", str(args.kv_cache_memory)]
+            if args.tensor_parallel_size > 1:  # ranks on one host share its cores
+                worker += ["--num-threads", str(threads_per_rank(args.tensor_parallel_size))]
             workers.append(worker)
         frontend = ["frontend", "--model", model, "--host", args.host, "--port", str(args.port),
                     "--scheduler-address", f"127.0.0.1:{scheduler_port}"]
@@ -102,6 +120,8 @@ class Supervisor:
         self.config = config
         self.children: dict[str, subprocess.Popen] = {}
         self._stopping = False
+        self._exited: set[str] = set()
+        self._is_replica_lost = False
         self._log = configure_logging("serve")
 
     def _spawn(self, name: str, args: list[str]) -> None:
@@ -119,17 +139,31 @@ class Supervisor:
 
     def stop(self) -> None:
         self._stopping = True
-        order = ["frontend", "scheduler"] + [n for n in self.children if n.startswith("worker")]
+        order = ["frontend", "scheduler"] + self._worker_names()
         for name in order:
             child = self.children.get(name)
             if child is not None and child.poll() is None:
                 child.send_signal(signal.SIGTERM)
-                if name == "frontend":
+                if name in ("frontend", "scheduler"):
                     self._wait(child, name)
         for name in order:
             child = self.children.get(name)
             if child is not None:
                 self._wait(child, name)
+
+    def _worker_names(self) -> list[str]:
+        return [name for name in self.children if name.startswith("worker")]
+
+    def _stop_workers(self) -> None:
+        """SIGTERM to every live rank, SIGKILL to any still there after STOP_TIMEOUT_SECONDS."""
+        live = [(name, self.children[name]) for name in self._worker_names()
+                if self.children[name].poll() is None]
+        for name, child in live:
+            self._log.info("worker_stopping", child=name, pid=child.pid,
+                           reason="another rank of the replica exited")
+            child.send_signal(signal.SIGTERM)
+        for name, child in live:
+            self._wait(child, name)
 
     def _wait(self, child: subprocess.Popen, name: str) -> None:
         try:
@@ -140,16 +174,31 @@ class Supervisor:
             child.wait()
 
     def watch(self) -> int:
-        """Blocks until a signal stops serving (exit 0) or a child dies on its own (exit 1)."""
+        """Blocks until a signal stops serving; exit 0, or 1 when a child had exited on its own.
+
+        The frontend or scheduler exiting stops everything at once; a worker exiting stops the
+        other ranks of its replica and leaves the replica unready (see the module docstring).
+        """
         while not self._stopping:
             for name, child in self.children.items():
                 code = child.poll()
-                if code is not None and not self._stopping:
+                if code is None or self._stopping or name in self._exited:
+                    continue
+                self._exited.add(name)
+                if not name.startswith("worker"):
                     self._log.error("child_exited", child=name, pid=child.pid, exit_code=code)
                     self.stop()
                     return 1
+                if self._is_replica_lost:  # a rank stopped because another one exited
+                    self._log.info("child_exited", child=name, pid=child.pid, exit_code=code)
+                    continue
+                self._is_replica_lost = True
+                self._log.error("child_exited", child=name, pid=child.pid, exit_code=code,
+                                consequence="replica not ready until its ranks are restarted")
+                threading.Thread(target=self._stop_workers, name="stop-workers",
+                                 daemon=True).start()
             time.sleep(0.2)
-        return 0
+        return 1 if self._exited else 0
 
 
 def run_serve(config: ServeConfig) -> int:

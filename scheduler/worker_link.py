@@ -3,10 +3,18 @@
     scheduler PUB  --SchedulerMessage (InitCache | StepPlan | Shutdown)-->  SUB  every rank
     scheduler PULL <--WorkerMessage (Register | Ready | Heartbeat | StepResult | WorkerError)--  PUSH
 
-Start-up: every rank registers its KV capacity; once all ranks of the replica have registered, the
-pool size is the minimum (or the operator's override, if smaller) and InitCache is re-published
-until every rank answers Ready for that epoch (this also rides out ZeroMQ's slow-joiner loss of
-the first published messages). A rank that stops sending heartbeats is declared lost.
+Start-up: every rank registers its KV capacity (and repeats it every second until it sees an
+InitCache); once all ranks of the replica have registered, the pool size is the minimum (or the
+operator's override, if smaller) and InitCache is re-published until every rank answers Ready for
+that epoch (this also rides out ZeroMQ's slow-joiner loss of the first published messages).
+
+The tensor-parallel ranks are one replica: a step is one plan published to all, and only rank 0
+answers. The replica is lost (WorkerLost) when any rank reports an error (a failed collective
+means a peer died or stalled), stops sending messages for heartbeat_timeout (checked on a clock
+while a step is awaited, so a dead rank cannot leave the loop waiting for rank 0 forever), or
+registers again under a new pid. `forget_ranks` then publishes Shutdown so the surviving ranks,
+whose process group is broken, exit; the replica is ready again once every rank has registered
+anew (a new epoch).
 """
 
 from __future__ import annotations
@@ -17,10 +25,12 @@ from dataclasses import dataclass, field
 import zmq
 
 from pagedserve.internal import step_pb2
+from pagedserve.log import get_logger
 from pagedserve.plan_codec import encode_plan, result_from_proto
 from pagedserve.step_plan import StepPlan, StepResult
 
 INIT_RESEND_SECONDS = 0.2
+CLOSE_LINGER_MS = 500  # lets the last Shutdown reach the workers
 
 
 class WorkerLost(RuntimeError):
@@ -80,12 +90,7 @@ class WorkerLink:
         kind = message.WhichOneof("kind")
         now = time.monotonic()
         if kind == "register":
-            reg = message.register
-            if reg.world_size != self.world_size:
-                raise WorkerLost(f"rank {reg.rank} runs with world size {reg.world_size}, "
-                                 f"the scheduler expects {self.world_size}")
-            self.ranks[reg.rank] = RankState(reg.rank, reg.num_gpu_blocks, reg.num_cpu_blocks,
-                                             reg.device, reg.pid, now)
+            self._note_register(message.register, now)
             return None
         rank = {"ready": lambda: message.ready.rank, "heartbeat": lambda: message.heartbeat.rank,
                 "error": lambda: message.error.rank, "step_result": lambda: 0}[kind]()
@@ -93,19 +98,47 @@ class WorkerLink:
         if state is not None:
             state.last_seen = now
         if kind == "error":
-            raise WorkerLost(f"worker rank {rank} failed: {message.error.message}")
+            if state is None:  # a rank of a replica already given up on, reporting late
+                get_logger(component="worker_link").info(
+                    "late_worker_error", rank=rank, message=message.error.message)
+                return None
+            raise WorkerLost(f"worker rank {rank} (pid {state.pid}) failed: "
+                             f"{message.error.message}; {self.last_heard()}")
         if kind == "ready" and state is not None:
             state.ready_epoch = message.ready.epoch
         if kind == "step_result":
             return result_from_proto(message.step_result)
         return None
 
+    def _note_register(self, reg: step_pb2.Register, now: float) -> None:
+        if reg.world_size != self.world_size:
+            raise WorkerLost(f"rank {reg.rank} runs with world size {reg.world_size}, "
+                             f"the scheduler expects {self.world_size}")
+        if not 0 <= reg.rank < self.world_size:
+            raise WorkerLost(f"rank {reg.rank} is outside world size {self.world_size}")
+        known = self.ranks.get(reg.rank)
+        if known is not None and known.pid == reg.pid:
+            known.last_seen = now  # a repeated registration (sent until InitCache arrives)
+            return
+        if known is not None and known.ready_epoch == self.epoch:
+            raise WorkerLost(f"worker rank {reg.rank} registered again as pid {reg.pid}: "
+                             f"its serving process (pid {known.pid}) is gone")
+        self.ranks[reg.rank] = RankState(reg.rank, reg.num_gpu_blocks, reg.num_cpu_blocks,
+                                         reg.device, reg.pid, now)
+
+    def last_heard(self) -> str:
+        """'last heard: rank 0 0.1s ago, rank 1 3.0s ago' for log lines."""
+        now = time.monotonic()
+        heard = ", ".join(f"rank {state.rank} {now - state.last_seen:.1f}s ago"
+                          for state in sorted(self.ranks.values(), key=lambda state: state.rank))
+        return f"last heard: {heard}"
+
     def check_alive(self) -> None:
         now = time.monotonic()
         for state in self.ranks.values():
             if now - state.last_seen > self.heartbeat_timeout:
                 raise WorkerLost(f"worker rank {state.rank} (pid {state.pid}) sent nothing for "
-                                 f"{now - state.last_seen:.1f}s")
+                                 f"{now - state.last_seen:.1f}s (dead or stopped); {self.last_heard()}")
 
     # ---- start-up --------------------------------------------------------------------------
 
@@ -141,13 +174,20 @@ class WorkerLink:
     # ---- steps -----------------------------------------------------------------------------
 
     def run_step(self, plan: StepPlan, poll_seconds: float = 0.5) -> StepResult:
-        """Publishes one plan and waits for rank 0's result, watching every rank's heartbeat."""
+        """Publishes one plan and waits for rank 0's result, watching every rank's heartbeat.
+
+        The heartbeats are checked on a clock, not only when the socket falls silent: the other
+        ranks keep heartbeating while a dead one holds the step back.
+        """
         plan.epoch = self.epoch
         self._pub.send(encode_plan(plan))
+        next_check = time.monotonic() + poll_seconds
         while True:
-            message = self._receive(poll_seconds)
-            if message is None:
+            message = self._receive(max(0.0, next_check - time.monotonic()))
+            if time.monotonic() >= next_check:
                 self.check_alive()
+                next_check = time.monotonic() + poll_seconds
+            if message is None:
                 continue
             result = self._note(message)
             if result is None:
@@ -167,9 +207,12 @@ class WorkerLink:
         message = step_pb2.SchedulerMessage(shutdown=step_pb2.Shutdown(reason=reason))
         self._pub.send(message.SerializeToString())
 
-    def forget_ranks(self) -> None:
+    def forget_ranks(self, reason: str = "the scheduler gave up on this replica's ranks") -> None:
+        """Tells every rank of the lost replica to exit and waits for fresh registrations."""
+        if self.ranks:
+            self.shutdown_workers(reason)
         self.ranks.clear()
 
     def close(self) -> None:
-        self._pub.close(0)
+        self._pub.close(CLOSE_LINGER_MS)
         self._pull.close(0)
