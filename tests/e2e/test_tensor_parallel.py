@@ -1,0 +1,185 @@
+"""Tensor parallelism through the real processes: `serve --tensor-parallel-size 2` on CPU (gloo).
+
+    sharded     Llama, 8 query / 4 KV heads: every projection split in two (about 65 MB of weights,
+                so each rank's memory can be measured against the whole)
+    replicated  Qwen2 (QKV bias, tied embeddings), 4 query heads / 1 KV head: the KV head is
+                replicated on both ranks
+
+Each checkpoint is served with one rank and with two; the greedy tokens of both must equal Hugging
+Face transformers `generate`. A rank killed mid-stream must turn into UNAVAILABLE for the client
+and NOT_SERVING for readiness, with nothing left hanging.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from pagedserve.v1 import generation_pb2
+from tests.e2e.conftest import VOCAB_SIZE, build_checkpoint, start_server
+from tests.e2e.harness import token_request, wait_for
+
+PROMPT_LENGTHS = [1, 17, 40, 130]
+MAX_NEW_TOKENS = 16
+MIB = 2**20
+RSS_MARGIN = 1.25  # a rank's load RSS may exceed half the single rank's by this factor
+UNAVAILABLE_WITHIN_S = 15.0  # the scheduler's heartbeat timeout (10 s) and a margin
+SERVE_ARGS = ["--num-kv-blocks", "128", "--max-num-batched-tokens", "256"]
+
+
+@dataclass
+class Run:
+    """What one `serve` run of a checkpoint produced."""
+
+    tokens: list[list[int]]
+    tensor_parallel_size: int
+    loaded: list[dict]  # each rank's model_loaded log event, by rank
+    exit_code: int
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(7)
+    return [[rng.randrange(4, VOCAB_SIZE) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    return {
+        "sharded": build_checkpoint(tmp_path_factory.mktemp("tp-sharded"), "llama", hidden_size=512,
+                                    num_layers=4, num_heads=8, num_kv_heads=4,
+                                    intermediate_size=2048, max_position_embeddings=1024,
+                                    tie_word_embeddings=False),
+        "replicated": build_checkpoint(tmp_path_factory.mktemp("tp-replicated"), "qwen2",
+                                       hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=1,
+                                       intermediate_size=128, max_position_embeddings=1024,
+                                       tie_word_embeddings=True),
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoints, tmp_path_factory):
+    """(checkpoint name, tensor-parallel size) -> Run; each server is started, asked, stopped."""
+    done: dict[tuple[str, int], Run] = {}
+
+    def get(name: str, tp: int) -> Run:
+        if (name, tp) not in done:
+            server = start_server(checkpoints[name], tmp_path_factory, f"{name}-tp{tp}",
+                                  "--tensor-parallel-size", str(tp), *SERVE_ARGS)
+            try:
+                info = server.stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=10)
+                with ThreadPoolExecutor(len(PROMPT_LENGTHS)) as pool:
+                    responses = list(pool.map(lambda ids: server.stub.Generate(
+                        token_request(ids, max_tokens=MAX_NEW_TOKENS), timeout=120), _prompts()))
+            finally:
+                exit_code = server.stop()
+            loaded = sorted((event for event in server.log_events()
+                             if event.get("event") == "model_loaded"), key=lambda e: e["rank"])
+            done[name, tp] = Run([list(r.completions[0].token_ids) for r in responses],
+                                 info.tensor_parallel_size, loaded, exit_code)
+        return done[name, tp]
+
+    return get
+
+
+@pytest.mark.parametrize("name", ["sharded", "replicated"])
+def test_two_ranks_match_one_rank_and_hf(name, runs, checkpoints, hf_reference):
+    expected = [hf_reference(checkpoints[name], prompt, MAX_NEW_TOKENS) for prompt in _prompts()]
+    single, double = runs(name, 1), runs(name, 2)
+    assert (single.tensor_parallel_size, double.tensor_parallel_size) == (1, 2)
+    assert [event["rank"] for event in double.loaded] == [0, 1]
+    assert single.exit_code == 0 and double.exit_code == 0
+    for length, want, got_one, got_two in zip(PROMPT_LENGTHS, expected, single.tokens, double.tokens):
+        assert got_one == want, f"one rank, prompt of {length} tokens"
+        assert got_two == want, f"two ranks, prompt of {length} tokens"
+
+
+def _shard_bytes(checkpoint: Path, world_size: int, replicated: tuple[str, ...]) -> int:
+    """Bytes one rank must hold: every tensor split world_size ways, except the norm weights and
+    those whose names contain one of `replicated`, which every rank holds whole."""
+    from safetensors import safe_open
+
+    total = 0
+    with safe_open(checkpoint / "model.safetensors", framework="pt") as handle:
+        for name in handle.keys():
+            tensor = handle.get_tensor(name)
+            num_bytes = tensor.numel() * tensor.element_size()
+            is_whole = "norm" in name or any(part in name for part in replicated)
+            total += num_bytes if is_whole else num_bytes // world_size
+    return total
+
+
+@pytest.mark.parametrize("name, replicated", [("sharded", ()),
+                                              ("replicated", ("k_proj", "v_proj"))])
+def test_each_rank_reads_and_holds_only_its_shard(name, replicated, runs, checkpoints):
+    whole = _shard_bytes(checkpoints[name], 1, ())
+    assert runs(name, 1).loaded[0]["num_weight_bytes"] == whole
+    expected = _shard_bytes(checkpoints[name], 2, replicated)
+    for rank in runs(name, 2).loaded:
+        assert rank["num_weight_bytes"] == expected, f"rank {rank['rank']}"
+        assert rank["num_checkpoint_bytes_read"] == expected, f"rank {rank['rank']}"
+
+
+def test_rank_memory_after_load_is_half(runs):
+    """Resident memory each process gained loading its weights: a rank of two about half of one
+    rank alone (65 MB of weights, so the fixed costs of a load stay within the margin)."""
+    (whole,) = runs("sharded", 1).loaded
+    assert whole["num_rss_load_bytes"] >= whole["num_weight_bytes"]
+    for rank in runs("sharded", 2).loaded:
+        assert rank["num_rss_load_bytes"] >= rank["num_weight_bytes"]
+        assert rank["num_rss_load_bytes"] <= 0.5 * whole["num_rss_load_bytes"] * RSS_MARGIN, (
+            f"rank {rank['rank']} grew by {rank['num_rss_load_bytes'] / MIB:.1f} MiB loading, "
+            f"one rank alone by {whole['num_rss_load_bytes'] / MIB:.1f} MiB")
+
+
+def test_killed_rank_gives_unavailable_and_not_ready(checkpoints, tmp_path_factory):
+    server = start_server(checkpoints["replicated"], tmp_path_factory, "replicated-kill",
+                          "--tensor-parallel-size", "2", *SERVE_ARGS)
+    try:
+        pids = server.child_pids()
+        stream = server.stub.GenerateStream(
+            token_request(_prompts()[1], max_tokens=900, ignore_eos=True), timeout=120)
+        for _ in range(3):
+            next(stream)
+        os.kill(pids["worker-1"], signal.SIGKILL)
+        killed_at = time.monotonic()
+        with pytest.raises(grpc.RpcError) as failure:
+            for _ in stream:
+                pass
+        assert failure.value.code() == grpc.StatusCode.UNAVAILABLE, failure.value.details()
+        assert time.monotonic() - killed_at < UNAVAILABLE_WITHIN_S
+
+        assert wait_for(lambda: server.health() == health_pb2.HealthCheckResponse.NOT_SERVING,
+                        timeout=UNAVAILABLE_WITHIN_S)
+        assert server.health("") == health_pb2.HealthCheckResponse.SERVING  # the frontend lives on
+        with pytest.raises(grpc.RpcError) as refused:
+            server.stub.Generate(token_request([5, 6, 7], max_tokens=2), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        # The surviving rank cannot run alone: it is stopped, not left blocked in a collective.
+        assert wait_for(lambda: not _is_running(pids["worker-0"]), timeout=UNAVAILABLE_WITHIN_S)
+        events = server.log_events()
+        assert any(e.get("event") == "child_exited" and e.get("child") == "worker-1"
+                   and e.get("exit_code") == -signal.SIGKILL for e in events)
+        assert any(e.get("event") == "workers_lost" and e.get("process") == "scheduler" for e in events)
+    finally:
+        started = time.monotonic()
+        exit_code = server.stop()
+    assert exit_code == 1, server.logs()[-3000:]  # serve reports that a worker had died
+    assert time.monotonic() - started < 30
+
+
+def _is_running(pid: int) -> bool:
+    """False once pid has exited (a zombie awaiting its parent counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
