@@ -85,7 +85,7 @@ class GenerationServicer:
         self._client = client
         self._readiness = readiness
         self._metrics = metrics
-        self.in_flight = in_flight or InFlight()
+        self.in_flight = in_flight if in_flight is not None else InFlight()
 
     def Generate(self, request, context) -> generation_pb2.GenerateResponse:
         timer = self._metrics.start_request()
