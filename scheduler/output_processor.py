@@ -31,8 +31,9 @@ class OutputProcessor:
         samples = {sample.seq_id: sample for sample in result.samples}
         deltas_of: dict[SequenceGroup, list[CompletionDelta]] = {}
         beam_samples: dict[SequenceGroup, list[SeqSample]] = {}
+        running = GroupStatus.RUNNING
         for group, seq in step.sampled:
-            if group.status is not GroupStatus.RUNNING or seq.is_finished:
+            if group.status is not running or seq.finish_reason is not None:
                 continue  # aborted or finished by the frontend while the step ran
             sample = samples.get(seq.seq_id)
             if sample is None:
@@ -41,9 +42,13 @@ class OutputProcessor:
                 beam_samples.setdefault(group, []).append(sample)
                 continue
             delta = self._append(group, seq, sample)
-            deltas_of.setdefault(group, []).append(delta)
+            deltas = deltas_of.get(group)
+            if deltas is None:
+                deltas_of[group] = [delta]
+            else:
+                deltas.append(delta)
         for group in step.groups:
-            if group.fork_at is not None and group.status is GroupStatus.RUNNING:
+            if group.fork_at is not None and group.status is running:
                 self.scheduler.fork_if_ready(group)
         for group, group_samples in beam_samples.items():
             deltas = self._advance_beams(group, group_samples)
@@ -54,30 +59,29 @@ class OutputProcessor:
             is_finished = not group.seqs
             if is_finished:
                 self.scheduler.finish_group(group)
-            outputs.append(RequestOutput(request_id=group.request_id, deltas=deltas,
-                                         prompt_tokens=len(group.request.prompt_token_ids),
-                                         cached_prompt_tokens=group.num_cached_prompt_tokens,
-                                         is_finished=is_finished))
+            outputs.append(RequestOutput(group.request.request_id, deltas, group.num_prompt_tokens,
+                                         group.num_cached_prompt_tokens, is_finished))
         return outputs
 
     def _append(self, group: SequenceGroup, seq: Sequence, sample: SeqSample) -> CompletionDelta:
         token_id = sample.token_id
-        seq.token_ids.append(token_id)
-        seq.cumulative_logprob += sample.logprob
+        tokens = seq.token_ids
+        tokens.append(token_id)
+        cumulative_logprob = seq.cumulative_logprob = seq.cumulative_logprob + sample.logprob
+        sampling = group.request.sampling
         logprobs = []
-        if group.request.sampling.logprobs > 0:
+        if sampling.logprobs > 0:
             logprobs.append(TokenLogprob(token_id, sample.logprob, list(sample.top_token_ids),
                                          list(sample.top_logprobs)))
-        num_outputs = len(seq.token_ids) - seq.num_prompt_tokens
+        num_outputs = len(tokens) - seq.num_prompt_tokens
         finish_reason = None
-        if token_id in group.stop_token_ids and num_outputs > group.request.sampling.min_tokens:
+        if token_id in group.stop_token_ids and num_outputs > sampling.min_tokens:
             finish_reason = FinishReason.STOP
         elif num_outputs >= group.max_output_tokens:
             finish_reason = FinishReason.LENGTH
         if finish_reason is not None:
             self.scheduler.finish_seq(group, seq, finish_reason)
-        return CompletionDelta(index=seq.output_index, token_ids=[token_id], logprobs=logprobs,
-                               cumulative_logprob=seq.cumulative_logprob, finish_reason=finish_reason)
+        return CompletionDelta(seq.output_index, [token_id], logprobs, cumulative_logprob, finish_reason)
 
     def _advance_beams(self, group: SequenceGroup, samples: list[SeqSample]) -> list[CompletionDelta]:
         """One beam search step over every live beam; deltas only when the search ends."""

@@ -102,6 +102,14 @@ class SequenceGroup:
     num_cached_prompt_tokens: int = 0
     is_admitted_once: bool = False
     num_completions_done: int = 0
+    is_sample_spec_static: bool = False  # no penalties and no min_tokens window: specs never change
+    num_prompt_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.request.prompt_token_ids)
+        sampling = self.request.sampling
+        self.is_sample_spec_static = not sampling.has_penalties and (
+            sampling.min_tokens == 0 or not self.stop_token_ids)
 
     @property
     def request_id(self) -> str:

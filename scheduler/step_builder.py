@@ -102,8 +102,13 @@ def _plan_beam_chunks(group: SequenceGroup, seqs: list[Sequence], max_num_tokens
 
 def num_decode_tokens(group: SequenceGroup) -> int:
     """Tokens the group's decodes take this step (reserved before any prefill chunk)."""
-    return sum(1 for seq in group.runnable_seqs()
-               if group.prefill_target(seq) - seq.num_computed_tokens == 1)
+    if group.fork_at is not None:
+        return 1 if group.fork_at - group.seqs[0].num_computed_tokens == 1 else 0
+    num_tokens = 0
+    for seq in group.seqs:
+        if len(seq.token_ids) - seq.num_computed_tokens == 1:
+            num_tokens += 1
+    return num_tokens
 
 
 class StepBuilder:
@@ -152,12 +157,28 @@ class StepBuilder:
     def _schedule_running(self) -> None:
         running = self.scheduler.running
         gpu = self.block_manager.gpu_pool
+        size = self.block_manager.block_size
         decode_tokens = [num_decode_tokens(group) for group in running]
         num_reserved = sum(decode_tokens)
         index = 0
         while index < len(running):
             group = running[index]
             num_reserved -= decode_tokens[index]
+            seqs = group.seqs
+            if len(seqs) == 1 and group.fork_at is None and self.num_seqs_left > 0:
+                seq = seqs[0]  # fast path: one sequence decoding in place, the common case
+                computed = seq.num_computed_tokens
+                if len(seq.token_ids) - computed == 1 and self.num_tokens_left > num_reserved:
+                    if computed % size == 0:
+                        if gpu.num_available:
+                            seq.block_table.append(gpu.allocate())
+                            self._emit_decode(group, seq)
+                            index += 1
+                            continue
+                    elif gpu.ref_counts[seq.block_table[-1]] == 1:
+                        self._emit_decode(group, seq)
+                        index += 1
+                        continue
             chunks = plan_chunks(group, self.num_tokens_left - num_reserved, self.num_seqs_left)
             if chunks:
                 num_needed = self.block_manager.count_blocks_needed(
@@ -170,6 +191,22 @@ class StepBuilder:
                     return
                 self._emit(group, chunks)
             index += 1
+
+    def _emit_decode(self, group: SequenceGroup, seq: Sequence) -> None:
+        """A decode whose slot is in a block the sequence owns alone (no copy-on-write)."""
+        computed = seq.num_computed_tokens
+        seq.num_computed_tokens = computed + 1
+        spec = seq.sample_spec
+        if spec is None or not group.is_sample_spec_static:
+            spec = sample_spec_for(group, seq)
+        self.sampled.append((group, seq))
+        self.scheduled.append(ScheduledSeq(seq.seq_id, seq.token_ids[-1:], computed, seq.block_table[:], spec))
+        if (computed + 1) % self.block_manager.block_size == 0:
+            self.emitted.append((group, seq))  # its last block is full now: register it
+        self.groups.append(group)
+        self.num_decode_tokens += 1
+        self.num_tokens_left -= 1
+        self.num_seqs_left -= 1
 
     def _preempt(self, group: SequenceGroup) -> None:
         self.scheduler.preempt(group, self.blocks_to_swap_out)
