@@ -199,9 +199,9 @@ def run_worker(config: WorkerConfig) -> int:
         pusher.send(step_pb2.WorkerMessage(error=step_pb2.WorkerError(
             rank=config.rank, message=f"{type(exc).__name__}: {exc}")))
         return 1
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    finally:  # bounded (the socket linger): a second signal must not cut it short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         stop.set()
         time.sleep(0.05)
         pusher.close()

@@ -12,9 +12,12 @@ and NOT_SERVING for readiness, with nothing left hanging.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -22,17 +25,19 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedserve.v1 import generation_pb2
+from pagedserve.supervisor import free_port
+from pagedserve.v1 import generation_pb2, generation_pb2_grpc
 from tests.e2e.conftest import VOCAB_SIZE, build_checkpoint, start_server
-from tests.e2e.harness import token_request, wait_for
+from tests.e2e.harness import READY_SERVICE, token_request, wait_for
 
 PROMPT_LENGTHS = [1, 17, 40, 130]
 MAX_NEW_TOKENS = 16
 MIB = 2**20
 RSS_MARGIN = 1.25  # a rank's load RSS may exceed half the single rank's by this factor
 UNAVAILABLE_WITHIN_S = 15.0  # the scheduler's heartbeat timeout (10 s) and a margin
+HEARTBEAT_TIMEOUT_S = 3.0  # of the scheduler started one by one
 SERVE_ARGS = ["--num-kv-blocks", "128", "--max-num-batched-tokens", "256"]
 
 
@@ -183,3 +188,96 @@ def _is_running(pid: int) -> bool:
             return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+class _Processes:
+    """`pagedserve scheduler | worker | frontend` started one by one, as compose.yaml does."""
+
+    def __init__(self, log_path: Path) -> None:
+        self._log = open(log_path, "wb")
+        self.log_path = log_path
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, *args: str) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-m", "pagedserve.cli", *args], stdout=self._log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def stop(self) -> list[int]:
+        """Stops them the way `serve` does: frontend, scheduler (which tells the workers to exit),
+        then the workers; returns the exit codes in start order."""
+        roles = ["frontend", "scheduler", "worker"]
+        for role in roles:
+            for proc in self.procs:
+                if proc.args[3] == role and proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+                    self._wait(proc)
+        self._log.close()
+        return [proc.returncode for proc in self.procs]
+
+    @staticmethod
+    def _wait(proc: subprocess.Popen) -> None:
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_ranks_started_one_by_one_recover_after_a_restart(checkpoints, tmp_path):
+    """Separate scheduler, worker and frontend processes (the compose layout, on localhost): a
+    rank killed while idle is noticed by its missing heartbeats, the scheduler tells the other
+    rank to exit, and starting both ranks again serves the same tokens in a new epoch."""
+    model = str(checkpoints["replicated"])
+    port, scheduler_port, plan_port, result_port, dist_port = (free_port() for _ in range(5))
+
+    def worker(rank: int) -> subprocess.Popen:
+        return processes.start(
+            "worker", "--model", model, "--rank", str(rank), "--tensor-parallel-size", "2",
+            "--plan-address", f"tcp://127.0.0.1:{plan_port}",
+            "--result-address", f"tcp://127.0.0.1:{result_port}",
+            "--dist-init-address", f"tcp://127.0.0.1:{dist_port}",
+            "--device", "cpu", "--num-threads", "1", "--swap-space", "0.1")
+
+    processes = _Processes(tmp_path / "processes.log")
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = generation_pb2_grpc.GenerationStub(channel)
+    health = health_pb2_grpc.HealthStub(channel)
+
+    def is_ready() -> bool:
+        try:
+            return health.Check(health_pb2.HealthCheckRequest(service=READY_SERVICE),
+                                timeout=2).status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False
+
+    prompt = _prompts()[2]
+    try:
+        processes.start("scheduler", "--model", model, "--host", "127.0.0.1",
+                        "--port", str(scheduler_port), "--plan-address", f"tcp://*:{plan_port}",
+                        "--result-address", f"tcp://*:{result_port}", "--tensor-parallel-size", "2",
+                        "--num-kv-blocks", "64", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S))
+        ranks = [worker(0), worker(1)]
+        processes.start("frontend", "--model", model, "--host", "127.0.0.1", "--port", str(port),
+                        "--scheduler-address", f"127.0.0.1:{scheduler_port}")
+        assert wait_for(is_ready, timeout=180), processes.log_path.read_text()[-3000:]
+        before = stub.Generate(token_request(prompt, max_tokens=MAX_NEW_TOKENS), timeout=60)
+
+        ranks[1].kill()
+        assert wait_for(lambda: not is_ready(), timeout=HEARTBEAT_TIMEOUT_S + 5)
+        assert wait_for(lambda: ranks[0].poll() is not None, timeout=HEARTBEAT_TIMEOUT_S + 5)
+        assert ranks[0].returncode == 0  # told to exit by the scheduler, not failed
+
+        ranks += [worker(0), worker(1)]
+        assert wait_for(is_ready, timeout=180), processes.log_path.read_text()[-3000:]
+        after = stub.Generate(token_request(prompt, max_tokens=MAX_NEW_TOKENS), timeout=60)
+        assert list(after.completions[0].token_ids) == list(before.completions[0].token_ids)
+    finally:
+        channel.close()
+        exit_codes = processes.stop()
+    # scheduler, frontend, the new ranks
+    assert exit_codes[0] == 0 and exit_codes[-3:] == [0, 0, 0], (exit_codes, processes.log_path.read_text()[-4000:])
+    lost = [json.loads(line) for line in processes.log_path.read_text().splitlines()
+            if '"workers_lost"' in line]
+    assert len(lost) == 1 and "worker rank 1" in lost[0]["reason"], processes.log_path.read_text()[-4000:]
