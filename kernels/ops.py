@@ -1,12 +1,15 @@
-"""Kernel dispatcher: Triton on CUDA, the plain-torch reference elsewhere.
+"""Kernel dispatcher: Triton on CUDA; on the CPU, plain torch.
 
 The worker calls only these four functions; their signatures are those of the references in
 `paged_attention_ref` and `cache_ops_ref`. PAGEDSERVE_KERNELS picks the implementation:
 
-    auto (default)   Triton when the tensors are on CUDA and triton is installed, else reference
+    auto (default)   Triton when the tensors are on CUDA and triton is installed; otherwise
+                     paged_attention_cpu for attention (batched SDPA, the production CPU path)
+                     and the references for the cache operations
     triton           always Triton; on CPU tensors this needs TRITON_INTERPRET=1 set before the
                      kernel modules are first imported (the Triton interpreter, for tests)
-    reference        always the plain-torch reference (the production CPU path)
+    reference        always the plain-torch references (the oracle every other path is tested
+                     against)
 
 triton is imported lazily, on the first call that picks it, so importing this module works on a
 machine without triton.
@@ -21,6 +24,7 @@ from functools import cache
 import torch
 
 from pagedserve.kernels.cache_ops_ref import copy_blocks_ref, swap_blocks_ref, write_kv_cache_ref
+from pagedserve.kernels.paged_attention_cpu import paged_attention_cpu
 from pagedserve.kernels.paged_attention_ref import paged_attention_ref
 
 KERNELS_ENV = "PAGEDSERVE_KERNELS"
@@ -48,7 +52,10 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query
         from pagedserve.kernels.paged_attention import paged_attention as paged_attention_triton
         return paged_attention_triton(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                                       scale, sliding_window)
-    return paged_attention_ref(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+    if os.environ.get(KERNELS_ENV) == "reference":
+        return paged_attention_ref(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                                   scale, sliding_window)
+    return paged_attention_cpu(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                                scale, sliding_window)
 
 

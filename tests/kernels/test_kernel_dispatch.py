@@ -1,4 +1,4 @@
-"""The kernel dispatcher: reference on CPU, Triton on CUDA, PAGEDSERVE_KERNELS overrides both."""
+"""The kernel dispatcher: plain torch on CPU, Triton on CUDA, PAGEDSERVE_KERNELS overrides both."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 
 from pagedserve.kernels import ops
 from pagedserve.kernels.cache_ops_ref import copy_blocks_ref, write_kv_cache_ref
+from pagedserve.kernels.paged_attention_cpu import paged_attention_cpu
 from pagedserve.kernels.paged_attention_ref import paged_attention_ref
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -80,14 +81,24 @@ def call_every_op(batch):
     return out
 
 
-def test_cpu_tensors_take_the_reference_by_default(monkeypatch, triton_spies):
+def test_cpu_tensors_take_plain_torch_by_default(monkeypatch, triton_spies):
     monkeypatch.delenv(ops.KERNELS_ENV, raising=False)
     batch = small_batch()
-    expected = paged_attention_ref(*batch, 0.125)
+    expected = paged_attention_cpu(*batch, 0.125)
+    reference = paged_attention_ref(*batch, 0.125)
     out = call_every_op(batch)
     assert triton_spies == []
-    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    torch.testing.assert_close(out, reference)
     torch.testing.assert_close(batch[2][3], batch[1][2])  # swap_blocks moved key block 2 into value block 3
+
+
+def test_switch_forces_the_reference(monkeypatch, triton_spies):
+    monkeypatch.setenv(ops.KERNELS_ENV, "reference")
+    batch = small_batch()
+    expected = paged_attention_ref(*batch, 0.125)
+    torch.testing.assert_close(ops.paged_attention(*batch, 0.125), expected, atol=0, rtol=0)
+    assert triton_spies == []
 
 
 def test_switch_forces_triton_on_cpu(monkeypatch, triton_spies):
