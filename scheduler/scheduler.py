@@ -94,7 +94,7 @@ class Scheduler:
             request_id=request_id,
             deltas=[CompletionDelta(index=index, token_ids=[], cumulative_logprob=seq.cumulative_logprob,
                                     finish_reason=FinishReason.ABORT)],
-            prompt_tokens=len(group.request.prompt_token_ids),
+            prompt_tokens=group.num_prompt_tokens,
             cached_prompt_tokens=group.num_cached_prompt_tokens, is_finished=is_finished))
         return True
 

@@ -21,7 +21,7 @@ computes its whole tail; otherwise its beams compute up to their last token and 
 from __future__ import annotations
 
 from bisect import insort
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pagedserve.scheduler.sample_specs import sample_spec_for

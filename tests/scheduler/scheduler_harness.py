@@ -157,11 +157,16 @@ def collect(records: dict[str, RequestRecord], outputs: list[RequestOutput]) -> 
 
 
 def run_workload(config: SchedulerConfig, specs: list[RequestSpec], *, max_steps: int = 5000,
-                 on_step: Callable[[Scheduler, StepPlan], None] | None = None) -> RunResult:
-    """Drives a scheduler until every request ended; checks invariants after every step."""
+                 on_step: Callable[[Scheduler, StepPlan], None] | None = None,
+                 reset_steps: frozenset[int] = frozenset()) -> RunResult:
+    """Drives a scheduler until every request ended; checks invariants after every step.
+
+    At each of reset_steps the workers "restart": scheduler.reset() and a fresh fake KV cache.
+    """
     scheduler = Scheduler(config)
     worker = FakeWorker(config)
     records = {spec.request_id: RequestRecord() for spec in specs}
+    plans: list[StepPlan] = []
     step_index = 0
     last_arrival = max((spec.arrival_step for spec in specs), default=0)
     while True:
@@ -172,6 +177,9 @@ def run_workload(config: SchedulerConfig, specs: list[RequestSpec], *, max_steps
                 records[spec.request_id].was_aborted = True
             if spec.finish_step == step_index and scheduler.finish_completion(spec.request_id, spec.finish_index):
                 records[spec.request_id].finished_indices.add(spec.finish_index)
+        if step_index in reset_steps:
+            scheduler.reset()
+            worker = FakeWorker(config)
         scheduler.check_invariants()
         step = scheduler.schedule()
         if step is None:
@@ -187,6 +195,7 @@ def run_workload(config: SchedulerConfig, specs: list[RequestSpec], *, max_steps
             scheduler.check_invariants()
             if on_step is not None:
                 on_step(scheduler, plan)
+            plans.append(plan)
             collect(records, scheduler.process_result(step, worker.run(plan)))
             scheduler.check_invariants()
         step_index += 1
@@ -195,4 +204,4 @@ def run_workload(config: SchedulerConfig, specs: list[RequestSpec], *, max_steps
     stats = scheduler.stats()
     if stats.gpu.num_used or stats.cpu.num_used or stats.gpu.num_free + stats.gpu.num_cached != stats.gpu.num_total:
         raise AssertionError(f"blocks leaked: {stats}")
-    return RunResult(records=records, plans=worker.plans, scheduler=scheduler)
+    return RunResult(records=records, plans=plans, scheduler=scheduler)

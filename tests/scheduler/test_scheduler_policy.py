@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from scheduler_harness import EOS_TOKEN_ID, FakeWorker, RequestSpec, collect, run_workload
-from scheduler_harness import RequestRecord
+from scheduler_harness import EOS_TOKEN_ID, FakeWorker, RequestRecord, RequestSpec, collect, run_workload
 
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler.errors import RequestRejected, StepOrderError

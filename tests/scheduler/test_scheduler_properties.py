@@ -1,6 +1,6 @@
 """Randomized workloads: invariants after every step, no leaks, every request ends, and under
 memory pressure (tiny pools, every preemption mode, chunking, prefix caching on and off, aborts,
-stop strings) the tokens equal those of a run with a huge pool, a huge budget and another block
+stop strings, worker restarts) the tokens equal those of a run with a huge pool, a huge budget and another block
 size: the fake worker's tokens depend only on the KV it reads, so they are an oracle."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _sampling(draw, min_tokens_out: int = 1) -> SamplingParams:
 
 
 @st.composite
-def _workload(draw, is_crowded: bool = False) -> tuple[SchedulerConfig, list[RequestSpec]]:
+def _workload(draw, is_crowded: bool = False) -> tuple[SchedulerConfig, list[RequestSpec], frozenset[int]]:
     """Requests with shared prefixes, aborts and stop strings over a pool sized for the largest
     request plus a little; crowded: many long requests at once, nothing to spare."""
     block_size = draw(st.sampled_from([1, 2, 4, 8]))
@@ -76,7 +76,8 @@ def _workload(draw, is_crowded: bool = False) -> tuple[SchedulerConfig, list[Req
         swap_seconds_per_block=1.0,
         recompute_seconds_per_token=draw(st.sampled_from([0.01, 0.3, 10.0])) / block_size,
     )
-    return config, specs
+    reset_steps = frozenset(draw(st.lists(st.integers(1, 30), max_size=2)) if draw(st.integers(0, 4)) == 0 else [])
+    return config, specs, reset_steps
 
 
 def _probe_config(block_size: int) -> SchedulerConfig:
@@ -96,18 +97,19 @@ _HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large]
 
 @settings(max_examples=200, deadline=None, suppress_health_check=_HEALTH)
 @given(_workload())
-def test_random_workloads_match_the_oracle(workload: tuple[SchedulerConfig, list[RequestSpec]]) -> None:
+def test_random_workloads_match_the_oracle(workload) -> None:
     _check_against_oracle(*workload)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=_HEALTH)
 @given(_workload(is_crowded=True))
-def test_crowded_workloads_match_the_oracle(workload: tuple[SchedulerConfig, list[RequestSpec]]) -> None:
+def test_crowded_workloads_match_the_oracle(workload) -> None:
     _check_against_oracle(*workload)
 
 
-def _check_against_oracle(config: SchedulerConfig, specs: list[RequestSpec]) -> None:
-    pressured = run_workload(config, specs)  # invariants after every step; leak check at the end
+def _check_against_oracle(config: SchedulerConfig, specs: list[RequestSpec], reset_steps: frozenset[int]) -> None:
+    # invariants after every step; leak check at the end; resets lose every KV block
+    pressured = run_workload(config, specs, reset_steps=reset_steps)
     oracle = run_workload(_ORACLE, _oracle_specs(specs))
     stats = pressured.scheduler.stats()
     event(f"preempted by swap: {stats.num_preemptions_swap > 0}")
