@@ -25,7 +25,7 @@ def configure_logging(process: str, level: str | None = None) -> structlog.stdli
             structlog.processors.JSONRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric_level),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),  # one write per line
         cache_logger_on_first_use=False,
     )
     return structlog.get_logger().bind(process=process, pid=os.getpid())
