@@ -62,6 +62,7 @@ class StepRecord:
     num_prefill_tokens: int
     num_decode_tokens: int
     seconds: float
+    forward_seconds: float = 0.0  # rank 0's model forward within the step
     queue_seconds: list[float] = field(default_factory=list)  # requests scheduled for the first time
 
 
@@ -235,6 +236,7 @@ class Engine:
                 del self._sinks[output.request_id]
             sink(output)
         record = self._record(scheduled, time.perf_counter() - started)
+        record.forward_seconds = result.forward_seconds
         record.queue_seconds = queue_seconds
         self.state.num_waiting = self.scheduler.stats().num_waiting
         if self._on_step is not None:

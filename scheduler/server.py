@@ -205,7 +205,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         for record in recent:
             msg.recent_steps.add(step_id=record.step_id, request_ids=record.request_ids,
                                  num_prefill_tokens=record.num_prefill_tokens,
-                                 num_decode_tokens=record.num_decode_tokens)
+                                 num_decode_tokens=record.num_decode_tokens, seconds=record.seconds,
+                                 forward_seconds=record.forward_seconds)
         return msg
 
     def _collect_stats(self):

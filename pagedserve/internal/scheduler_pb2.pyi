@@ -171,16 +171,20 @@ class GetStatsRequest(_message.Message):
     def __init__(self, max_recent_steps: _Optional[int] = ...) -> None: ...
 
 class StepSummary(_message.Message):
-    __slots__ = ("step_id", "request_ids", "num_prefill_tokens", "num_decode_tokens")
+    __slots__ = ("step_id", "request_ids", "num_prefill_tokens", "num_decode_tokens", "seconds", "forward_seconds")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_DECODE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     num_prefill_tokens: int
     num_decode_tokens: int
-    def __init__(self, step_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., num_prefill_tokens: _Optional[int] = ..., num_decode_tokens: _Optional[int] = ...) -> None: ...
+    seconds: float
+    forward_seconds: float
+    def __init__(self, step_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., num_prefill_tokens: _Optional[int] = ..., num_decode_tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ...) -> None: ...
 
 class SchedulerStats(_message.Message):
     __slots__ = ("num_running", "num_waiting", "num_swapped", "num_gpu_blocks_total", "num_gpu_blocks_free", "num_gpu_blocks_used", "num_gpu_blocks_cached", "num_cpu_blocks_total", "num_cpu_blocks_free", "num_cpu_blocks_used", "num_cpu_blocks_cached", "num_steps", "num_preemptions_swap", "num_preemptions_recompute", "num_prefix_cache_queries", "num_prefix_cache_hits", "recent_steps", "is_pool_consistent")
