@@ -221,20 +221,14 @@ class Engine:
         started = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if scheduled is None:
+            self._deliver(self.scheduler.pop_pending_outputs())
             self.state.num_waiting = self.scheduler.stats().num_waiting
             return False
         now = time.monotonic()
         queue_seconds = [seconds for group in scheduled.groups
                          if (seconds := self.admission.release(group.request_id, now)) is not None]
         result = self.link.run_step(scheduled.plan)
-        outputs = self.scheduler.process_result(scheduled, result)
-        for output in outputs:
-            sink = self._sinks.get(output.request_id)
-            if sink is None:
-                continue
-            if output.is_finished:
-                del self._sinks[output.request_id]
-            sink(output)
+        self._deliver(self.scheduler.process_result(scheduled, result))
         record = self._record(scheduled, time.perf_counter() - started)
         record.forward_seconds = result.forward_seconds
         record.queue_seconds = queue_seconds
@@ -242,6 +236,15 @@ class Engine:
         if self._on_step is not None:
             self._on_step(self, record)
         return True
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            sink = self._sinks.get(output.request_id)
+            if sink is None:
+                continue
+            if output.is_finished:
+                del self._sinks[output.request_id]
+            sink(output)
 
     def _record(self, scheduled, seconds: float) -> StepRecord:
         request_ids = sorted({group.request_id for group in scheduled.groups})
