@@ -81,6 +81,11 @@ class RequestTimer:
         self._last_token_time = now
         self._metrics.generation_tokens.inc(num_tokens)
 
+    @property
+    def is_running(self) -> bool:
+        """Whether the request has not been recorded as ended yet."""
+        return not self._is_done
+
     def on_done(self, finish_label: str) -> None:
         """Records the end of the request once; later calls are ignored."""
         if self._is_done:

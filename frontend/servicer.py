@@ -120,6 +120,11 @@ class GenerationServicer:
                         context.send_initial_metadata(((REQUEST_ID_METADATA, request_id),))
                         is_first = False
                     yield stream_message(request_id, update.completions, update.usage)
+        except GeneratorExit:  # the call ended while a message was on its way: the client is gone
+            if generation is not None and timer.is_running:
+                timer.on_done("abort")
+                self._log_client_gone(context, generation.request.request_id)
+            raise
         except Exception as exc:  # every failure becomes a status code
             self._fail(exc, request, context, timer, generation)
         finally:
@@ -181,11 +186,8 @@ class GenerationServicer:
                           "retry on another instance")
         if isinstance(exc, SubmitCancelled) or (generation is not None and generation.is_cancelled):
             timer.on_done("abort")
-            remaining = context.time_remaining()
-            if remaining is not None and remaining <= DEADLINE_SLACK_S:
-                log.info("request_deadline_exceeded", request_id=request_id)
+            if self._log_client_gone(context, request_id):
                 context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed before the request finished")
-            log.info("request_cancelled", request_id=request_id)
             context.abort(grpc.StatusCode.CANCELLED, "the client cancelled the request")
         status = _status_for(exc)
         timer.on_done(status.label)
@@ -194,6 +196,15 @@ class GenerationServicer:
         else:
             log.info("request_failed", request_id=request_id, code=status.code.name, error=str(status))
         context.abort(status.code, str(status))
+
+
+    @staticmethod
+    def _log_client_gone(context, request_id: str) -> bool:
+        """Logs why the call ended early; True when its deadline passed, False when cancelled."""
+        remaining = context.time_remaining()
+        is_deadline = remaining is not None and remaining <= DEADLINE_SLACK_S
+        log.info("request_deadline_exceeded" if is_deadline else "request_cancelled", request_id=request_id)
+        return is_deadline
 
 
 def _metadata_request_id(context) -> str:

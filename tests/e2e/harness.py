@@ -62,8 +62,8 @@ class ServeProcess:
         return self.log_path.read_text(errors="replace")
 
     def log_events(self) -> list[dict]:
-        """The JSON log lines of every process of the tree, parsed."""
-        return [json.loads(line) for line in self.logs().splitlines() if line.startswith("{")]
+        """The JSON log events of every process of the tree, parsed."""
+        return parse_log_events(self.logs())
 
     def child_pids(self) -> dict[str, int]:
         """pid of each child process by role: scheduler, worker-0 …, frontend."""
@@ -130,6 +130,25 @@ def token_request(prompt_token_ids: list[int], **params) -> generation_pb2.Gener
 def text_request(prompt: str, **params) -> generation_pb2.GenerateRequest:
     return generation_pb2.GenerateRequest(prompt=prompt,
                                           params=generation_pb2.SamplingParams(**params))
+
+
+def parse_log_events(text: str) -> list[dict]:
+    """JSON objects of a log several processes wrote to: one per line, except where a process
+    left its line unterminated (it exited mid-line) and another's follows on the same line."""
+    decoder = json.JSONDecoder()
+    events = []
+    for line in text.splitlines():
+        position = line.find("{")
+        while position != -1:
+            try:
+                event, end = decoder.raw_decode(line, position)
+            except json.JSONDecodeError:
+                end = position + 1
+            else:
+                if isinstance(event, dict) and "event" in event:
+                    events.append(event)
+            position = line.find("{", end)
+    return events
 
 
 def _children(pid: int) -> list[int]:

@@ -4,7 +4,6 @@ shutdown timeout cuts what is still running (UNAVAILABLE, aborted in the schedul
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve.internal import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.supervisor import free_port
 from pagedserve.v1 import generation_pb2_grpc
-from tests.e2e.harness import ServeProcess, assert_pool_whole, token_request, wait_for
+from tests.e2e.harness import ServeProcess, assert_pool_whole, parse_log_events, token_request, wait_for
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -34,8 +33,7 @@ class Process:
                                      stdout=self._log, stderr=subprocess.STDOUT)
 
     def events(self) -> list[dict]:
-        return [json.loads(line) for line in self.log_path.read_text(errors="replace").splitlines()
-                if line.startswith("{")]
+        return parse_log_events(self.log_path.read_text(errors="replace"))
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
         if self.proc.poll() is None:
