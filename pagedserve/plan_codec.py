@@ -1,10 +1,13 @@
 """Converts step plans, results and worker messages between dataclasses and protobuf bytes.
 
 Protobuf is the one wire format between the scheduler and the workers; the dataclasses in
-step_plan.py are what both sides compute with.
+step_plan.py are what both sides compute with. Sequences and samples travel as columns of
+packed arrays (see proto/pagedserve/internal/step.proto), equal sampling specs once per step.
 """
 
 from __future__ import annotations
+
+from itertools import chain
 
 from pagedserve.internal import step_pb2
 from pagedserve.step_plan import SampleSpec, ScheduledSeq, SeqSample, StepPlan, StepResult
@@ -61,15 +64,45 @@ def _sample_from_proto(msg: step_pb2.SampleSpec) -> SampleSpec:
     )
 
 
+def _spec_key(spec: SampleSpec) -> tuple | None:
+    """Value of a spec for sharing one wire entry among equal specs; None for penalty specs
+    (they carry token histories and are sent as they are)."""
+    if spec.prompt_token_ids or spec.output_token_ids:
+        return None
+    return (spec.temperature, spec.top_p, spec.top_k, spec.min_p, spec.seed, spec.output_index,
+            spec.repetition_penalty, spec.presence_penalty, spec.frequency_penalty, spec.num_logprobs,
+            spec.num_beam_candidates, tuple(spec.suppress_token_ids))
+
+
 def plan_to_proto(plan: StepPlan) -> step_pb2.StepPlan:
     msg = step_pb2.StepPlan(epoch=plan.epoch, step_id=plan.step_id)
-    for seq in plan.seqs:
-        out = msg.seqs.add(seq_id=seq.seq_id, start_position=seq.start_position)
-        out.token_ids.extend(seq.token_ids)
-        out.block_table.extend(seq.block_table)
-        if seq.sample is not None:
-            out.has_sample = True
-            _sample_to_proto(seq.sample, out.sample)
+    seqs = plan.seqs
+    msg.seq_ids.extend([seq.seq_id for seq in seqs])
+    msg.start_positions.extend([seq.start_position for seq in seqs])
+    msg.num_tokens.extend([len(seq.token_ids) for seq in seqs])
+    msg.token_ids.extend(list(chain.from_iterable(seq.token_ids for seq in seqs)))
+    msg.num_blocks.extend([len(seq.block_table) for seq in seqs])
+    msg.block_ids.extend(list(chain.from_iterable(seq.block_table for seq in seqs)))
+    by_object: dict[int, int] = {}  # id(spec) -> index in msg.samples
+    by_value: dict[tuple, int] = {}
+    sample_index = []
+    for seq in seqs:
+        spec = seq.sample
+        if spec is None:
+            sample_index.append(-1)
+            continue
+        index = by_object.get(id(spec))
+        if index is None:
+            key = _spec_key(spec)
+            index = by_value.get(key) if key is not None else None
+            if index is None:
+                index = len(msg.samples)
+                _sample_to_proto(spec, msg.samples.add())
+                if key is not None:
+                    by_value[key] = index
+            by_object[id(spec)] = index
+        sample_index.append(index)
+    msg.sample_index.extend(sample_index)
     _pairs_to_proto(plan.blocks_to_swap_out, msg.blocks_to_swap_out)
     _pairs_to_proto(plan.blocks_to_swap_in, msg.blocks_to_swap_in)
     _pairs_to_proto(plan.blocks_to_copy, msg.blocks_to_copy)
@@ -77,16 +110,18 @@ def plan_to_proto(plan: StepPlan) -> step_pb2.StepPlan:
 
 
 def plan_from_proto(msg: step_pb2.StepPlan) -> StepPlan:
-    seqs = [
-        ScheduledSeq(
-            seq_id=seq.seq_id,
-            token_ids=list(seq.token_ids),
-            start_position=seq.start_position,
-            block_table=list(seq.block_table),
-            sample=_sample_from_proto(seq.sample) if seq.has_sample else None,
-        )
-        for seq in msg.seqs
-    ]
+    """Sequences with equal specs share one SampleSpec object (the worker only reads them)."""
+    specs = [_sample_from_proto(sample) for sample in msg.samples]
+    token_ids, block_ids = list(msg.token_ids), list(msg.block_ids)
+    seqs = []
+    token_start = block_start = 0
+    for seq_id, start_position, num_tokens, num_blocks, sample_index in zip(
+            msg.seq_ids, msg.start_positions, msg.num_tokens, msg.num_blocks, msg.sample_index):
+        token_end, block_end = token_start + num_tokens, block_start + num_blocks
+        seqs.append(ScheduledSeq(seq_id, token_ids[token_start:token_end], start_position,
+                                 block_ids[block_start:block_end],
+                                 specs[sample_index] if sample_index >= 0 else None))
+        token_start, block_start = token_end, block_end
     return StepPlan(
         step_id=msg.step_id,
         seqs=seqs,
@@ -100,30 +135,42 @@ def plan_from_proto(msg: step_pb2.StepPlan) -> StepPlan:
 def result_to_proto(result: StepResult) -> step_pb2.StepResult:
     msg = step_pb2.StepResult(epoch=result.epoch, step_id=result.step_id,
                               forward_seconds=result.forward_seconds)
-    for sample in result.samples:
-        out = msg.samples.add(seq_id=sample.seq_id, token_id=sample.token_id, logprob=sample.logprob)
-        if sample.top_token_ids:
-            out.top_token_ids.extend(sample.top_token_ids)
-            out.top_logprobs.extend(sample.top_logprobs)
-        if sample.beam_token_ids:
-            out.beam_token_ids.extend(sample.beam_token_ids)
-            out.beam_logprobs.extend(sample.beam_logprobs)
+    samples = result.samples
+    msg.seq_ids.extend([sample.seq_id for sample in samples])
+    msg.token_ids.extend([sample.token_id for sample in samples])
+    msg.logprobs.extend([sample.logprob for sample in samples])
+    if any(sample.top_token_ids for sample in samples):
+        msg.num_top.extend([len(sample.top_token_ids) for sample in samples])
+        msg.top_token_ids.extend(list(chain.from_iterable(sample.top_token_ids for sample in samples)))
+        msg.top_logprobs.extend(list(chain.from_iterable(sample.top_logprobs for sample in samples)))
+    if any(sample.beam_token_ids for sample in samples):
+        msg.num_beam.extend([len(sample.beam_token_ids) for sample in samples])
+        msg.beam_token_ids.extend(list(chain.from_iterable(sample.beam_token_ids for sample in samples)))
+        msg.beam_logprobs.extend(list(chain.from_iterable(sample.beam_logprobs for sample in samples)))
     return msg
 
 
+def _split(counts, values) -> list[list]:
+    """values cut into consecutive lists of counts[i] items; empty lists when counts is empty."""
+    if not counts:
+        return []
+    values = list(values)
+    parts, start = [], 0
+    for count in counts:
+        parts.append(values[start:start + count])
+        start += count
+    return parts
+
+
 def result_from_proto(msg: step_pb2.StepResult) -> StepResult:
-    samples = [
-        SeqSample(
-            seq_id=s.seq_id,
-            token_id=s.token_id,
-            logprob=s.logprob,
-            top_token_ids=list(s.top_token_ids),
-            top_logprobs=list(s.top_logprobs),
-            beam_token_ids=list(s.beam_token_ids),
-            beam_logprobs=list(s.beam_logprobs),
-        )
-        for s in msg.samples
-    ]
+    top_ids, top_logprobs = _split(msg.num_top, msg.top_token_ids), _split(msg.num_top, msg.top_logprobs)
+    beam_ids, beam_logprobs = _split(msg.num_beam, msg.beam_token_ids), _split(msg.num_beam, msg.beam_logprobs)
+    samples = [SeqSample(seq_id, token_id, logprob) for seq_id, token_id, logprob
+               in zip(msg.seq_ids, msg.token_ids, msg.logprobs)]
+    for sample, ids, logprobs in zip(samples, top_ids, top_logprobs):
+        sample.top_token_ids, sample.top_logprobs = ids, logprobs
+    for sample, ids, logprobs in zip(samples, beam_ids, beam_logprobs):
+        sample.beam_token_ids, sample.beam_logprobs = ids, logprobs
     return StepResult(step_id=msg.step_id, samples=samples, forward_seconds=msg.forward_seconds,
                       epoch=msg.epoch)
 

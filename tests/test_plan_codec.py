@@ -57,3 +57,33 @@ def test_result_round_trip() -> None:
     assert result_from_proto(result_to_proto(result)) == result
     message = step_pb2.WorkerMessage.FromString(encode_result(result))
     assert result_from_proto(message.step_result) == result
+
+
+def test_equal_specs_are_sent_once_and_penalty_specs_each() -> None:
+    greedy = [SampleSpec(), SampleSpec(), SampleSpec(output_index=1)]
+    penalised = [SampleSpec(repetition_penalty=1.5, prompt_token_ids=[1], output_token_ids=[2]),
+                 SampleSpec(repetition_penalty=1.5, prompt_token_ids=[1], output_token_ids=[2])]
+    specs = [*greedy, *penalised, None]
+    plan = StepPlan(step_id=1, seqs=[ScheduledSeq(seq_id=i, token_ids=[i + 1], start_position=i,
+                                                  block_table=[i], sample=spec)
+                                     for i, spec in enumerate(specs)])
+    message = plan_to_proto(plan)
+    assert len(message.samples) == 4  # greedy once, output index 1, both penalty specs
+    assert list(message.sample_index) == [0, 0, 1, 2, 3, -1]
+    assert plan_from_proto(message) == plan
+
+
+def test_empty_plan_and_result_round_trip() -> None:
+    plan = StepPlan(step_id=4, epoch=1, blocks_to_copy=[(2, 3)])
+    assert plan_from_proto(plan_to_proto(plan)) == plan
+    result = StepResult(step_id=4, epoch=1)
+    assert result_from_proto(result_to_proto(result)) == result
+
+
+def test_columns_keep_each_sequence_its_own_tokens_and_blocks() -> None:
+    seqs = [ScheduledSeq(seq_id=10 + i, token_ids=list(range(i * 5, i * 5 + i + 1)), start_position=3 * i,
+                         block_table=list(range(100 * i, 100 * i + i % 3 + 1)),
+                         sample=SampleSpec(temperature=0.5 * (i % 2)) if i % 4 else None)
+            for i in range(40)]
+    plan = StepPlan(step_id=2, seqs=seqs)
+    assert plan_from_proto(step_pb2.SchedulerMessage.FromString(encode_plan(plan)).step_plan) == plan

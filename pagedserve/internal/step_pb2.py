@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epagedserve/internal/step.proto\x12\x13pagedserve.internal\"\xd8\x02\n\nSampleSpec\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x10\n\x08has_seed\x18\x05 \x01(\x08\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x14\n\x0coutput_index\x18\x07 \x01(\r\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x14\n\x0cnum_logprobs\x18\x0b \x01(\r\x12\x1b\n\x13num_beam_candidates\x18\x0c \x01(\r\x12\x1a\n\x12suppress_token_ids\x18\r \x03(\r\x12\x18\n\x10prompt_token_ids\x18\x0e \x03(\r\x12\x18\n\x10output_token_ids\x18\x0f \x03(\r\"\xa3\x01\n\x0cScheduledSeq\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x16\n\x0estart_position\x18\x03 \x01(\r\x12\x13\n\x0b\x62lock_table\x18\x04 \x03(\r\x12\x12\n\nhas_sample\x18\x05 \x01(\x08\x12/\n\x06sample\x18\x06 \x01(\x0b\x32\x1f.pagedserve.internal.SampleSpec\"%\n\tBlockPair\x12\x0b\n\x03src\x18\x01 \x03(\r\x12\x0b\n\x03\x64st\x18\x02 \x03(\r\"\x8a\x02\n\x08StepPlan\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12/\n\x04seqs\x18\x03 \x03(\x0b\x32!.pagedserve.internal.ScheduledSeq\x12:\n\x12\x62locks_to_swap_out\x18\x04 \x01(\x0b\x32\x1e.pagedserve.internal.BlockPair\x12\x39\n\x11\x62locks_to_swap_in\x18\x05 \x01(\x0b\x32\x1e.pagedserve.internal.BlockPair\x12\x36\n\x0e\x62locks_to_copy\x18\x06 \x01(\x0b\x32\x1e.pagedserve.internal.BlockPair\"J\n\tInitCache\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x16\n\x0enum_gpu_blocks\x18\x02 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x03 \x01(\r\"\x1a\n\x08Shutdown\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xb7\x01\n\x10SchedulerMessage\x12\x34\n\ninit_cache\x18\x01 \x01(\x0b\x32\x1e.pagedserve.internal.InitCacheH\x00\x12\x32\n\tstep_plan\x18\x02 \x01(\x0b\x32\x1d.pagedserve.internal.StepPlanH\x00\x12\x31\n\x08shutdown\x18\x03 \x01(\x0b\x32\x1d.pagedserve.internal.ShutdownH\x00\x42\x06\n\x04kind\"y\n\x08Register\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\x03 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x04 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x0b\n\x03pid\x18\x06 \x01(\x04\"$\n\x05Ready\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"\x9a\x01\n\tSeqSample\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\x12\x16\n\x0e\x62\x65\x61m_token_ids\x18\x06 \x03(\r\x12\x15\n\rbeam_logprobs\x18\x07 \x03(\x02\"v\n\nStepResult\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12/\n\x07samples\x18\x03 \x03(\x0b\x32\x1e.pagedserve.internal.SeqSample\x12\x17\n\x0f\x66orward_seconds\x18\x04 \x01(\x01\"(\n\tHeartbeat\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\",\n\x0bWorkerError\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x97\x02\n\rWorkerMessage\x12\x31\n\x08register\x18\x01 \x01(\x0b\x32\x1d.pagedserve.internal.RegisterH\x00\x12+\n\x05ready\x18\x02 \x01(\x0b\x32\x1a.pagedserve.internal.ReadyH\x00\x12\x36\n\x0bstep_result\x18\x03 \x01(\x0b\x32\x1f.pagedserve.internal.StepResultH\x00\x12\x31\n\x05\x65rror\x18\x04 \x01(\x0b\x32 .pagedserve.internal.WorkerErrorH\x00\x12\x33\n\theartbeat\x18\x05 \x01(\x0b\x32\x1e.pagedserve.internal.HeartbeatH\x00\x42\x06\n\x04kindb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epagedserve/internal/step.proto\x12\x13pagedserve.internal\"\xd8\x02\n\nSampleSpec\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x10\n\x08has_seed\x18\x05 \x01(\x08\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x14\n\x0coutput_index\x18\x07 \x01(\r\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x14\n\x0cnum_logprobs\x18\x0b \x01(\r\x12\x1b\n\x13num_beam_candidates\x18\x0c \x01(\r\x12\x1a\n\x12suppress_token_ids\x18\r \x03(\r\x12\x18\n\x10prompt_token_ids\x18\x0e \x03(\r\x12\x18\n\x10output_token_ids\x18\x0f \x03(\r\"%\n\tBlockPair\x12\x0b\n\x03src\x18\x01 \x03(\r\x12\x0b\n\x03\x64st\x18\x02 \x03(\r\"\x9f\x03\n\x08StepPlan\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12:\n\x12\x62locks_to_swap_out\x18\x04 \x01(\x0b\x32\x1e.pagedserve.internal.BlockPair\x12\x39\n\x11\x62locks_to_swap_in\x18\x05 \x01(\x0b\x32\x1e.pagedserve.internal.BlockPair\x12\x36\n\x0e\x62locks_to_copy\x18\x06 \x01(\x0b\x32\x1e.pagedserve.internal.BlockPair\x12\x0f\n\x07seq_ids\x18\x07 \x03(\x04\x12\x17\n\x0fstart_positions\x18\x08 \x03(\r\x12\x12\n\nnum_tokens\x18\t \x03(\r\x12\x11\n\ttoken_ids\x18\n \x03(\r\x12\x12\n\nnum_blocks\x18\x0b \x03(\r\x12\x11\n\tblock_ids\x18\x0c \x03(\r\x12\x14\n\x0csample_index\x18\r \x03(\x05\x12\x30\n\x07samples\x18\x0e \x03(\x0b\x32\x1f.pagedserve.internal.SampleSpecJ\x04\x08\x03\x10\x04\"J\n\tInitCache\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x16\n\x0enum_gpu_blocks\x18\x02 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x03 \x01(\r\"\x1a\n\x08Shutdown\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xb7\x01\n\x10SchedulerMessage\x12\x34\n\ninit_cache\x18\x01 \x01(\x0b\x32\x1e.pagedserve.internal.InitCacheH\x00\x12\x32\n\tstep_plan\x18\x02 \x01(\x0b\x32\x1d.pagedserve.internal.StepPlanH\x00\x12\x31\n\x08shutdown\x18\x03 \x01(\x0b\x32\x1d.pagedserve.internal.ShutdownH\x00\x42\x06\n\x04kind\"y\n\x08Register\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x16\n\x0enum_gpu_blocks\x18\x03 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x04 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x0b\n\x03pid\x18\x06 \x01(\x04\"$\n\x05Ready\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"\x80\x02\n\nStepResult\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\x17\n\x0f\x66orward_seconds\x18\x04 \x01(\x01\x12\x0f\n\x07seq_ids\x18\x05 \x03(\x04\x12\x11\n\ttoken_ids\x18\x06 \x03(\r\x12\x10\n\x08logprobs\x18\x07 \x03(\x02\x12\x0f\n\x07num_top\x18\x08 \x03(\r\x12\x15\n\rtop_token_ids\x18\t \x03(\r\x12\x14\n\x0ctop_logprobs\x18\n \x03(\x02\x12\x10\n\x08num_beam\x18\x0b \x03(\r\x12\x16\n\x0e\x62\x65\x61m_token_ids\x18\x0c \x03(\r\x12\x15\n\rbeam_logprobs\x18\r \x03(\x02J\x04\x08\x03\x10\x04\"(\n\tHeartbeat\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\",\n\x0bWorkerError\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x97\x02\n\rWorkerMessage\x12\x31\n\x08register\x18\x01 \x01(\x0b\x32\x1d.pagedserve.internal.RegisterH\x00\x12+\n\x05ready\x18\x02 \x01(\x0b\x32\x1a.pagedserve.internal.ReadyH\x00\x12\x36\n\x0bstep_result\x18\x03 \x01(\x0b\x32\x1f.pagedserve.internal.StepResultH\x00\x12\x31\n\x05\x65rror\x18\x04 \x01(\x0b\x32 .pagedserve.internal.WorkerErrorH\x00\x12\x33\n\theartbeat\x18\x05 \x01(\x0b\x32\x1e.pagedserve.internal.HeartbeatH\x00\x42\x06\n\x04kindb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,30 +33,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLESPEC']._serialized_start=56
   _globals['_SAMPLESPEC']._serialized_end=400
-  _globals['_SCHEDULEDSEQ']._serialized_start=403
-  _globals['_SCHEDULEDSEQ']._serialized_end=566
-  _globals['_BLOCKPAIR']._serialized_start=568
-  _globals['_BLOCKPAIR']._serialized_end=605
-  _globals['_STEPPLAN']._serialized_start=608
-  _globals['_STEPPLAN']._serialized_end=874
-  _globals['_INITCACHE']._serialized_start=876
-  _globals['_INITCACHE']._serialized_end=950
-  _globals['_SHUTDOWN']._serialized_start=952
-  _globals['_SHUTDOWN']._serialized_end=978
-  _globals['_SCHEDULERMESSAGE']._serialized_start=981
-  _globals['_SCHEDULERMESSAGE']._serialized_end=1164
-  _globals['_REGISTER']._serialized_start=1166
-  _globals['_REGISTER']._serialized_end=1287
-  _globals['_READY']._serialized_start=1289
-  _globals['_READY']._serialized_end=1325
-  _globals['_SEQSAMPLE']._serialized_start=1328
-  _globals['_SEQSAMPLE']._serialized_end=1482
-  _globals['_STEPRESULT']._serialized_start=1484
-  _globals['_STEPRESULT']._serialized_end=1602
-  _globals['_HEARTBEAT']._serialized_start=1604
-  _globals['_HEARTBEAT']._serialized_end=1644
-  _globals['_WORKERERROR']._serialized_start=1646
-  _globals['_WORKERERROR']._serialized_end=1690
-  _globals['_WORKERMESSAGE']._serialized_start=1693
-  _globals['_WORKERMESSAGE']._serialized_end=1972
+  _globals['_BLOCKPAIR']._serialized_start=402
+  _globals['_BLOCKPAIR']._serialized_end=439
+  _globals['_STEPPLAN']._serialized_start=442
+  _globals['_STEPPLAN']._serialized_end=857
+  _globals['_INITCACHE']._serialized_start=859
+  _globals['_INITCACHE']._serialized_end=933
+  _globals['_SHUTDOWN']._serialized_start=935
+  _globals['_SHUTDOWN']._serialized_end=961
+  _globals['_SCHEDULERMESSAGE']._serialized_start=964
+  _globals['_SCHEDULERMESSAGE']._serialized_end=1147
+  _globals['_REGISTER']._serialized_start=1149
+  _globals['_REGISTER']._serialized_end=1270
+  _globals['_READY']._serialized_start=1272
+  _globals['_READY']._serialized_end=1308
+  _globals['_STEPRESULT']._serialized_start=1311
+  _globals['_STEPRESULT']._serialized_end=1567
+  _globals['_HEARTBEAT']._serialized_start=1569
+  _globals['_HEARTBEAT']._serialized_end=1609
+  _globals['_WORKERERROR']._serialized_start=1611
+  _globals['_WORKERERROR']._serialized_end=1655
+  _globals['_WORKERMESSAGE']._serialized_start=1658
+  _globals['_WORKERMESSAGE']._serialized_end=1937
 # @@protoc_insertion_point(module_scope)

@@ -40,22 +40,6 @@ class SampleSpec(_message.Message):
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., output_index: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., num_logprobs: _Optional[int] = ..., num_beam_candidates: _Optional[int] = ..., suppress_token_ids: _Optional[_Iterable[int]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
-class ScheduledSeq(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "start_position", "block_table", "has_sample", "sample")
-    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    START_POSITION_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
-    HAS_SAMPLE_FIELD_NUMBER: _ClassVar[int]
-    SAMPLE_FIELD_NUMBER: _ClassVar[int]
-    seq_id: int
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    start_position: int
-    block_table: _containers.RepeatedScalarFieldContainer[int]
-    has_sample: bool
-    sample: SampleSpec
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., has_sample: _Optional[bool] = ..., sample: _Optional[_Union[SampleSpec, _Mapping]] = ...) -> None: ...
-
 class BlockPair(_message.Message):
     __slots__ = ("src", "dst")
     SRC_FIELD_NUMBER: _ClassVar[int]
@@ -65,20 +49,34 @@ class BlockPair(_message.Message):
     def __init__(self, src: _Optional[_Iterable[int]] = ..., dst: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("epoch", "step_id", "seqs", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy")
+    __slots__ = ("epoch", "step_id", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "seq_ids", "start_positions", "num_tokens", "token_ids", "num_blocks", "block_ids", "sample_index", "samples")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
-    SEQS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_TO_SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_TO_SWAP_IN_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_TO_COPY_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    START_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     step_id: int
-    seqs: _containers.RepeatedCompositeFieldContainer[ScheduledSeq]
     blocks_to_swap_out: BlockPair
     blocks_to_swap_in: BlockPair
     blocks_to_copy: BlockPair
-    def __init__(self, epoch: _Optional[int] = ..., step_id: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[ScheduledSeq, _Mapping]]] = ..., blocks_to_swap_out: _Optional[_Union[BlockPair, _Mapping]] = ..., blocks_to_swap_in: _Optional[_Union[BlockPair, _Mapping]] = ..., blocks_to_copy: _Optional[_Union[BlockPair, _Mapping]] = ...) -> None: ...
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    start_positions: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_blocks: _containers.RepeatedScalarFieldContainer[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    sample_index: _containers.RepeatedScalarFieldContainer[int]
+    samples: _containers.RepeatedCompositeFieldContainer[SampleSpec]
+    def __init__(self, epoch: _Optional[int] = ..., step_id: _Optional[int] = ..., blocks_to_swap_out: _Optional[_Union[BlockPair, _Mapping]] = ..., blocks_to_swap_in: _Optional[_Union[BlockPair, _Mapping]] = ..., blocks_to_copy: _Optional[_Union[BlockPair, _Mapping]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., start_positions: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., sample_index: _Optional[_Iterable[int]] = ..., samples: _Optional[_Iterable[_Union[SampleSpec, _Mapping]]] = ...) -> None: ...
 
 class InitCache(_message.Message):
     __slots__ = ("epoch", "num_gpu_blocks", "num_cpu_blocks")
@@ -130,35 +128,33 @@ class Ready(_message.Message):
     epoch: int
     def __init__(self, rank: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
-class SeqSample(_message.Message):
-    __slots__ = ("seq_id", "token_id", "logprob", "top_token_ids", "top_logprobs", "beam_token_ids", "beam_logprobs")
-    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    LOGPROB_FIELD_NUMBER: _ClassVar[int]
-    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    BEAM_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    BEAM_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    seq_id: int
-    token_id: int
-    logprob: float
-    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    beam_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    beam_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., beam_token_ids: _Optional[_Iterable[int]] = ..., beam_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
-
 class StepResult(_message.Message):
-    __slots__ = ("epoch", "step_id", "samples", "forward_seconds")
+    __slots__ = ("epoch", "step_id", "forward_seconds", "seq_ids", "token_ids", "logprobs", "num_top", "top_token_ids", "top_logprobs", "num_beam", "beam_token_ids", "beam_logprobs")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
-    SAMPLES_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOP_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BEAM_FIELD_NUMBER: _ClassVar[int]
+    BEAM_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BEAM_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     step_id: int
-    samples: _containers.RepeatedCompositeFieldContainer[SeqSample]
     forward_seconds: float
-    def __init__(self, epoch: _Optional[int] = ..., step_id: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[SeqSample, _Mapping]]] = ..., forward_seconds: _Optional[float] = ...) -> None: ...
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    num_top: _containers.RepeatedScalarFieldContainer[int]
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    num_beam: _containers.RepeatedScalarFieldContainer[int]
+    beam_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    beam_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, epoch: _Optional[int] = ..., step_id: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., num_top: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., num_beam: _Optional[_Iterable[int]] = ..., beam_token_ids: _Optional[_Iterable[int]] = ..., beam_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("rank", "epoch")
