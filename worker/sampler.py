@@ -55,6 +55,12 @@ def _has_penalties(spec: SampleSpec) -> bool:
     return spec.repetition_penalty != 1.0 or spec.presence_penalty != 0.0 or spec.frequency_penalty != 0.0
 
 
+def _is_plain_greedy(spec: SampleSpec) -> bool:
+    """Greedy with nothing that changes the argmax or asks for more than the chosen token."""
+    return (spec.is_greedy and not _has_penalties(spec) and not spec.suppress_token_ids
+            and spec.num_logprobs == 0 and spec.num_beam_candidates == 0)
+
+
 def _padded_ids(id_lists: list[list[int]], pad: int) -> torch.Tensor:  # [rows, max_len] int64
     width = max((len(ids) for ids in id_lists), default=0)
     table = np.full((len(id_lists), max(width, 1)), pad, dtype=np.int64)
@@ -149,9 +155,12 @@ class Sampler:
             raise SamplerError(f"{num_rows} logits rows, {len(specs)} specs, {len(seq_ids)} ids, {len(positions)} positions")
         if num_rows == 0:
             return []
-        for spec in specs:
+        distinct = list({id(spec): spec for spec in specs}.values())  # plans share equal specs
+        for spec in distinct:
             _validate(spec)
         raw = logits.float()  # [rows, V]
+        if all(_is_plain_greedy(spec) for spec in distinct):
+            return self._sample_greedy(raw, seq_ids)
         processed = self._processed(raw, specs)  # [rows, V]
         is_beam = [spec.num_beam_candidates > 0 for spec in specs]
         is_random = [not beam and not spec.is_greedy for spec, beam in zip(specs, is_beam)]
@@ -192,6 +201,14 @@ class Sampler:
                       beam_token_ids=beam_ids.get(row, []), beam_logprobs=beam_logprobs.get(row, []))
             for row, seq_id in enumerate(seq_ids)
         ]
+
+    @staticmethod
+    def _sample_greedy(raw: torch.Tensor, seq_ids: list[int]) -> list[SeqSample]:
+        """raw [rows, V]: one argmax and one logsumexp for a batch that needs nothing else."""
+        chosen = raw.argmax(dim=-1)  # [rows]
+        chosen_logprobs = raw.gather(1, chosen[:, None])[:, 0] - torch.logsumexp(raw, dim=-1)  # [rows]
+        return [SeqSample(seq_id=seq_id, token_id=token_id, logprob=logprob)
+                for seq_id, token_id, logprob in zip(seq_ids, chosen.tolist(), chosen_logprobs.tolist())]
 
     @staticmethod
     def _processed(raw: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:

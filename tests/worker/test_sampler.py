@@ -32,6 +32,20 @@ def test_all_greedy_is_argmax_with_ties_to_lowest_id():
     assert samples[3].token_id == 7
 
 
+def test_plain_greedy_batch_matches_the_general_path():
+    """A batch of plain greedy specs (one shared object, as decoded plans share them) takes the
+    one-argmax path; a logprobs row sends the same batch through the general path."""
+    logits = _logits(6, seed=3)
+    shared = SampleSpec()
+    fast = _sample(logits, [shared] * 6)
+    general = _sample(logits, [shared] * 5 + [SampleSpec(num_logprobs=1)])
+    expected_logprobs = logits.log_softmax(dim=-1).gather(1, logits.argmax(dim=-1)[:, None])[:, 0]
+    assert [s.token_id for s in fast] == [s.token_id for s in general] == logits.argmax(dim=-1).tolist()
+    assert [s.logprob for s in fast[:5]] == pytest.approx([s.logprob for s in general[:5]], abs=1e-6)
+    assert [s.logprob for s in fast] == pytest.approx(expected_logprobs.tolist(), abs=1e-5)
+    assert all(not s.top_token_ids and not s.beam_token_ids for s in fast)
+
+
 def test_seeded_sampling_is_batch_independent():
     logits = _logits(16, seed=1)
     tokens_alone, tokens_batched = [], []
