@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=50051)
     serve.add_argument("--tensor-parallel-size", type=int, default=1)
+    serve.add_argument("--max-worker-restarts", type=int, default=3,
+                       help="restart the workers this many times when one dies, resuming the "
+                            "requests in flight (0: a dead worker leaves the replica unready)")
     serve.add_argument("--scheduler-port", type=int, default=None,
                        help="internal scheduler gRPC port on 127.0.0.1 (default: a free port)")
     serve.add_argument("--metrics-port", type=int, default=None)
@@ -80,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     scheduler.add_argument("--tensor-parallel-size", type=int, default=1)
     scheduler.add_argument("--metrics-port", type=int, default=None)
     scheduler.add_argument("--heartbeat-timeout", type=float, default=10.0)
+    scheduler.add_argument("--worker-recovery-timeout", type=float, default=0.0, metavar="SECONDS",
+                           help="when workers are lost, hold the requests in flight this long "
+                                "for them to register again (0: fail them at once)")
     add_shutdown_arg(scheduler)
     _add_engine_args(scheduler)
 
@@ -121,6 +127,7 @@ def engine_config_from_args(args, max_position_embeddings: int):
         preemption_mode=args.preemption_mode,
         max_waiting_requests=args.max_waiting_requests,
         max_waiting_tokens=args.max_waiting_tokens,
+        worker_recovery_timeout=getattr(args, "worker_recovery_timeout", 0.0),
     )
 
 

@@ -6,10 +6,14 @@
 
 SIGINT/SIGTERM stops the frontend first (no new requests), then the scheduler (which tells the
 workers to exit), then whatever worker is left. A frontend or scheduler that exits on its own is
-reported and takes the others down with it (exit 1). A worker rank that exits on its own does not:
-the scheduler fails the in-flight requests with UNAVAILABLE and reports not ready (health
-NOT_SERVING), the other ranks of the replica are stopped (their process group is broken), and
-frontend and scheduler keep answering until `serve` is stopped, which then exits 1. Children also
+reported and takes the others down with it (exit 1). A worker rank that exits on its own does not.
+The other ranks of the replica are stopped (their process group is broken) and, while
+--max-worker-restarts allows (default 3), every rank is started again: the scheduler holds the
+requests in flight (health NOT_SERVING meanwhile), resets its block pool when the new ranks
+register, and computes each request again from the tokens it already holds, so streams continue
+where they were. With no restart left the scheduler fails the in-flight requests with UNAVAILABLE
+and reports not ready, and frontend and scheduler keep answering until `serve` is stopped, which
+then exits 1. Children also
 get SIGTERM from the kernel if `serve` itself dies (PR_SET_PDEATHSIG), so nothing is orphaned.
 """
 
@@ -30,6 +34,7 @@ from pagedserve.service_options import frontend_argv, scheduler_argv
 
 PR_SET_PDEATHSIG = 1
 STOP_TIMEOUT_SECONDS = 10.0
+WORKER_RECOVERY_SECONDS = 120.0  # the scheduler holds requests this long for restarted workers
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -64,6 +69,7 @@ class ServeConfig:
     public_address: str = ""
     env: dict[str, str] | None = field(default=None)
     stop_timeout: float = STOP_TIMEOUT_SECONDS  # frontend and scheduler: their drain, and a margin
+    max_worker_restarts: int = 0
 
     @classmethod
     def from_args(cls, args) -> "ServeConfig":
@@ -109,10 +115,15 @@ class ServeConfig:
                     "--scheduler-address", f"127.0.0.1:{scheduler_port}"]
         if args.metrics_port:
             frontend += ["--metrics-port", str(args.metrics_port)]
+        if args.max_worker_restarts < 0:
+            raise ValueError("--max-worker-restarts must be >= 0")
+        if args.max_worker_restarts > 0:
+            scheduler += ["--worker-recovery-timeout", str(WORKER_RECOVERY_SECONDS)]
         scheduler += scheduler_argv(args)
         frontend += frontend_argv(args)
         return cls(model, scheduler, workers, frontend, f"{args.host}:{args.port}",
-                   stop_timeout=args.shutdown_timeout + STOP_TIMEOUT_SECONDS)
+                   stop_timeout=args.shutdown_timeout + STOP_TIMEOUT_SECONDS,
+                   max_worker_restarts=args.max_worker_restarts)
 
 
 class Supervisor:
@@ -122,6 +133,7 @@ class Supervisor:
         self._stopping = False
         self._exited: set[str] = set()
         self._is_replica_lost = False
+        self._restarts_left = config.max_worker_restarts
         self._log = configure_logging("serve")
 
     def _spawn(self, name: str, args: list[str]) -> None:
@@ -165,6 +177,18 @@ class Supervisor:
         for name, child in live:
             self._wait(child, name)
 
+    def _restart_workers(self) -> None:
+        """Stops what is left of the replica (its process group is broken), then starts every
+        rank again; the scheduler resumes the held requests once they register."""
+        self._stop_workers()
+        if self._stopping:
+            return
+        for rank, args in enumerate(self.config.worker_args):
+            name = f"worker-{rank}"
+            self._spawn(name, args)
+            self._exited.discard(name)
+        self._is_replica_lost = False
+
     def _wait(self, child: subprocess.Popen, name: str) -> None:
         try:
             child.wait(self.config.stop_timeout if name in ("frontend", "scheduler") else STOP_TIMEOUT_SECONDS)
@@ -180,7 +204,7 @@ class Supervisor:
         other ranks of its replica and leaves the replica unready (see the module docstring).
         """
         while not self._stopping:
-            for name, child in self.children.items():
+            for name, child in list(self.children.items()):
                 code = child.poll()
                 if code is None or self._stopping or name in self._exited:
                     continue
@@ -193,6 +217,13 @@ class Supervisor:
                     self._log.info("child_exited", child=name, pid=child.pid, exit_code=code)
                     continue
                 self._is_replica_lost = True
+                if self._restarts_left > 0:
+                    self._restarts_left -= 1
+                    self._log.error("child_exited", child=name, pid=child.pid, exit_code=code,
+                                    consequence="restarting the workers",
+                                    restarts_left=self._restarts_left)
+                    self._restart_workers()  # on this thread: PR_SET_PDEATHSIG follows the spawner
+                    continue
                 self._log.error("child_exited", child=name, pid=child.pid, exit_code=code,
                                 consequence="replica not ready until its ranks are restarted")
                 threading.Thread(target=self._stop_workers, name="stop-workers",

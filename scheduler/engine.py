@@ -3,8 +3,12 @@
     gRPC threads --commands (submit, abort, finish)--> queue --> step loop thread
     step loop:  apply commands -> schedule() -> publish plan -> rank 0's result
                 -> process_result() -> outputs to each request's sink
-                (idle: wait for a command; a lost worker: fail in-flight requests, wait for
-                the ranks to register again)
+                (idle: wait for a command)
+
+A lost worker: with worker_recovery_timeout > 0 (serve restarts its workers) the Scheduler is
+reset: every block is dropped and each unfinished request waits to be computed again from the
+tokens it holds; when the ranks register again the streams continue where they were. Requests
+still waiting when the timeout passes, or all of them at once without recovery, fail UNAVAILABLE.
 
 Nothing but the loop thread touches the Scheduler, so it needs no locks.
 """
@@ -43,6 +47,7 @@ class EngineConfig:
     max_waiting_requests: int = 4096
     max_waiting_tokens: int = 1 << 20  # prompt tokens of requests not yet scheduled
     startup_timeout: float = 600.0
+    worker_recovery_timeout: float = 0.0  # hold in-flight requests this long for restarted workers
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in ("auto", "swap", "recompute"):
@@ -53,6 +58,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError("num_kv_blocks must be positive")
+        if self.worker_recovery_timeout < 0:
+            raise ValueError("worker_recovery_timeout must be >= 0")
 
 
 @dataclass(slots=True)
@@ -88,6 +95,7 @@ class Engine:
         self._wakeup = threading.Event()
         self._stopping = threading.Event()
         self._sinks: dict[str, Sink] = {}
+        self._recovery_deadline: float | None = None
         self.admission = Admission(config.max_waiting_requests, config.max_waiting_tokens)
         self._thread = threading.Thread(target=self._run, name="step-loop", daemon=True)
         self._log = get_logger(component="engine")
@@ -189,19 +197,35 @@ class Engine:
 
     def _start_workers(self) -> None:
         self._apply_commands()
+        if self._recovery_deadline is not None and time.monotonic() > self._recovery_deadline:
+            self._give_up_recovery("workers did not come back in time")
         if not self.link.all_registered():
             self.link.poll_registration(0.1)
             return
         deadline = time.monotonic() + self.config.startup_timeout
         pool = self.link.init_cache(self.config.num_kv_blocks, deadline)
-        self.scheduler = self._new_scheduler(pool.num_gpu_blocks, pool.num_cpu_blocks)
+        if self.scheduler is not None and (pool.num_gpu_blocks, pool.num_cpu_blocks) != (
+                self.state.num_gpu_blocks, self.state.num_cpu_blocks):
+            self._give_up_recovery("the restarted workers have a different KV pool size")
+        is_new_scheduler = self.scheduler is None
+        if is_new_scheduler:
+            self.scheduler = self._new_scheduler(pool.num_gpu_blocks, pool.num_cpu_blocks)
+        else:
+            self._log.info("requests_resumed", num_requests=len(self._sinks))
+        self._recovery_deadline = None
         self.state.num_gpu_blocks = pool.num_gpu_blocks
         self.state.num_cpu_blocks = pool.num_cpu_blocks
         self.state.is_ready = True
         self._log.info("workers_ready", epoch=self.link.epoch, num_gpu_blocks=pool.num_gpu_blocks,
                        num_cpu_blocks=pool.num_cpu_blocks, world_size=self.link.world_size)
-        if self._on_step is not None:
-            self._on_step(self, None)
+        if is_new_scheduler and self._on_step is not None:
+            self._on_step(self, None)  # counters restart with a new scheduler
+
+    def _give_up_recovery(self, reason: str) -> None:
+        self._log.error("recovery_abandoned", reason=reason, num_requests=len(self._sinks))
+        self._recovery_deadline = None
+        self.scheduler = None
+        self._fail_all(EngineUnavailable(f"workers lost: {reason}"))
 
     def _new_scheduler(self, num_gpu_blocks: int, num_cpu_blocks: int):
         from pagedserve.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -257,8 +281,16 @@ class Engine:
         self._log.error("workers_lost", reason=reason)
         self.state.is_ready = False
         self.link.forget_ranks()
-        self._fail_all(EngineUnavailable(f"workers lost: {reason}"))
-        self.scheduler = None
+        timeout = self.config.worker_recovery_timeout
+        if timeout > 0 and self.scheduler is not None and self._recovery_deadline is None:
+            self.scheduler.reset()
+            self._recovery_deadline = time.monotonic() + timeout
+            self._log.warning("requests_held_for_recovery", num_requests=len(self._sinks),
+                              timeout_seconds=timeout)
+            return
+        if self._recovery_deadline is None:
+            self._fail_all(EngineUnavailable(f"workers lost: {reason}"))
+            self.scheduler = None
 
     def _fail_all(self, error: Exception) -> None:
         sinks, self._sinks = self._sinks, {}

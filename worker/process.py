@@ -209,7 +209,7 @@ def run_worker(config: WorkerConfig) -> int:
 
 
 def _serve_plans(config, runner, sub, pusher, state, log) -> int:
-    last_step_id = 0
+    last_step_id: int | None = None  # the first plan of an epoch sets the base
     message = step_pb2.SchedulerMessage()
     while True:
         message.ParseFromString(sub.recv())
@@ -222,7 +222,7 @@ def _serve_plans(config, runner, sub, pusher, state, log) -> int:
             if init.epoch != state["epoch"]:
                 runner.init_cache(init.num_gpu_blocks, init.num_cpu_blocks)
                 state["epoch"] = init.epoch
-                last_step_id = 0
+                last_step_id = None
                 log.info("kv_cache_ready", epoch=init.epoch, num_gpu_blocks=init.num_gpu_blocks,
                          num_cpu_blocks=init.num_cpu_blocks)
             pusher.send(step_pb2.WorkerMessage(ready=step_pb2.Ready(rank=config.rank,
@@ -231,7 +231,7 @@ def _serve_plans(config, runner, sub, pusher, state, log) -> int:
         plan_msg = message.step_plan
         if plan_msg.epoch != state["epoch"]:
             continue
-        if plan_msg.step_id != last_step_id + 1:
+        if last_step_id is not None and plan_msg.step_id != last_step_id + 1:
             raise StepGap(f"expected step {last_step_id + 1} of epoch {state['epoch']}, "
                           f"got {plan_msg.step_id}: plans were lost")
         last_step_id = plan_msg.step_id

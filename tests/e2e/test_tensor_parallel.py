@@ -147,7 +147,7 @@ def test_rank_memory_after_load_is_half(runs):
 
 def test_killed_rank_gives_unavailable_and_not_ready(checkpoints, tmp_path_factory):
     server = start_server(checkpoints["replicated"], tmp_path_factory, "replicated-kill",
-                          "--tensor-parallel-size", "2", *SERVE_ARGS)
+                          "--tensor-parallel-size", "2", "--max-worker-restarts", "0", *SERVE_ARGS)
     try:
         pids = server.child_pids()
         stream = server.stub.GenerateStream(
