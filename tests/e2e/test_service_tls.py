@@ -1,6 +1,7 @@
-"""Mutual TLS on the public port of a real `serve`: a client with a certificate signed by the
-configured client CA is served; without one, with one from another CA, or in plaintext, the
-handshake is refused. Certificates are made here with the `openssl` command line."""
+"""Transport settings of the public port of a real `serve`. Mutual TLS: a client with a
+certificate signed by the configured client CA is served; without one, with one from another CA,
+or in plaintext, the handshake is refused (certificates are made here with the `openssl` command
+line). The message size bound: a larger request is refused."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from tests.e2e.harness import token_request
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 
+MAX_MESSAGE_BYTES = 16 * 1024
 _EC_KEY = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
 
 
@@ -61,7 +63,7 @@ def _credentials(certs: Path, client: str | None) -> grpc.ChannelCredentials:
 def mtls_server(llama_checkpoint, tmp_path_factory, certs):
     server = start_server(llama_checkpoint, tmp_path_factory, "mtls", "--num-kv-blocks", "64",
                           "--tls-cert", str(certs / "server.pem"), "--tls-key", str(certs / "server.key"),
-                          "--tls-client-ca", str(certs / "ca.pem"),
+                          "--tls-client-ca", str(certs / "ca.pem"), "--max-message-size", str(MAX_MESSAGE_BYTES),
                           credentials=_credentials(certs, "client"))
     yield server
     code = server.stop()
@@ -88,3 +90,13 @@ def test_handshake_is_refused_without_an_accepted_client_certificate(mtls_server
         with pytest.raises(grpc.RpcError) as info:
             stub.Generate(token_request([1, 2, 3, 4], max_tokens=3), timeout=10)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
+
+
+def test_message_over_the_size_bound_is_refused(mtls_server):
+    fits = token_request([7] * 1000, max_tokens=1)  # about 1 KB
+    assert len(mtls_server.stub.Generate(fits, timeout=60).completions[0].token_ids) == 1
+    too_large = token_request([7] * 1000, max_tokens=1, stop=["x" * 200] * 100)  # about 20 KB
+    assert too_large.ByteSize() > MAX_MESSAGE_BYTES
+    with pytest.raises(grpc.RpcError) as info:
+        mtls_server.stub.Generate(too_large, timeout=60)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
