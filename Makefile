@@ -7,7 +7,7 @@ SERVE_ARGS ?=
 PYTEST_ARGS ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test venv proto bench clean
+.PHONY: serve test venv proto bench bench-online bench-overheads clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,8 +27,16 @@ test: $(STAMP)
 proto: $(STAMP)
 	$(BIN)/python -m pagedserve.protogen
 
+# Benchmarks (README, "Performance"): offline comparison with Hugging Face, online latency, overheads.
+BENCH_ARGS ?=
 bench: $(STAMP)
-	$(BIN)/python bench/offline_throughput.py
+	$(BIN)/python bench/offline_throughput.py $(BENCH_ARGS)
+
+bench-online: $(STAMP)
+	$(BIN)/python bench/online_serving.py $(BENCH_ARGS)
+
+bench-overheads: $(STAMP)
+	$(BIN)/python bench/overheads.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

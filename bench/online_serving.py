@@ -1,0 +1,211 @@
+"""Online serving: latency of pagedserve under Poisson arrivals, and chunked prefill's effect on ITL.
+
+    python bench/online_serving.py [--rates 0.5,1,2,4] [--num-requests 40] [--dtype float32] [--threads 1]
+
+1. Request rates. For each rate, --num-requests requests (prompt lengths uniform in 32-256,
+   output lengths in 32-128, greedy, EOS ignored) arrive with exponential gaps (seeded) at one
+   `pagedserve serve`, streamed over GenerateStream. Per rate: TTFT (send to first token),
+   inter-token latency (gap between consecutive tokens of a request), end-to-end latency
+   (p50/p90/p99) and output tokens/s over the rate's run.
+2. Chunked prefill. 16 requests decode 160 tokens each; one second in, 4 requests with
+   1,500-token prompts arrive at once. Run twice: with a 256-token step budget
+   (--max-num-batched-tokens 256: each long prompt is prefilled in chunks of at most 256 tokens
+   minus the decodes, so the decodes keep their pace) and with a 2,048-token budget (each long prompt
+   prefilled in one step, its forward stalling every decode). Reported: the decoding
+   requests' ITL percentiles and worst gap, and the time line of their gaps.
+A table goes to stdout, JSON and a PNG to bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from tqdm import tqdm
+
+from offline_throughput import machine
+from serve_process import ServeProcess
+from stream_client import RequestTrace, run_requests
+from workload import BENCH_MODEL, RESULTS_DIR, BenchRequest, build_model, make_requests
+
+WARMUP = [BenchRequest(list(range(4, 68)), 8)]
+
+
+def percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"p50": 0.0, "p90": 0.0, "p99": 0.0, "max": 0.0}
+    ordered = sorted(values)
+
+    def at(fraction: float) -> float:
+        return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+    return {"p50": at(0.50), "p90": at(0.90), "p99": at(0.99), "max": ordered[-1]}
+
+
+def summarize(traces: list[RequestTrace]) -> dict:
+    start = min(trace.sent_at for trace in traces)
+    end = max(trace.finished_at for trace in traces)
+    num_tokens = sum(trace.num_tokens for trace in traces)
+    return {"num_requests": len(traces), "seconds": end - start, "num_output_tokens": num_tokens,
+            "output_tokens_per_second": num_tokens / (end - start),
+            "ttft_ms": {k: v * 1e3 for k, v in percentiles([t.ttft for t in traces]).items()},
+            "itl_ms": {k: v * 1e3 for k, v in percentiles(
+                [gap for t in traces for gap in t.inter_token_gaps]).items()},
+            "latency_s": percentiles([t.latency for t in traces])}
+
+
+def poisson_arrivals(num_requests: int, rate: float, seed: int) -> list[float]:
+    rng = random.Random(seed)
+    arrivals, now = [], 0.0
+    for _ in range(num_requests):
+        arrivals.append(now)
+        now += rng.expovariate(rate)
+    return arrivals
+
+
+def serve_args(dtype: str, max_num_batched_tokens: int) -> list[str]:
+    return ["--dtype", dtype, "--max-num-seqs", "256", "--max-num-batched-tokens", str(max_num_batched_tokens),
+            "--num-kv-blocks", "4096", "--swap-space", "0.25"]
+
+
+def rate_sweep(model_path: Path, args, log_dir: Path) -> list[dict]:
+    rows = []
+    with ServeProcess(model_path, serve_args(args.dtype, 2048), log_path=log_dir / "serve-rates.log",
+                      num_threads=args.threads) as server:
+        run_requests(server.address, WARMUP)
+        for index, rate in enumerate(args.rates):
+            requests = make_requests(args.num_requests, (32, 256), (32, 128), seed=100 + index)
+            arrivals = poisson_arrivals(len(requests), rate, seed=200 + index)
+            with tqdm(total=len(requests), desc=f"rate {rate}/s", unit="req", leave=False) as bar:
+                traces = run_requests(server.address, requests, arrivals, on_done=lambda: bar.update(1))
+            rows.append({"rate": rate, **summarize(traces)})
+            print(f"  rate {rate}/s: {rows[-1]['output_tokens_per_second']:.1f} tok/s, TTFT p50 "
+                  f"{rows[-1]['ttft_ms']['p50']:.0f} ms, ITL p50 {rows[-1]['itl_ms']['p50']:.0f} ms", flush=True)
+    return rows
+
+
+def chunked_prefill_run(model_path: Path, args, budget: int, log_dir: Path) -> dict:
+    decoders = make_requests(16, (64, 64), (160, 160), seed=300)
+    long_prompts = make_requests(4, (1500, 1500), (16, 16), seed=301)
+    requests = decoders + long_prompts
+    arrivals = [0.0] * len(decoders) + [args.long_prompt_delay] * len(long_prompts)
+    with ServeProcess(model_path, serve_args(args.dtype, budget), log_path=log_dir / f"serve-budget-{budget}.log",
+                      num_threads=args.threads) as server:
+        run_requests(server.address, WARMUP)
+        with tqdm(total=len(requests), desc=f"budget {budget}", unit="req", leave=False) as bar:
+            traces = run_requests(server.address, requests, arrivals, on_done=lambda: bar.update(1))
+    decoding = traces[:len(decoders)]
+    start = min(trace.sent_at for trace in traces)
+    long_sent = min(trace.sent_at for trace in traces[len(decoders):])
+    long_done = max(trace.token_times[0] for trace in traces[len(decoders):])  # every long prompt prefilled
+    gaps, during = [], []
+    for trace in decoding:
+        for earlier, later in zip(trace.token_times, trace.token_times[1:]):
+            gaps.append({"t": later - start, "gap_ms": (later - earlier) * 1e3})
+            if long_sent <= later <= long_done:
+                during.append(later - earlier)
+    return {"max_num_batched_tokens": budget,
+            "decode_itl_ms": {k: v * 1e3 for k, v in percentiles(
+                [gap for trace in decoding for gap in trace.inter_token_gaps]).items()},
+            "decode_itl_during_long_prefill_ms": {k: v * 1e3 for k, v in percentiles(during).items()},
+            "long_prompt_ttft_s": percentiles([trace.ttft for trace in traces[len(decoders):]]),
+            "long_prefill_window_s": [long_sent - start, long_done - start],
+            "gaps": sorted(gaps, key=lambda gap: gap["t"])}
+
+
+def print_table(rows: list[dict], columns: list[tuple[str, str]]) -> None:
+    cells = [[(f"{value:,.1f}" if isinstance(value, float) else str(value)) for value in
+              (fn(row) for _, fn in columns)] for row in rows]
+    widths = [max(len(title), *(len(line[i]) for line in cells)) for i, (title, _) in enumerate(columns)]
+    print("  ".join(title.rjust(width) for (title, _), width in zip(columns, widths)))
+    for line in cells:
+        print("  ".join(cell.rjust(width) for cell, width in zip(line, widths)))
+    print()
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (latency, itl) = plt.subplots(1, 2, figsize=(12, 4.2))
+    rows = report["rates"]
+    rates = [row["rate"] for row in rows]
+    for key, label in (("ttft_ms", "TTFT"), ("itl_ms", "ITL")):
+        for pct, style in (("p50", "-"), ("p99", "--")):
+            latency.plot(rates, [row[key][pct] for row in rows], style, marker="o", label=f"{label} {pct}")
+    latency.set_yscale("log")
+    latency.set_xlabel("request rate (requests / s, Poisson)")
+    latency.set_ylabel("ms")
+    throughput = latency.twinx()
+    throughput.plot(rates, [row["output_tokens_per_second"] for row in rows], ":", color="black", marker="s",
+                    label="output tok/s")
+    throughput.set_ylabel("output tokens / s")
+    latency.legend(fontsize=8, loc="upper left")
+    throughput.legend(fontsize=8, loc="lower right")
+    latency.set_title(f"pagedserve under Poisson load ({report['dtype']})")
+    for run in report["chunked_prefill"]:
+        label = f"budget {run['max_num_batched_tokens']} tokens"
+        itl.plot([g["t"] for g in run["gaps"]], [g["gap_ms"] for g in run["gaps"]], ".", markersize=3, label=label)
+    itl.set_yscale("log")
+    itl.set_xlabel("seconds since the decoding requests were sent")
+    itl.set_ylabel("gap between a decoding request's tokens (ms)")
+    itl.set_title("4 x 1,500-token prompts arrive among 16 decodes")
+    itl.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=90)
+    plt.close(figure)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rates", default="0.5,1,2,4")
+    parser.add_argument("--num-requests", type=int, default=40)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--long-prompt-delay", type=float, default=1.0)
+    parser.add_argument("--skip-rates", action="store_true")
+    parser.add_argument("--skip-chunked", action="store_true")
+    args = parser.parse_args()
+    args.rates = [float(rate) for rate in args.rates.split(",")]
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    log_dir = RESULTS_DIR / f"online-{stamp}-logs"
+    model_path = build_model(BENCH_MODEL)
+    report = {"machine": machine(), "dtype": args.dtype, "threads": args.threads, "model": BENCH_MODEL.name,
+              "rates": [], "chunked_prefill": []}
+    started = time.perf_counter()
+    if not args.skip_rates:
+        report["rates"] = rate_sweep(model_path, args, log_dir)
+        print_table(report["rates"], [
+            ("rate/s", lambda r: r["rate"]), ("tok/s", lambda r: r["output_tokens_per_second"]),
+            *((f"TTFT {p} ms", (lambda p: lambda r: r["ttft_ms"][p])(p)) for p in ("p50", "p90", "p99")),
+            *((f"ITL {p} ms", (lambda p: lambda r: r["itl_ms"][p])(p)) for p in ("p50", "p90", "p99")),
+            *((f"E2E {p} s", (lambda p: lambda r: r["latency_s"][p])(p)) for p in ("p50", "p90", "p99"))])
+    if not args.skip_chunked:
+        for budget in (256, 2048):
+            report["chunked_prefill"].append(chunked_prefill_run(model_path, args, budget, log_dir))
+        print_table(report["chunked_prefill"], [
+            ("step budget", lambda r: r["max_num_batched_tokens"]),
+            ("decode ITL p50 ms", lambda r: r["decode_itl_ms"]["p50"]),
+            ("p99 ms", lambda r: r["decode_itl_ms"]["p99"]),
+            ("max ms", lambda r: r["decode_itl_ms"]["max"]),
+            ("during long prefill p50 ms", lambda r: r["decode_itl_during_long_prefill_ms"]["p50"]),
+            ("max ms", lambda r: r["decode_itl_during_long_prefill_ms"]["max"]),
+            ("long-prompt TTFT p50 s", lambda r: r["long_prompt_ttft_s"]["p50"])])
+    report["wall_seconds"] = time.perf_counter() - started
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    json_path = RESULTS_DIR / f"online-{stamp}.json"
+    json_path.write_text(json.dumps(report, indent=2))
+    png_path = RESULTS_DIR / f"online-{stamp}.png"
+    if report["rates"] and report["chunked_prefill"]:
+        plot(report, png_path)
+    print(f"wrote {json_path}" + (f" and {png_path}" if png_path.exists() else "") +
+          f" ({report['wall_seconds']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,311 @@
+"""Per-step overheads of the serving path, measured in-process (no sockets) and in `serve`.
+
+    python bench/overheads.py [--seqs 1,4,16,64,256,1024] [--batch 256] [--steps 50] [--threads 1]
+
+1. Scheduler: schedule() and process_result() per decode step with N running sequences
+   (N = --seqs), pure Python against a stand-in worker that returns one greedy token per
+   sequence; prompts of 64 tokens, greedy, EOS ignored, prefix caching on.
+2. Plan codec: encode_plan + plan_from_proto of the --batch-sequence decode plan from (1), and
+   encode_result + result_from_proto of its result; bytes on the wire.
+3. One serving step at --batch decodes on a tiny Llama (hidden 64, 2 layers, vocabulary 512),
+   the way the processes run it: schedule -> encode plan -> decode plan -> ModelRunner.execute
+   (inputs, forward, sampling) -> encode result -> decode result -> process_result. Reported:
+   the model forward (with the LM head) and everything else, split by part.
+4. The same batch through `pagedserve serve` (real processes, ZeroMQ, gRPC streams to the
+   client): step time and forward time from the scheduler's recent step records.
+A table goes to stdout, JSON and a PNG to bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from tqdm import tqdm
+
+from pagedserve.internal import step_pb2
+from pagedserve.plan_codec import encode_plan, encode_result, plan_from_proto, result_from_proto
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.scheduler.outputs import Request
+from pagedserve.scheduler.scheduler import Scheduler
+from pagedserve.scheduler.scheduler_config import SchedulerConfig
+from pagedserve.step_plan import SeqSample, StepResult
+from workload import RESULTS_DIR, ModelShape, build_model
+
+TINY_MODEL = ModelShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
+                        vocab_size=512, max_position_embeddings=4096, tie_word_embeddings=False)
+PROMPT_LEN = 64
+
+
+def median_ms(samples: list[float]) -> float:
+    return statistics.median(samples) * 1e3
+
+
+def decode_scheduler(num_seqs: int, *, block_size: int = 16, max_tokens: int = 2000) -> Scheduler:
+    """A scheduler with num_seqs greedy requests whose prompts are already computed (room for
+    about 60 decode steps each)."""
+    config = SchedulerConfig(num_gpu_blocks=num_seqs * 10 + 256, max_model_len=max_tokens + PROMPT_LEN,
+                             block_size=block_size, max_num_seqs=num_seqs,
+                             max_num_batched_tokens=max(2048, num_seqs))
+    scheduler = Scheduler(config)
+    for index in range(num_seqs):
+        prompt = [(index * 7 + offset) % 500 + 4 for offset in range(PROMPT_LEN)]
+        scheduler.add_request(Request(f"r{index}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                                      eos_token_ids=[2]))
+    while scheduler.waiting or any(seq.num_computed_tokens < len(seq.token_ids) - 1
+                                   for group in scheduler.running for seq in group.seqs):
+        step = scheduler.schedule()
+        scheduler.process_result(step, fake_result(step.plan))
+    return scheduler
+
+
+def fake_result(plan) -> StepResult:
+    """One token per sampling sequence, as a greedy worker answers."""
+    return StepResult(step_id=plan.step_id, epoch=plan.epoch,
+                      samples=[SeqSample(seq.seq_id, (seq.seq_id * 31 + len(seq.token_ids)) % 500 + 4, -0.5)
+                               for seq in plan.seqs if seq.sample is not None])
+
+
+def scheduler_rows(seq_counts: list[int], num_steps: int) -> list[dict]:
+    rows = []
+    for num_seqs in tqdm(seq_counts, desc="scheduler", leave=False):
+        scheduler = decode_scheduler(num_seqs)
+        schedule_s, process_s = [], []
+        for _ in range(num_steps):
+            started = time.perf_counter()
+            step = scheduler.schedule()
+            scheduled = time.perf_counter()
+            scheduler.process_result(step, fake_result(step.plan))
+            schedule_s.append(scheduled - started)
+            process_s.append(time.perf_counter() - scheduled)
+            if len(step.plan.seqs) != num_seqs:
+                raise RuntimeError(f"{len(step.plan.seqs)} sequences scheduled, {num_seqs} running")
+        rows.append({"num_seqs": num_seqs, "schedule_ms": median_ms(schedule_s),
+                     "process_result_ms": median_ms(process_s),
+                     "step_ms": median_ms([a + b for a, b in zip(schedule_s, process_s)])})
+    return rows
+
+
+def codec_row(num_seqs: int, num_steps: int) -> dict:
+    scheduler = decode_scheduler(num_seqs)
+    step = scheduler.schedule()
+    result = fake_result(step.plan)
+    encode, decode, result_encode, result_decode = [], [], [], []
+    for _ in range(num_steps):
+        started = time.perf_counter()
+        payload = encode_plan(step.plan)
+        encoded = time.perf_counter()
+        message = step_pb2.SchedulerMessage()
+        message.ParseFromString(payload)
+        plan_from_proto(message.step_plan)
+        decoded = time.perf_counter()
+        result_payload = encode_result(result)
+        result_encoded = time.perf_counter()
+        worker_message = step_pb2.WorkerMessage()
+        worker_message.ParseFromString(result_payload)
+        result_from_proto(worker_message.step_result)
+        finished = time.perf_counter()
+        encode.append(encoded - started)
+        decode.append(decoded - encoded)
+        result_encode.append(result_encoded - decoded)
+        result_decode.append(finished - result_encoded)
+    return {"num_seqs": num_seqs, "plan_bytes": len(payload), "plan_encode_ms": median_ms(encode),
+            "plan_decode_ms": median_ms(decode), "result_bytes": len(result_payload),
+            "result_encode_ms": median_ms(result_encode), "result_decode_ms": median_ms(result_decode)}
+
+
+class PartTimer:
+    """Wraps callables so that each call's seconds accumulate under a name."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
+        return timed
+
+
+def serving_step_row(num_seqs: int, num_steps: int, model_path: Path) -> dict:
+    """The in-process serving loop at num_seqs decodes; medians per part over num_steps steps."""
+    from pagedserve.worker import model_runner as runner_module
+    from pagedserve.worker.model_runner import ModelRunner
+
+    runner = ModelRunner(model_path, device="cpu", dtype="float32", block_size=16)
+    runner.load()
+    scheduler = decode_scheduler(num_seqs)
+    runner.init_cache(scheduler.config.num_gpu_blocks, 0)
+    timer = PartTimer()
+    build_input = runner_module.build_model_input
+    runner_module.build_model_input = timer.wrap("build_inputs", build_input)
+    runner.sampler.sample = timer.wrap("sample", runner.sampler.sample)
+    parts: dict[str, list[float]] = {}
+    try:
+        for index in range(num_steps + 3):
+            timer.seconds.clear()
+            marks = [time.perf_counter()]
+            step = scheduler.schedule()
+            marks.append(time.perf_counter())
+            payload = encode_plan(step.plan)
+            message = step_pb2.SchedulerMessage()
+            message.ParseFromString(payload)
+            plan = plan_from_proto(message.step_plan)
+            marks.append(time.perf_counter())
+            result = runner.execute(plan)
+            marks.append(time.perf_counter())
+            result_message = step_pb2.WorkerMessage()
+            result_message.ParseFromString(encode_result(result))
+            result = result_from_proto(result_message.step_result)
+            marks.append(time.perf_counter())
+            scheduler.process_result(step, result)
+            marks.append(time.perf_counter())
+            if index < 3:  # warm-up
+                continue
+            execute = marks[3] - marks[2]
+            sample = timer.seconds.get("sample", 0.0)
+            build = timer.seconds.get("build_inputs", 0.0)
+            values = {"schedule": marks[1] - marks[0], "plan_codec": marks[2] - marks[1],
+                      "build_inputs": build, "forward": result.forward_seconds, "sample": sample,
+                      "execute_other": execute - build - result.forward_seconds - sample,
+                      "result_codec": marks[4] - marks[3], "process_result": marks[5] - marks[4],
+                      "step": marks[5] - marks[0]}
+            values["outside_forward"] = values["step"] - values["forward"]
+            for name, seconds in values.items():
+                parts.setdefault(name, []).append(seconds)
+    finally:
+        runner_module.build_model_input = build_input
+    return {"num_seqs": num_seqs, **{f"{name}_ms": median_ms(samples) for name, samples in parts.items()}}
+
+
+def serve_row(num_seqs: int, model_path: Path, threads: int, log_dir: Path) -> dict:
+    """num_seqs long greedy requests at once through `serve`; step and forward seconds of the
+    steps where all of them decode, from the scheduler's recent step records."""
+    import threading
+
+    from pagedserve.internal import scheduler_pb2, scheduler_pb2_grpc
+    from serve_process import ServeProcess
+    from stream_client import run_requests
+    from workload import BenchRequest
+
+    requests = [BenchRequest([(index * 7 + offset) % 500 + 4 for offset in range(PROMPT_LEN)], 160)
+                for index in range(num_seqs)]
+    args = ["--dtype", "float32", "--max-num-seqs", str(num_seqs), "--max-num-batched-tokens",
+            str(max(2048, num_seqs)), "--num-kv-blocks", str(num_seqs * 16 + 64), "--swap-space", "0.25"]
+    records: dict[int, object] = {}
+    with ServeProcess(model_path, args, log_path=log_dir / "serve-overheads.log", num_threads=threads) as server:
+        import grpc
+
+        channel = grpc.insecure_channel(f"127.0.0.1:{server.scheduler_port}")
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        done = threading.Event()
+
+        def poll() -> None:
+            while not done.wait(0.5):
+                for record in stub.GetStats(scheduler_pb2.GetStatsRequest(max_recent_steps=256)).recent_steps:
+                    records[record.step_id] = record
+        poller = threading.Thread(target=poll, daemon=True)
+        poller.start()
+        run_requests(server.address, requests)
+        done.set()
+        poller.join()
+        for record in stub.GetStats(scheduler_pb2.GetStatsRequest(max_recent_steps=256)).recent_steps:
+            records[record.step_id] = record
+        channel.close()
+    full = [r for r in records.values() if r.num_decode_tokens == num_seqs and r.num_prefill_tokens == 0]
+    if not full or not hasattr(full[0], "seconds"):
+        return {"num_seqs": num_seqs, "num_steps": len(full)}
+    step = [r.seconds for r in full]
+    forward = [r.forward_seconds for r in full]
+    return {"num_seqs": num_seqs, "num_steps": len(full), "step_ms": median_ms(step),
+            "forward_ms": median_ms(forward),
+            "outside_forward_ms": median_ms([s - f for s, f in zip(step, forward)])}
+
+
+def print_table(title: str, rows: list[dict]) -> None:
+    print(title)
+    columns = list(rows[0])
+    def cell(value):
+        return f"{value:.3f}" if isinstance(value, float) else str(value)
+    widths = [max(len(column), *(len(cell(row.get(column, ""))) for row in rows)) for column in columns]
+    print("  ".join(column.rjust(width) for column, width in zip(columns, widths)))
+    for row in rows:
+        print("  ".join(cell(row.get(column, "")).rjust(width) for column, width in zip(columns, widths)))
+    print()
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
+    rows = report["scheduler"]
+    seqs = [row["num_seqs"] for row in rows]
+    for key, label in (("schedule_ms", "schedule()"), ("process_result_ms", "process_result()"),
+                       ("step_ms", "both")):
+        left.plot(seqs, [row[key] for row in rows], marker="o", label=label)
+    left.axhline(1.0, color="grey", linestyle="--", label="1 ms")
+    left.set_xscale("log", base=2)
+    left.set_yscale("log")
+    left.set_xlabel("running sequences (all decoding)")
+    left.set_ylabel("ms per step")
+    left.set_title("Scheduler time per step")
+    left.legend(fontsize=8)
+    step = report["serving_step"]
+    names = ["schedule", "plan_codec", "build_inputs", "sample", "execute_other", "result_codec", "process_result"]
+    values = [step[f"{name}_ms"] for name in names]
+    right.barh(names, values)
+    for index, value in enumerate(values):
+        right.text(value, index, f" {value:.2f}", va="center", fontsize=8)
+    right.invert_yaxis()
+    right.set_xlabel("ms per step")
+    right.set_title(f"Outside the forward at {step['num_seqs']} decodes: {step['outside_forward_ms']:.2f} ms "
+                    f"(forward {step['forward_ms']:.2f} ms)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=90)
+    plt.close(figure)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqs", default="1,4,16,64,256,1024")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--no-serve", action="store_true", help="skip the measurement through `serve`")
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    report = {"threads": args.threads}
+    report["scheduler"] = scheduler_rows([int(n) for n in args.seqs.split(",")], args.steps)
+    print_table("Scheduler, ms per decode step (median)", report["scheduler"])
+    report["codec"] = codec_row(args.batch, args.steps)
+    print_table(f"Plan and result codec, {args.batch} decodes (ms, bytes)", [report["codec"]])
+    model_path = build_model(TINY_MODEL)
+    report["serving_step"] = serving_step_row(args.batch, args.steps, model_path)
+    print_table(f"One serving step in-process, {args.batch} decodes, tiny model (ms, median)",
+                [report["serving_step"]])
+    if not args.no_serve:
+        report["serve"] = serve_row(args.batch, model_path, args.threads, RESULTS_DIR / f"overheads-{stamp}-logs")
+        print_table(f"Through `serve`, {args.batch} decodes (ms, median)", [report["serve"]])
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    json_path = RESULTS_DIR / f"overheads-{stamp}.json"
+    json_path.write_text(json.dumps(report, indent=2))
+    png_path = RESULTS_DIR / f"overheads-{stamp}.png"
+    plot(report, png_path)
+    print(f"wrote {json_path} and {png_path}")
+
+
+if __name__ == "__main__":
+    main()
