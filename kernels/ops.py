@@ -4,8 +4,8 @@ The worker calls only these four functions; their signatures are those of the re
 `paged_attention_ref` and `cache_ops_ref`. PAGEDSERVE_KERNELS picks the implementation:
 
     auto (default)   Triton when the tensors are on CUDA and triton is installed; otherwise
-                     paged_attention_cpu for attention (batched SDPA, the production CPU path)
-                     and the references for the cache operations
+                     the production CPU paths: paged_attention_cpu (batched SDPA) and
+                     write_kv_cache_cpu (index_copy_), and the references for the block copies
     triton           always Triton; on CPU tensors this needs TRITON_INTERPRET=1 set before the
                      kernel modules are first imported (the Triton interpreter, for tests)
     reference        always the plain-torch references (the oracle every other path is tested
@@ -23,6 +23,7 @@ from functools import cache
 
 import torch
 
+from pagedserve.kernels.cache_ops_cpu import write_kv_cache_cpu
 from pagedserve.kernels.cache_ops_ref import copy_blocks_ref, swap_blocks_ref, write_kv_cache_ref
 from pagedserve.kernels.paged_attention_cpu import paged_attention_cpu
 from pagedserve.kernels.paged_attention_ref import paged_attention_ref
@@ -64,7 +65,10 @@ def write_kv_cache(key, value, key_cache, value_cache, slot_mapping):
         from pagedserve.kernels.cache_ops import write_kv_cache as write_kv_cache_triton
         write_kv_cache_triton(key, value, key_cache, value_cache, slot_mapping)
         return
-    write_kv_cache_ref(key, value, key_cache, value_cache, slot_mapping)
+    if os.environ.get(KERNELS_ENV) == "reference":
+        write_kv_cache_ref(key, value, key_cache, value_cache, slot_mapping)
+        return
+    write_kv_cache_cpu(key, value, key_cache, value_cache, slot_mapping)
 
 
 def copy_blocks(key_caches, value_caches, block_mapping):

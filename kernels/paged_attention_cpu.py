@@ -97,9 +97,11 @@ def _decodes(out, query, key_cache, value_cache, block_tables, rows, seq_lens, s
     rows_index = torch.tensor(rows, device=device)  # [D], longest context first
     lens = torch.tensor(lens_list, device=device)  # [D]
     k_pos = torch.arange(max_len, device=device)  # [max_len]
-    tables = block_tables.index_select(0, rows_index)[:, : -(-max_len // block_size)]  # [D, blocks]
-    slots = (tables.index_select(1, k_pos // block_size).long() * block_size
-             + k_pos % block_size)  # [D, max_len]: cache slot of every context position
+    num_blocks = -(-max_len // block_size)
+    tables = block_tables.index_select(0, rows_index)[:, :num_blocks].long()  # [D, blocks]
+    offsets = torch.arange(block_size, device=device)  # [bs]
+    slots = (tables[:, :, None] * block_size + offsets).view(len(rows), num_blocks * block_size)[
+        :, :max_len]  # [D, max_len]: cache slot of every context position
     is_padding = k_pos[None, :] >= lens[:, None]  # [D, max_len]
     slots = torch.where(is_padding, slots[:, :1], slots)  # padding reads position 0 (written, finite)
     allowed = ~is_padding
