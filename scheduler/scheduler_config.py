@@ -16,7 +16,13 @@ class SchedulerConfig:
 
     The two cost constants drive preemption_mode="auto" (see preemption.py): the estimated time
     to move one block to CPU and back, and the estimated time to recompute one token's KV in a
-    prefill. Their defaults are a 7B model on a PCIe 4 GPU; measure and override them.
+    prefill; only their ratio decides. The defaults are measured for the demo model
+    (`--model demo`) on the CPU, one torch thread on a 2-core host, by
+    `python bench/memory.py --parts swap` (medians over groups of 64-2048 tokens and over six
+    runs; docs/memory.md). A swap is a memory copy there, cheaper per block than recomputing one
+    token, so "auto" swaps unless most of a group's blocks are also held by other requests. A 7B
+    model on a PCIe 4 GPU is nearer 6.5e-4 s per block and 7.0e-5 s per token (recomputing groups
+    of up to 18 tokens); measure and override them per deployment.
     """
 
     num_gpu_blocks: int
@@ -27,8 +33,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     preemption_mode: str = "auto"
-    swap_seconds_per_block: float = 6.5e-4
-    recompute_seconds_per_token: float = 7.0e-5
+    swap_seconds_per_block: float = 3.3e-5
+    recompute_seconds_per_token: float = 5.4e-5
 
     def __post_init__(self) -> None:
         _require_int("num_gpu_blocks", self.num_gpu_blocks, minimum=1)
