@@ -20,7 +20,9 @@ Every system uses --threads torch threads (OMP_NUM_THREADS for the serve process
 short warm-up. Output tokens/s is requested output tokens over the wall time from the first
 submission to the last token. Model FLOP utilization is pagedserve's achieved model FLOP/s
 over the decode-heavy part (from the moment every prompt has its first token to the end, and the
-part of it while at least half the requests still run) divided by the roofline peak.
+part of it while at least half the requests still run) divided by the roofline peak; the
+scheduler's step records give the share of those steps spent in the model forward. "workload s
+at peak" is the workload's model FLOPs over the peak: no system can finish faster.
 A table goes to stdout, JSON and a PNG to bench/results/.
 """
 
@@ -37,7 +39,7 @@ import torch
 from tqdm import tqdm
 
 from roofline import measure_matmul
-from serve_process import ServeProcess
+from serve_process import ServeProcess, StepRecorder
 from stream_client import RequestTrace, run_requests
 from workload import BENCH_MODEL, RESULTS_DIR, BenchRequest, ModelShape, build_model, make_requests
 
@@ -69,12 +71,39 @@ def run_pagedserve(model_path: Path, dtype: str, requests: list[BenchRequest], t
             "--num-kv-blocks", "4096", "--swap-space", "0.25", *serve_args]
     with ServeProcess(model_path, args, log_path=log_dir / f"serve-{dtype}.log", num_threads=threads) as server:
         run_requests(server.address, WARMUP)
-        with tqdm(total=len(requests), desc=f"pagedserve {dtype}", unit="req", leave=False) as bar:
+        with tqdm(total=len(requests), desc=f"pagedserve {dtype}", unit="req", leave=False) as bar, \
+                StepRecorder(server) as recorder:
             traces = run_requests(server.address, requests, on_done=lambda: bar.update(1))
     start = min(trace.sent_at for trace in traces)
     end = max(trace.finished_at for trace in traces)
     return {"seconds": end - start, "num_output_tokens": sum(trace.num_tokens for trace in traces),
-            "traces": traces}
+            "steps": step_summary(list(recorder.records.values()), len(requests)), "traces": traces}
+
+
+def step_summary(records: list, num_requests: int) -> dict:
+    """Steps of the run as the scheduler timed them: all, and the decode-only steps with at least
+    half the requests in the batch, with the share of their time spent in rank 0's forward."""
+    def part(selected: list) -> dict:
+        seconds = sum(record.seconds for record in selected)
+        forward = sum(record.forward_seconds for record in selected)
+        return {"num_steps": len(selected), "seconds": seconds, "forward_seconds": forward,
+                "forward_share": forward / seconds if seconds else 0.0,
+                "mean_batch": sum(r.num_decode_tokens + r.num_prefill_tokens for r in selected) / max(1, len(selected))}
+    work = [record for record in records if record.num_decode_tokens + record.num_prefill_tokens > 0]
+    decode = [record for record in work
+              if record.num_prefill_tokens == 0 and 2 * record.num_decode_tokens >= num_requests]
+    return {"all": part(work), "decode_half_running": part(decode)}
+
+
+def workload_gflops(requests: list[BenchRequest], shape: ModelShape) -> float:
+    """Model GFLOPs the workload needs at the least: every prompt token once (logits only for the
+    last), every output token after the first once."""
+    flops = 0.0
+    for request in requests:
+        flops += sum(shape.flops_per_token(position + 1, is_logits_row=position == request.prompt_len - 1)
+                     for position in range(request.prompt_len))
+        flops += sum(shape.flops_per_token(request.prompt_len + index) for index in range(1, request.max_tokens))
+    return flops / 1e9
 
 
 def decode_phase(traces: list[RequestTrace], shape: ModelShape, *, min_running_fraction: float = 0.0) -> dict:
@@ -279,9 +308,12 @@ def main() -> None:
           f"{args.threads} thread(s); model {shape.name} ({shape.num_params / 1e6:.1f}M parameters); "
           f"{len(requests)} requests, {report['workload']['num_prompt_tokens']} prompt and "
           f"{report['workload']['num_output_tokens']} output tokens\n")
+    report["workload"]["model_gflops"] = workload_gflops(requests, shape)
     started = time.perf_counter()
     for dtype in args.dtypes.split(","):
         entry = {"roofline": measure_matmul(shape, getattr(torch, dtype)), "systems": {}}
+        entry["roofline"]["workload_seconds_at_peak"] = (report["workload"]["model_gflops"]
+                                                         / entry["roofline"]["peak_gflops"])
         report["dtypes"][dtype] = entry
         for system in systems:
             if system == "pagedserve":
@@ -316,15 +348,22 @@ def main() -> None:
     roofline_rows = []
     for dtype, entry in report["dtypes"].items():
         if "decode_phase" in entry:
+            steps = entry["systems"]["pagedserve"]["steps"]["decode_half_running"]
             roofline_rows.append({
                 "dtype": dtype, "peak": entry["roofline"]["peak_gflops"],
                 "decode": entry["decode_phase"]["gflops_per_second"], "mfu": f"{100 * entry['mfu_decode']:.0f}%",
                 "half": entry["decode_phase_half_running"]["gflops_per_second"],
-                "mfu_half": f"{100 * entry['mfu_decode_half_running']:.0f}%"})
+                "mfu_half": f"{100 * entry['mfu_decode_half_running']:.0f}%",
+                "forward_share": f"{100 * steps['forward_share']:.0f}%",
+                "forward_mfu": f"{100 * entry['mfu_decode_half_running'] / max(steps['forward_share'], 1e-9):.0f}%",
+                "bound": entry["roofline"]["workload_seconds_at_peak"]})
     if roofline_rows:
         print_table(roofline_rows, [("dtype", "dtype"), ("peak", "matmul GFLOP/s"),
                                     ("decode", "decode-phase GFLOP/s"), ("mfu", "MFU"),
-                                    ("half", ">=50% running GFLOP/s"), ("mfu_half", "MFU")])
+                                    ("half", ">=50% running GFLOP/s"), ("mfu_half", "MFU"),
+                                    ("forward_share", "forward share of those steps"),
+                                    ("forward_mfu", "MFU in the forward (est.)"),
+                                    ("bound", "workload s at peak")])
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     json_path = RESULTS_DIR / f"offline-{stamp}.json"
     json_path.write_text(json.dumps(report, indent=2))

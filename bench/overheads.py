@@ -12,7 +12,8 @@
    (inputs, forward, sampling) -> encode result -> decode result -> process_result. Reported:
    the model forward (with the LM head) and everything else, split by part.
 4. The same batch through `pagedserve serve` (real processes, ZeroMQ, gRPC streams to the
-   client): step time and forward time from the scheduler's recent step records.
+   client): step time and forward time from the scheduler's recent step records, and the CPU
+   time each process (and this client) spent per streamed token.
 A table goes to stdout, JSON and a PNG to bench/results/.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from datetime import datetime, timezone
@@ -188,10 +190,7 @@ def serving_step_row(num_seqs: int, num_steps: int, model_path: Path) -> dict:
 def serve_row(num_seqs: int, model_path: Path, threads: int, log_dir: Path) -> dict:
     """num_seqs long greedy requests at once through `serve`; step and forward seconds of the
     steps where all of them decode, from the scheduler's recent step records."""
-    import threading
-
-    from pagedserve.internal import scheduler_pb2, scheduler_pb2_grpc
-    from serve_process import ServeProcess
+    from serve_process import ServeProcess, StepRecorder
     from stream_client import run_requests
     from workload import BenchRequest
 
@@ -199,34 +198,31 @@ def serve_row(num_seqs: int, model_path: Path, threads: int, log_dir: Path) -> d
                 for index in range(num_seqs)]
     args = ["--dtype", "float32", "--max-num-seqs", str(num_seqs), "--max-num-batched-tokens",
             str(max(2048, num_seqs)), "--num-kv-blocks", str(num_seqs * 16 + 64), "--swap-space", "0.25"]
-    records: dict[int, object] = {}
     with ServeProcess(model_path, args, log_path=log_dir / "serve-overheads.log", num_threads=threads) as server:
-        import grpc
-
-        channel = grpc.insecure_channel(f"127.0.0.1:{server.scheduler_port}")
-        stub = scheduler_pb2_grpc.SchedulerStub(channel)
-        done = threading.Event()
-
-        def poll() -> None:
-            while not done.wait(0.5):
-                for record in stub.GetStats(scheduler_pb2.GetStatsRequest(max_recent_steps=256)).recent_steps:
-                    records[record.step_id] = record
-        poller = threading.Thread(target=poll, daemon=True)
-        poller.start()
-        run_requests(server.address, requests)
-        done.set()
-        poller.join()
-        for record in stub.GetStats(scheduler_pb2.GetStatsRequest(max_recent_steps=256)).recent_steps:
-            records[record.step_id] = record
-        channel.close()
+        roles = server.child_pids()
+        cpu_before = {role: cpu_seconds(pid) for role, pid in roles.items()}
+        client_before = time.process_time()
+        with StepRecorder(server) as recorder:
+            traces = run_requests(server.address, requests)
+        cpu = {role: cpu_seconds(pid) - cpu_before[role] for role, pid in roles.items()}
+        cpu["client"] = time.process_time() - client_before
+    num_tokens = sum(trace.num_tokens for trace in traces)
+    records = recorder.records
     full = [r for r in records.values() if r.num_decode_tokens == num_seqs and r.num_prefill_tokens == 0]
-    if not full or not hasattr(full[0], "seconds"):
-        return {"num_seqs": num_seqs, "num_steps": len(full)}
+    if not full:
+        return {"num_seqs": num_seqs, "num_steps": 0}
     step = [r.seconds for r in full]
     forward = [r.forward_seconds for r in full]
     return {"num_seqs": num_seqs, "num_steps": len(full), "step_ms": median_ms(step),
             "forward_ms": median_ms(forward),
-            "outside_forward_ms": median_ms([s - f for s, f in zip(step, forward)])}
+            "outside_forward_ms": median_ms([s - f for s, f in zip(step, forward)]),
+            **{f"{role}_cpu_us_per_token": seconds / num_tokens * 1e6 for role, seconds in sorted(cpu.items())}}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def print_table(title: str, rows: list[dict]) -> None:

@@ -5,7 +5,8 @@
         aio_channel = server.aio_channel()       # for asyncio clients
 
 num_threads sets OMP_NUM_THREADS for the tree, which is how the worker's torch picks its
-intra-op thread count.
+intra-op thread count. StepRecorder collects the scheduler's per-step records (tokens, step and
+forward seconds) while a run goes on.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagedserve.internal import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.supervisor import free_port
 from pagedserve.v1 import generation_pb2_grpc
 
@@ -63,6 +66,19 @@ class ServeProcess:
     def aio_channel(self) -> grpc.aio.Channel:
         return grpc.aio.insecure_channel(self.address)
 
+    def child_pids(self) -> dict[str, int]:
+        """pid of each child by role (scheduler, worker-RANK, frontend), from /proc."""
+        roles = {}
+        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        for pid in map(int, children):
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+            if "pagedserve.cli" in argv:
+                role = argv[argv.index("pagedserve.cli") + 1]
+                if role == "worker":
+                    role = f"worker-{argv[argv.index('--rank') + 1]}"
+                roles[role] = pid
+        return roles
+
     def _wait_ready(self) -> None:
         health = health_pb2_grpc.HealthStub(self.channel)
         deadline = time.monotonic() + self.ready_timeout
@@ -90,3 +106,35 @@ class ServeProcess:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self._log_file.close()
+
+
+class StepRecorder:
+    """Polls the scheduler's recent step records (the last 256 steps) while the block runs;
+    `records` holds every step seen, by step id."""
+
+    def __init__(self, server: ServeProcess, interval: float = 0.5) -> None:
+        self._channel = grpc.insecure_channel(f"127.0.0.1:{server.scheduler_port}")
+        self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+        self._interval = interval
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="step-recorder", daemon=True)
+        self.records: dict[int, scheduler_pb2.StepSummary] = {}
+
+    def _collect(self) -> None:
+        request = scheduler_pb2.GetStatsRequest(max_recent_steps=256)
+        for record in self._stub.GetStats(request, timeout=10).recent_steps:
+            self.records[record.step_id] = record
+
+    def _poll(self) -> None:
+        while not self._done.wait(self._interval):
+            self._collect()
+
+    def __enter__(self) -> "StepRecorder":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._done.set()
+        self._thread.join()
+        self._collect()
+        self._channel.close()
