@@ -36,13 +36,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from machine_info import machine
 from memory_sim import SharingObserver, WasteObserver, WorkloadRequest, drive
 from memory_swap import SWAP_CYCLES, ModelTiming, measure_swap_and_recompute, prepare_bench_model, prepare_demo_model
 
@@ -213,19 +212,6 @@ def swap_summary_table(timings: list[ModelTiming]) -> str:
 
 
 # ---- main ------------------------------------------------------------------------------------
-
-def machine() -> dict:
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "num_cores": len(os.sched_getaffinity(0)), "python": platform.python_version(),
-            "platform": platform.platform()}
-
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

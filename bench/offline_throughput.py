@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -38,6 +37,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from machine_info import machine
 from roofline import measure_matmul
 from serve_process import ServeProcess, StepRecorder
 from stream_client import RequestTrace, run_requests
@@ -48,19 +48,6 @@ LABELS = {"pagedserve": "pagedserve serve (gRPC)", "hf-static": "HF generate, st
           "hf-cb": "HF generate_batch (continuous)"}
 PAD_TOKEN_ID = 3
 WARMUP = [BenchRequest(list(range(4, 68)), 8)]
-
-
-def machine() -> dict:
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "num_cores": len(__import__("os").sched_getaffinity(0)), "torch": torch.__version__,
-            "transformers": __import__("transformers").__version__, "python": platform.python_version()}
 
 
 # ---- pagedserve ------------------------------------------------------------------------------
@@ -296,7 +283,7 @@ def main() -> None:
     shape = BENCH_MODEL
     model_path = build_model(shape)
     requests = make_requests(args.num_requests, (32, 512), (16, 256), vocab_size=shape.vocab_size, seed=0)
-    report = {"machine": machine(), "threads": args.threads, "model": {"name": shape.name,
+    report = {"machine": machine("torch", "transformers"), "threads": args.threads, "model": {"name": shape.name,
               "num_params": shape.num_params, "path": str(model_path)},
               "workload": {"num_requests": len(requests), "prompt_lens": [32, 512], "output_lens": [16, 256],
                            "num_prompt_tokens": sum(r.prompt_len for r in requests),

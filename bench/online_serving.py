@@ -27,7 +27,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from offline_throughput import machine
+from machine_info import machine
 from serve_process import ServeProcess
 from stream_client import RequestTrace, run_requests
 from workload import BENCH_MODEL, RESULTS_DIR, BenchRequest, build_model, make_requests
@@ -175,7 +175,7 @@ def main() -> None:
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     log_dir = RESULTS_DIR / f"online-{stamp}-logs"
     model_path = build_model(BENCH_MODEL)
-    report = {"machine": machine(), "dtype": args.dtype, "threads": args.threads, "model": BENCH_MODEL.name,
+    report = {"machine": machine("torch", "transformers"), "dtype": args.dtype, "threads": args.threads, "model": BENCH_MODEL.name,
               "rates": [], "chunked_prefill": []}
     started = time.perf_counter()
     if not args.skip_rates:
