@@ -121,6 +121,39 @@ def resident_bytes() -> int | None:
         return None
 
 
+def anonymous_resident_bytes() -> int | None:
+    """The anonymous part of the resident set (RssAnon): memory the process allocated, without the
+    file pages it maps (shared libraries, a memory-mapped checkpoint), whose count depends on what
+    the page cache happens to hold."""
+    return _status_bytes("RssAnon:")
+
+
+def _status_bytes(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith(field):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def reset_peak_resident_bytes() -> bool:
+    """Starts a new peak resident set size measurement (Linux clear_refs); False where it cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_resident_bytes() -> int | None:
+    """The highest resident set size since the process started or the last reset (VmHWM)."""
+    return _status_bytes("VmHWM:")
+
+
 def _raise_stopped(signum, frame) -> None:
     raise WorkerStopped(f"stopped by {signal.Signals(signum).name}")
 
@@ -142,15 +175,20 @@ def run_worker(config: WorkerConfig) -> int:
                          block_size=config.block_size, rank=config.rank,
                          world_size=config.world_size)
     started = time.monotonic()
-    rss_before = resident_bytes()
+    rss_before, anon_before = resident_bytes(), anonymous_resident_bytes()
+    peak_measured = reset_peak_resident_bytes()
     runner.load()
-    rss_after = resident_bytes()
+    rss_after, anon_after = resident_bytes(), anonymous_resident_bytes()
+    peak_after = peak_resident_bytes() if peak_measured else None
     log.info("model_loaded", device=device, world_size=config.world_size,
              seconds=round(time.monotonic() - started, 2),
              num_weight_bytes=runner.num_weight_bytes,
              num_checkpoint_bytes_read=runner.num_checkpoint_bytes_read,
              num_rss_bytes=rss_after,
-             num_rss_load_bytes=None if rss_before is None else rss_after - rss_before)
+             num_rss_load_bytes=None if rss_before is None else rss_after - rss_before,
+             num_anon_rss_load_bytes=None if anon_before is None else anon_after - anon_before,
+             num_peak_rss_load_bytes=(None if rss_before is None or peak_after is None
+                                      else peak_after - rss_before))
     capacity = runner.profile_num_blocks(kv_cache_memory_gib=config.kv_cache_memory_gib)
     num_cpu_blocks = runner.num_blocks_for_bytes(int(config.swap_space_gib * 2**30))
     log.info("kv_capacity", num_gpu_blocks=capacity, num_cpu_blocks=num_cpu_blocks)

@@ -35,7 +35,7 @@ from tests.e2e.harness import READY_SERVICE, token_request, wait_for
 PROMPT_LENGTHS = [1, 17, 40, 130]
 MAX_NEW_TOKENS = 16
 MIB = 2**20
-RSS_MARGIN = 1.25  # a rank's load RSS may exceed half the single rank's by this factor
+RSS_MARGIN = 1.15  # a rank's anonymous load RSS may exceed half the single rank's by this factor
 UNAVAILABLE_WITHIN_S = 15.0  # the scheduler's heartbeat timeout (10 s) and a margin
 HEARTBEAT_TIMEOUT_S = 3.0  # of the scheduler started one by one
 SERVE_ARGS = ["--num-kv-blocks", "128", "--max-num-batched-tokens", "256"]
@@ -134,15 +134,19 @@ def test_each_rank_reads_and_holds_only_its_shard(name, replicated, runs, checkp
 
 
 def test_rank_memory_after_load_is_half(runs):
-    """Resident memory each process gained loading its weights: a rank of two about half of one
-    rank alone (65 MB of weights, so the fixed costs of a load stay within the margin)."""
+    """Anonymous resident memory each process gained loading its weights (what it allocated; the
+    file pages it maps are left out, as their count depends on the page cache): at least the
+    rank's weights, and for a rank of two about half of what one rank alone gained."""
     (whole,) = runs("sharded", 1).loaded
-    assert whole["num_rss_load_bytes"] >= whole["num_weight_bytes"]
+    assert whole["num_anon_rss_load_bytes"] >= whole["num_weight_bytes"]
     for rank in runs("sharded", 2).loaded:
-        assert rank["num_rss_load_bytes"] >= rank["num_weight_bytes"]
-        assert rank["num_rss_load_bytes"] <= 0.5 * whole["num_rss_load_bytes"] * RSS_MARGIN, (
-            f"rank {rank['rank']} grew by {rank['num_rss_load_bytes'] / MIB:.1f} MiB loading, "
-            f"one rank alone by {whole['num_rss_load_bytes'] / MIB:.1f} MiB")
+        assert rank["num_weight_bytes"] <= 0.5 * whole["num_weight_bytes"] * 1.01
+        assert rank["num_anon_rss_load_bytes"] >= rank["num_weight_bytes"]
+        assert rank["num_anon_rss_load_bytes"] <= 0.5 * whole["num_anon_rss_load_bytes"] * RSS_MARGIN, (
+            f"rank {rank['rank']} grew by {rank['num_anon_rss_load_bytes'] / MIB:.1f} MiB loading "
+            f"{rank['num_weight_bytes'] / MIB:.1f} MiB of weights, one rank alone by "
+            f"{whole['num_anon_rss_load_bytes'] / MIB:.1f} MiB loading "
+            f"{whole['num_weight_bytes'] / MIB:.1f} MiB")
 
 
 def test_killed_rank_gives_unavailable_and_not_ready(checkpoints, tmp_path_factory):
