@@ -1,9 +1,15 @@
 """The scheduler process's step loop: one thread owns the Scheduler and the worker link.
 
     gRPC threads --commands (submit, abort, finish)--> queue --> step loop thread
-    step loop:  apply commands -> schedule() -> publish plan -> rank 0's result
-                -> process_result() -> outputs to each request's sink
-                (idle: wait for a command)
+    step loop:  apply commands -> schedule() -> publish plan N
+                -> hand step N-1's outputs to the dispatcher (while the workers run step N)
+                -> rank 0's result N -> process_result() -> outputs held for the next step
+                (idle: hand over what is held, wait for a command)
+
+Outputs go out in one batch per step through `dispatch`, a callable given a list of (sink, item)
+pairs: the gRPC server turns it into one wake-up of its event loop per step instead of one per
+request. Handing a step's outputs over after the next plan is published lets the server stream
+them while the workers compute, instead of holding the loop thread back from scheduling.
 
 A lost worker: with worker_recovery_timeout > 0 (serve restarts its workers) the Scheduler is
 reset: every block is dropped and each unfinished request waits to be computed again from the
@@ -28,6 +34,7 @@ from pagedserve.scheduler.outputs import Request, RequestOutput
 from pagedserve.scheduler.worker_link import WorkerLink, WorkerLost
 
 Sink = Callable[[RequestOutput | Exception], None]
+Dispatch = Callable[[list[tuple[Sink, RequestOutput | Exception]]], None]
 MAX_RECENT_STEPS = 256
 
 
@@ -85,7 +92,10 @@ class EngineState:
 
 class Engine:
     def __init__(self, config: EngineConfig, link: WorkerLink,
-                 on_step: Callable[["Engine", StepRecord | None], None] | None = None) -> None:
+                 on_step: Callable[["Engine", StepRecord | None], None] | None = None,
+                 dispatch: Dispatch | None = None) -> None:
+        """dispatch: runs a batch of (sink, item) pairs; by default each sink is called in turn
+        on the loop thread."""
         self.config = config
         self.link = link
         self.state = EngineState()
@@ -95,6 +105,8 @@ class Engine:
         self._wakeup = threading.Event()
         self._stopping = threading.Event()
         self._sinks: dict[str, Sink] = {}
+        self._dispatch: Dispatch = dispatch or _call_each
+        self._held: list[tuple[Sink, RequestOutput | Exception]] = []  # outputs of the last step
         self._recovery_deadline: float | None = None
         self.admission = Admission(config.max_waiting_requests, config.max_waiting_tokens)
         self._thread = threading.Thread(target=self._run, name="step-loop", daemon=True)
@@ -151,13 +163,13 @@ class Engine:
     def _add(self, request: Request, sink: Sink) -> None:
         if self.scheduler is None or not self.state.is_ready:
             self.admission.release(request.request_id)
-            sink(EngineUnavailable("workers are not ready"))
+            self._dispatch([(sink, EngineUnavailable("workers are not ready"))])
             return
         try:
             self.scheduler.add_request(request)
         except Exception as exc:  # RequestRejected and bad input go back to that caller only
             self.admission.release(request.request_id)
-            sink(exc)
+            self._dispatch([(sink, exc)])
             return
         self._sinks[request.request_id] = sink
 
@@ -183,6 +195,7 @@ class Engine:
                     continue
                 self._apply_commands()
                 if not self._step():
+                    self._hand_over()
                     self.link.drain()
                     self.link.check_alive()
                     self._wakeup.wait(0.05)
@@ -245,14 +258,16 @@ class Engine:
         started = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if scheduled is None:
-            self._deliver(self.scheduler.pop_pending_outputs())
+            self._hold(self.scheduler.pop_pending_outputs())
             self.state.num_waiting = self.scheduler.stats().num_waiting
             return False
         now = time.monotonic()
         queue_seconds = [seconds for group in scheduled.groups
                          if (seconds := self.admission.release(group.request_id, now)) is not None]
-        result = self.link.run_step(scheduled.plan)
-        self._deliver(self.scheduler.process_result(scheduled, result))
+        self.link.publish(scheduled.plan)
+        self._hand_over()
+        result = self.link.wait_result(scheduled.plan)
+        self._hold(self.scheduler.process_result(scheduled, result))
         record = self._record(scheduled, time.perf_counter() - started)
         record.forward_seconds = result.forward_seconds
         record.queue_seconds = queue_seconds
@@ -261,14 +276,21 @@ class Engine:
             self._on_step(self, record)
         return True
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _hold(self, outputs: list[RequestOutput]) -> None:
+        """Pairs outputs with their sinks (a finished request's sink is dropped at once) and keeps
+        them for the next hand-over."""
         for output in outputs:
             sink = self._sinks.get(output.request_id)
             if sink is None:
                 continue
             if output.is_finished:
                 del self._sinks[output.request_id]
-            sink(output)
+            self._held.append((sink, output))
+
+    def _hand_over(self) -> None:
+        if self._held:
+            held, self._held = self._held, []
+            self._dispatch(held)
 
     def _record(self, scheduled, seconds: float) -> StepRecord:
         request_ids = sorted({group.request_id for group in scheduled.groups})
@@ -293,7 +315,13 @@ class Engine:
             self.scheduler = None
 
     def _fail_all(self, error: Exception) -> None:
+        self._hand_over()  # what the last step produced goes out before the failure
         sinks, self._sinks = self._sinks, {}
         self.admission.clear()
-        for sink in sinks.values():
-            sink(error)
+        if sinks:
+            self._dispatch([(sink, error) for sink in sinks.values()])
+
+
+def _call_each(pairs: list[tuple[Sink, RequestOutput | Exception]]) -> None:
+    for sink, item in pairs:
+        sink(item)

@@ -119,9 +119,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             self.metrics.requests_rejected.labels(reason="draining").inc()
             log.info("request_rejected", code="UNAVAILABLE", error="draining")
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is draining; retry on another replica")
-        loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
-        sink = lambda item: loop.call_soon_threadsafe(outputs.put_nowait, item)  # noqa: E731
+        sink = outputs.put_nowait  # called on this event loop (see loop_dispatch)
         internal = Request(
             request_id=request.request_id,
             prompt_token_ids=list(request.prompt_token_ids),
@@ -221,6 +220,23 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return scheduler.stats(), is_consistent
 
 
+def loop_dispatch(loop: asyncio.AbstractEventLoop):
+    """The engine's dispatch for sinks that live on `loop`: each step's outputs cross to the loop
+    in one call (one wake-up), where every sink runs in turn."""
+
+    def run(pairs) -> None:
+        for sink, item in pairs:
+            sink(item)
+
+    def dispatch(pairs) -> None:
+        try:
+            loop.call_soon_threadsafe(run, pairs)
+        except RuntimeError:  # the loop has closed: nobody is left to read these
+            pass
+
+    return dispatch
+
+
 async def _serve(config: SchedulerServerConfig, engine_config: EngineConfig, model: ModelInfo) -> None:
     log = configure_logging("scheduler")
     metrics = SchedulerMetrics()
@@ -235,7 +251,7 @@ async def _serve(config: SchedulerServerConfig, engine_config: EngineConfig, mod
 
     link = WorkerLink(config.plan_address, config.result_address, config.tensor_parallel_size,
                       heartbeat_timeout=config.heartbeat_timeout)
-    engine = Engine(engine_config, link, on_step=on_step)
+    engine = Engine(engine_config, link, on_step=on_step, dispatch=loop_dispatch(asyncio.get_running_loop()))
     engine.start()
     server = grpc.aio.server(options=list(_SERVER_OPTIONS))
     servicer = SchedulerServicer(engine, model, config.tensor_parallel_size, metrics)

@@ -173,14 +173,17 @@ class WorkerLink:
 
     # ---- steps -----------------------------------------------------------------------------
 
-    def run_step(self, plan: StepPlan, poll_seconds: float = 0.5) -> StepResult:
-        """Publishes one plan and waits for rank 0's result, watching every rank's heartbeat.
+    def publish(self, plan: StepPlan) -> None:
+        """Sends one plan to every rank of the current epoch."""
+        plan.epoch = self.epoch
+        self._pub.send(encode_plan(plan))
+
+    def wait_result(self, plan: StepPlan, poll_seconds: float = 0.5) -> StepResult:
+        """Waits for rank 0's result of a published plan, watching every rank's heartbeat.
 
         The heartbeats are checked on a clock, not only when the socket falls silent: the other
         ranks keep heartbeating while a dead one holds the step back.
         """
-        plan.epoch = self.epoch
-        self._pub.send(encode_plan(plan))
         next_check = time.monotonic() + poll_seconds
         while True:
             message = self._receive(max(0.0, next_check - time.monotonic()))

@@ -1,0 +1,163 @@
+"""The step loop (scheduler/engine.py) against a link whose worker is the KV-simulating fake: what
+reaches each request's sink, in what order, and when the outputs of a step are handed over."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.scheduler.engine import Engine, EngineConfig, EngineUnavailable
+from pagedserve.scheduler.errors import RequestRejected
+from pagedserve.scheduler.outputs import Request
+from pagedserve.scheduler.scheduler_config import SchedulerConfig
+from pagedserve.scheduler.worker_link import PoolSize, WorkerLost
+from tests.scheduler.scheduler_harness import EOS_TOKEN_ID, FakeWorker
+
+NUM_BLOCKS = 64
+BLOCK_SIZE = 4
+
+
+class FakeLink:
+    """The WorkerLink surface the engine uses, with one in-process fake worker; records every
+    publish and dispatch in one event list so their order can be checked."""
+
+    def __init__(self, events: list, fail_at_step: int | None = None) -> None:
+        self.epoch = 0
+        self.world_size = 1
+        self.events = events
+        self.fail_at_step = fail_at_step
+        self.worker = FakeWorker(SchedulerConfig(num_gpu_blocks=NUM_BLOCKS, num_cpu_blocks=0,
+                                                 block_size=BLOCK_SIZE, max_model_len=256))
+        self._pending = None
+
+    def all_registered(self) -> bool:
+        return True
+
+    def poll_registration(self, timeout: float) -> None:
+        pass
+
+    def init_cache(self, max_gpu_blocks, deadline) -> PoolSize:
+        self.epoch += 1
+        return PoolSize(NUM_BLOCKS, 0)
+
+    def publish(self, plan) -> None:
+        plan.epoch = self.epoch
+        self.events.append(("publish", plan.step_id))
+        self._pending = plan
+
+    def wait_result(self, plan, poll_seconds: float = 0.5):
+        assert self._pending is plan
+        if self.fail_at_step is not None and plan.step_id >= self.fail_at_step:
+            raise WorkerLost("rank 0 is gone")
+        return self.worker.run(plan)
+
+    def drain(self) -> None:
+        pass
+
+    def check_alive(self) -> None:
+        pass
+
+    def shutdown_workers(self, reason: str) -> None:
+        pass
+
+    def forget_ranks(self, reason: str = "") -> None:
+        pass
+
+
+def _engine(events: list, fail_at_step: int | None = None) -> Engine:
+    def dispatch(pairs) -> None:
+        events.append(("dispatch", len(pairs)))
+        for sink, item in pairs:
+            sink(item)
+
+    config = EngineConfig(block_size=BLOCK_SIZE, max_model_len=256, max_num_seqs=8, num_kv_blocks=NUM_BLOCKS)
+    engine = Engine(config, FakeLink(events, fail_at_step), dispatch=dispatch)
+    engine.start()
+    deadline = time.monotonic() + 5
+    while not engine.state.is_ready:
+        assert time.monotonic() < deadline, "the engine did not become ready"
+        time.sleep(0.01)
+    return engine
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.items: list = []
+        self.done = threading.Event()
+
+    def __call__(self, item) -> None:
+        self.items.append(item)
+        if isinstance(item, Exception) or item.is_finished:
+            self.done.set()
+
+    @property
+    def tokens(self) -> list[int]:
+        return [token for item in self.items if not isinstance(item, Exception)
+                for delta in item.deltas for token in delta.token_ids]
+
+
+def _request(request_id: str, prompt_len: int, max_tokens: int) -> Request:
+    prompt = [(index * 5 + len(request_id)) % 20 + 1 for index in range(prompt_len)]
+    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                   eos_token_ids=[EOS_TOKEN_ID])
+
+
+def test_outputs_of_a_step_go_out_in_one_batch_after_the_next_plan():
+    events: list = []
+    engine = _engine(events)
+    try:
+        collectors = {}
+        # Submitted from the loop thread's own queue in one go, so they are scheduled together.
+        gate = threading.Event()
+        engine._post(gate.wait)
+        for index in range(3):
+            collectors[f"r{index}"] = Collector()
+            engine.submit(_request(f"r{index}", 6 + index, 5), collectors[f"r{index}"])
+        gate.set()
+        for collector in collectors.values():
+            assert collector.done.wait(5)
+    finally:
+        engine.stop()
+    for collector in collectors.values():
+        assert len(collector.tokens) == 5
+        assert collector.items[-1].is_finished
+    steps = [event for event in events if event[0] == "publish"]
+    dispatches = [event for event in events if event[0] == "dispatch"]
+    assert len(steps) == 5  # one prefill step, then four decode steps, all three together
+    assert all(size == 3 for _, size in dispatches), dispatches
+    # Step N's outputs are handed over right after plan N + 1 is published; the last step's
+    # outputs once nothing is left to schedule.
+    kinds = [kind for kind, _ in events]
+    assert kinds == ["publish"] + ["publish", "dispatch"] * 4 + ["dispatch"]
+
+
+def test_tokens_of_steps_before_a_failure_arrive_before_it():
+    events: list = []
+    engine = _engine(events, fail_at_step=3)
+    try:
+        collector = Collector()
+        engine.submit(_request("r0", 6, 10), collector)
+        assert collector.done.wait(5)
+    finally:
+        engine.stop()
+    *tokens, failure = collector.items
+    assert isinstance(failure, EngineUnavailable)
+    # Steps are numbered from 1: the tokens of steps 1 and 2, then step 3 fails (step 2's token
+    # goes out after step 3's plan is published, before its result is awaited).
+    assert [item.deltas[0].token_ids for item in tokens] == [[token] for token in collector.tokens]
+    assert len(tokens) == 2
+
+
+def test_rejected_request_gets_its_error_through_dispatch():
+    events: list = []
+    engine = _engine(events)
+    try:
+        collector = Collector()
+        engine.submit(_request("too-long", 300, 5), collector)
+        assert collector.done.wait(5)
+    finally:
+        engine.stop()
+    (error,) = collector.items
+    assert isinstance(error, RequestRejected), error
+    assert ("dispatch", 1) in events
