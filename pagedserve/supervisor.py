@@ -44,13 +44,15 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def threads_per_rank(num_ranks: int) -> int:
-    """CPU threads for each of num_ranks workers on this host: oversubscribed cores make every
-    all-reduce wait for the slowest spinning thread."""
+    """CPU threads for each of num_ranks workers on this host. One core is left to the frontend
+    and the scheduler, and the rest is split between the ranks: a worker's parallel regions end
+    in barriers, so one of its threads descheduled by a neighbour (or by another rank's threads)
+    holds every other thread, and every all-reduce, back."""
     try:
         num_cores = len(os.sched_getaffinity(0))
     except AttributeError:
         num_cores = os.cpu_count() or 1
-    return max(1, num_cores // num_ranks)
+    return max(1, (num_cores - 1) // num_ranks)
 
 
 def _die_with_parent() -> None:
@@ -108,7 +110,7 @@ class ServeConfig:
                       "--swap-space", str(args.swap_space)]
             if args.kv_cache_memory is not None:
                 worker += ["--kv-cache-memory", str(args.kv_cache_memory)]
-            if args.tensor_parallel_size > 1:  # ranks on one host share its cores
+            if "OMP_NUM_THREADS" not in os.environ:  # else torch follows what the operator set
                 worker += ["--num-threads", str(threads_per_rank(args.tensor_parallel_size))]
             workers.append(worker)
         frontend = ["frontend", "--model", model, "--host", args.host, "--port", str(args.port),
