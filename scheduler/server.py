@@ -1,7 +1,9 @@
 """The scheduler's internal gRPC service (frontend -> scheduler), served with grpc.aio.
 
-Each Submit is one server stream: the engine's loop thread hands outputs to the stream through
-the event loop. A stream that closes before its request finished aborts the request in the
+Each Submit is one server stream: the engine's loop thread hands each step's outputs to the
+event loop in one batch (loop_dispatch), and every stream sends what its request got; outputs of
+several steps that are waiting when a stream writes (its reader fell behind) go out as one
+message. A stream that closes before its request finished aborts the request in the
 engine, which frees its blocks before the next step: a client that cancels, a deadline that
 passes (the frontend forwards it as the Submit deadline), and a frontend that dies (its TCP
 connection closes; server keepalive pings find one whose host vanished) all end that way.
