@@ -301,6 +301,7 @@ class Engine:
 
     def _lose_workers(self, reason: str) -> None:
         self._log.error("workers_lost", reason=reason)
+        self._hand_over()  # tokens already computed go out now, not after the recovery
         self.state.is_ready = False
         self.link.forget_ranks()
         timeout = self.config.worker_recovery_timeout
