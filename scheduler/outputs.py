@@ -49,10 +49,3 @@ class RequestOutput:
     prompt_tokens: int
     cached_prompt_tokens: int
     is_finished: bool
-
-
-def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """One output carrying both steps' deltas, in order (a completion may have several deltas)."""
-    return RequestOutput(earlier.request_id, earlier.deltas + later.deltas,
-                         later.prompt_tokens or earlier.prompt_tokens,
-                         max(earlier.cached_prompt_tokens, later.cached_prompt_tokens), later.is_finished)

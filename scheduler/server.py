@@ -1,9 +1,8 @@
 """The scheduler's internal gRPC service (frontend -> scheduler), served with grpc.aio.
 
 Each Submit is one server stream: the engine's loop thread hands each step's outputs to the
-event loop in one batch (loop_dispatch), and every stream sends what its request got; outputs of
-several steps that are waiting when a stream writes (its reader fell behind) go out as one
-message. A stream that closes before its request finished aborts the request in the
+event loop in one batch (loop_dispatch), and every stream sends what its request got, one message
+per step. A stream that closes before its request finished aborts the request in the
 engine, which frees its blocks before the next step: a client that cancels, a deadline that
 passes (the frontend forwards it as the Submit deadline), and a frontend that dies (its TCP
 connection closes; server keepalive pings find one whose host vanished) all end that way.
@@ -34,7 +33,7 @@ from pagedserve.sampling_params import InvalidParameter
 from pagedserve.scheduler.admission import QueueFull
 from pagedserve.scheduler.engine import Engine, EngineConfig, EngineUnavailable
 from pagedserve.scheduler.metrics import SchedulerMetrics
-from pagedserve.scheduler.outputs import Request, RequestOutput, merge_outputs
+from pagedserve.scheduler.outputs import Request, RequestOutput
 from pagedserve.scheduler.sampling_codec import output_to_proto, sampling_from_proto
 from pagedserve.scheduler.worker_link import WorkerLink
 from pagedserve.service_options import DEFAULT_SHUTDOWN_TIMEOUT_S
@@ -139,19 +138,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.num_open_streams += 1
         is_finished = is_started = False
         finish_reasons: dict[int, str] = {}
-        carried = None  # an error found behind coalesced outputs, handled next
         try:
             while not is_finished:
-                item = carried if carried is not None else await outputs.get()
-                carried = None
-                # Outputs of several steps already waiting (the frontend reads slower than the
-                # steps come) go out as one message: fewer messages, no added wait.
-                while isinstance(item, RequestOutput) and not item.is_finished and not outputs.empty():
-                    following = outputs.get_nowait()
-                    if isinstance(following, Exception):
-                        carried = following
-                        break
-                    item = merge_outputs(item, following)
+                item = await outputs.get()
                 if isinstance(item, Exception):
                     is_finished = True
                     if not is_started:  # refused by the scheduler core, or no workers
