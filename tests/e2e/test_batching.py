@@ -12,10 +12,10 @@ from tests.e2e.harness import token_request
 def _stream_timed(server, request_id: str, prompt: list[int], max_tokens: int, record: dict) -> None:
     request = token_request(prompt, max_tokens=max_tokens, ignore_eos=True)
     request.request_id = request_id
-    times = []
+    times = []  # arrival time of every token (a message may carry several)
     for message in server.stub.GenerateStream(request, timeout=120):
-        if any(c.token_ids for c in message.completions):
-            times.append(time.monotonic())
+        num_tokens = sum(len(c.token_ids) for c in message.completions)
+        times.extend([time.monotonic()] * num_tokens)
     record[request_id] = times
 
 
