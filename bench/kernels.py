@@ -15,19 +15,16 @@ stdout and JSON to bench/results/.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import time
-from datetime import datetime, timezone
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from output import print_table, save_report, timestamp
 from pagedserve.kernels import ops
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 GRIDS = {  # (decode batch sizes, context lengths)
     "cuda": ([1, 4, 16, 64, 256], [128, 512, 2048, 8192]),
     "cpu": ([1, 8, 32], [128, 1024, 4096]),
@@ -162,16 +159,6 @@ def op_share(device: torch.device, dtype: torch.dtype) -> dict:
             "rotary_share": spent["rotary"] / total}
 
 
-def print_table(rows: list[dict], columns: list[str]) -> None:
-    def cell(value):
-        return f"{value:.4g}" if isinstance(value, float) else str(value)
-    widths = [max(len(c), *(len(cell(r[c])) for r in rows)) for c in columns]
-    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
-    for row in rows:
-        print("  ".join(cell(row[c]).rjust(w) for c, w in zip(columns, widths)))
-    print()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -200,19 +187,16 @@ def main() -> None:
 
     attention = [decode_attention_row(args, b, c, device, dtype) for b in batches for c in contexts]
     print_table(attention, ["batch", "context", "paged_ms", "paged_gbps", "sdpa_ms", "sdpa_gbps", "paged_over_sdpa",
-                            "max_abs_diff"])
+                            "max_abs_diff"], float_format=".4g")
     cache_ops = cache_op_rows(args, device, dtype, batches)
-    print_table(cache_ops, ["op", "size", "ms", "gbps"])
+    print_table(cache_ops, ["op", "size", "ms", "gbps"], float_format=".4g")
     share = op_share(device, dtype) if args.op_share else None
     if share:
-        print_table([share], list(share))
+        print_table([share], float_format=".4g")
 
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    path = RESULTS_DIR / f"kernels-{device.type}-{stamp}.json"
-    path.write_text(json.dumps({"device": name, "dtype": str(dtype), "implementation": impl, "args": vars(args),
-                                "torch": torch.__version__, "attention": attention, "cache_ops": cache_ops,
-                                "op_share": share}, indent=2))
+    (path,) = save_report(f"kernels-{device.type}-{timestamp()}", {
+        "device": name, "dtype": str(dtype), "implementation": impl, "args": vars(args), "torch": torch.__version__,
+        "attention": attention, "cache_ops": cache_ops, "op_share": share})
     print(f"wrote {path}")
 
 

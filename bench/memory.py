@@ -35,20 +35,17 @@ Tables go to stdout (Markdown), everything to bench/results/memory-<time>.json.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
-from datetime import datetime, timezone
-from pathlib import Path
 
 from machine_info import machine
 from memory_sim import SharingObserver, WasteObserver, WorkloadRequest, drive
 from memory_swap import SWAP_CYCLES, ModelTiming, measure_swap_and_recompute, prepare_bench_model, prepare_demo_model
+from output import save_report, timestamp
+from workload import MODELS_DIR
 
 from pagedserve.scheduler.scheduler_config import SchedulerConfig
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
-MODELS_DIR = RESULTS_DIR / "models"
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 2048
 WIDTHS = (2, 4, 8)
@@ -276,10 +273,7 @@ def main() -> None:
         print()
         print(swap_summary_table(timings))
     report["wall_seconds"] = time.perf_counter() - started
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    path = RESULTS_DIR / f"memory-{stamp}.json"
-    path.write_text(json.dumps(report, indent=2))
+    (path,) = save_report(f"memory-{timestamp()}", report)
     print(f"\nWall time {report['wall_seconds']:.1f} s; results in {path}")
 
 

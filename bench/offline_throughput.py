@@ -29,15 +29,14 @@ A table goes to stdout, JSON and a PNG to bench/results/.
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from machine_info import machine
+from output import print_table, save_report, timestamp
 from roofline import measure_matmul
 from serve_process import ServeProcess, StepRecorder
 from stream_client import RequestTrace, run_requests
@@ -212,16 +211,6 @@ def _cb_generate(manager, requests: list[BenchRequest], on_done=lambda: None) ->
 
 # ---- report ----------------------------------------------------------------------------------
 
-def print_table(rows: list[dict], columns: list[tuple[str, str]]) -> None:
-    def cell(value):
-        return f"{value:,.1f}" if isinstance(value, float) else str(value)
-    widths = [max(len(title), *(len(cell(row.get(key, ""))) for row in rows)) for key, title in columns]
-    print("  ".join(title.ljust(width) for (_, title), width in zip(columns, widths)))
-    for row in rows:
-        print("  ".join(cell(row.get(key, "")).ljust(width) for (key, _), width in zip(columns, widths)))
-    print()
-
-
 def plot(report: dict, path: Path) -> None:
     import matplotlib
 
@@ -278,7 +267,7 @@ def main() -> None:
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
         parser.error(f"unknown systems: {', '.join(sorted(unknown))}")
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = timestamp()
     log_dir = RESULTS_DIR / f"offline-{stamp}-logs"
     shape = BENCH_MODEL
     model_path = build_model(shape)
@@ -330,8 +319,8 @@ def main() -> None:
             rows.append({"dtype": dtype, "system": LABELS[system], "tps": run["tokens_per_second"],
                          "seconds": run["seconds"], "ratio": ratio})
     print()
-    print_table(rows, [("dtype", "dtype"), ("system", "system"), ("tps", "output tok/s"), ("seconds", "wall s"),
-                       ("ratio", "pagedserve speed-up")])
+    print_table(rows, ["dtype", "system", ("output tok/s", "tps"), ("wall s", "seconds"),
+                       ("pagedserve speed-up", "ratio")])
     roofline_rows = []
     for dtype, entry in report["dtypes"].items():
         if "decode_phase" in entry:
@@ -345,18 +334,14 @@ def main() -> None:
                 "forward_mfu": f"{100 * entry['mfu_decode_half_running'] / max(steps['forward_share'], 1e-9):.0f}%",
                 "bound": entry["roofline"]["workload_seconds_at_peak"]})
     if roofline_rows:
-        print_table(roofline_rows, [("dtype", "dtype"), ("peak", "matmul GFLOP/s"),
-                                    ("decode", "decode-phase GFLOP/s"), ("mfu", "MFU"),
-                                    ("half", ">=50% running GFLOP/s"), ("mfu_half", "MFU"),
-                                    ("forward_share", "forward share of those steps"),
-                                    ("forward_mfu", "MFU in the forward (est.)"),
-                                    ("bound", "workload s at peak")])
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    json_path = RESULTS_DIR / f"offline-{stamp}.json"
-    json_path.write_text(json.dumps(report, indent=2))
-    png_path = RESULTS_DIR / f"offline-{stamp}.png"
-    plot(report, png_path)
-    print(f"wrote {json_path} and {png_path} ({report['wall_seconds']:.0f} s)")
+        print_table(roofline_rows, ["dtype", ("matmul GFLOP/s", "peak"),
+                                    ("decode-phase GFLOP/s", "decode"), ("MFU", "mfu"),
+                                    (">=50% running GFLOP/s", "half"), ("MFU", "mfu_half"),
+                                    ("forward share of those steps", "forward_share"),
+                                    ("MFU in the forward (est.)", "forward_mfu"),
+                                    ("workload s at peak", "bound")])
+    paths = save_report(f"offline-{stamp}", report, plot)
+    print(f"wrote {' and '.join(map(str, paths))} ({report['wall_seconds']:.0f} s)")
 
 
 if __name__ == "__main__":

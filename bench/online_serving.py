@@ -19,15 +19,14 @@ A table goes to stdout, JSON and a PNG to bench/results/.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 from tqdm import tqdm
 
 from machine_info import machine
+from output import print_table, save_report, timestamp
 from serve_process import ServeProcess
 from stream_client import RequestTrace, run_requests
 from workload import BENCH_MODEL, RESULTS_DIR, BenchRequest, build_model, make_requests
@@ -116,16 +115,6 @@ def chunked_prefill_run(model_path: Path, args, budget: int, log_dir: Path) -> d
             "gaps": sorted(gaps, key=lambda gap: gap["t"])}
 
 
-def print_table(rows: list[dict], columns: list[tuple[str, str]]) -> None:
-    cells = [[(f"{value:,.1f}" if isinstance(value, float) else str(value)) for value in
-              (fn(row) for _, fn in columns)] for row in rows]
-    widths = [max(len(title), *(len(line[i]) for line in cells)) for i, (title, _) in enumerate(columns)]
-    print("  ".join(title.rjust(width) for (title, _), width in zip(columns, widths)))
-    for line in cells:
-        print("  ".join(cell.rjust(width) for cell, width in zip(line, widths)))
-    print()
-
-
 def plot(report: dict, path: Path) -> None:
     import matplotlib
 
@@ -172,7 +161,7 @@ def main() -> None:
     parser.add_argument("--skip-chunked", action="store_true")
     args = parser.parse_args()
     args.rates = [float(rate) for rate in args.rates.split(",")]
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = timestamp()
     log_dir = RESULTS_DIR / f"online-{stamp}-logs"
     model_path = build_model(BENCH_MODEL)
     report = {"machine": machine("torch", "transformers"), "dtype": args.dtype, "threads": args.threads, "model": BENCH_MODEL.name,
@@ -197,14 +186,9 @@ def main() -> None:
             ("max ms", lambda r: r["decode_itl_during_long_prefill_ms"]["max"]),
             ("long-prompt TTFT p50 s", lambda r: r["long_prompt_ttft_s"]["p50"])])
     report["wall_seconds"] = time.perf_counter() - started
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    json_path = RESULTS_DIR / f"online-{stamp}.json"
-    json_path.write_text(json.dumps(report, indent=2))
-    png_path = RESULTS_DIR / f"online-{stamp}.png"
-    if report["rates"] and report["chunked_prefill"]:
-        plot(report, png_path)
-    print(f"wrote {json_path}" + (f" and {png_path}" if png_path.exists() else "") +
-          f" ({report['wall_seconds']:.0f} s)")
+    paths = save_report(f"online-{stamp}", report,
+                        plot if report["rates"] and report["chunked_prefill"] else None)
+    print(f"wrote {' and '.join(map(str, paths))} ({report['wall_seconds']:.0f} s)")
 
 
 if __name__ == "__main__":

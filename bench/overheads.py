@@ -20,11 +20,9 @@ A table goes to stdout, JSON and a PNG to bench/results/.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 from tqdm import tqdm
@@ -36,6 +34,7 @@ from pagedserve.scheduler.outputs import Request
 from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.scheduler.scheduler_config import SchedulerConfig
 from pagedserve.step_plan import SeqSample, StepResult
+from output import print_table, save_report, timestamp
 from workload import RESULTS_DIR, ModelShape, build_model
 
 TINY_MODEL = ModelShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
@@ -225,18 +224,6 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def print_table(title: str, rows: list[dict]) -> None:
-    print(title)
-    columns = list(rows[0])
-    def cell(value):
-        return f"{value:.3f}" if isinstance(value, float) else str(value)
-    widths = [max(len(column), *(len(cell(row.get(column, ""))) for row in rows)) for column in columns]
-    print("  ".join(column.rjust(width) for column, width in zip(columns, widths)))
-    for row in rows:
-        print("  ".join(cell(row.get(column, "")).rjust(width) for column, width in zip(columns, widths)))
-    print()
-
-
 def plot(report: dict, path: Path) -> None:
     import matplotlib
 
@@ -282,25 +269,23 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = timestamp()
     report = {"threads": args.threads}
     report["scheduler"] = scheduler_rows([int(n) for n in args.seqs.split(",")], args.steps)
-    print_table("Scheduler, ms per decode step (median)", report["scheduler"])
+    print_table(report["scheduler"], title="Scheduler, ms per decode step (median)", float_format=".3f")
     report["codec"] = codec_row(args.batch, args.steps)
-    print_table(f"Plan and result codec, {args.batch} decodes (ms, bytes)", [report["codec"]])
+    print_table([report["codec"]], title=f"Plan and result codec, {args.batch} decodes (ms, bytes)",
+                float_format=".3f")
     model_path = build_model(TINY_MODEL)
     report["serving_step"] = serving_step_row(args.batch, args.steps, model_path)
-    print_table(f"One serving step in-process, {args.batch} decodes, tiny model (ms, median)",
-                [report["serving_step"]])
+    print_table([report["serving_step"]], float_format=".3f",
+                title=f"One serving step in-process, {args.batch} decodes, tiny model (ms, median)")
     if not args.no_serve:
         report["serve"] = serve_row(args.batch, model_path, args.threads, RESULTS_DIR / f"overheads-{stamp}-logs")
-        print_table(f"Through `serve`, {args.batch} decodes (ms, median)", [report["serve"]])
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    json_path = RESULTS_DIR / f"overheads-{stamp}.json"
-    json_path.write_text(json.dumps(report, indent=2))
-    png_path = RESULTS_DIR / f"overheads-{stamp}.png"
-    plot(report, png_path)
-    print(f"wrote {json_path} and {png_path}")
+        print_table([report["serve"]], title=f"Through `serve`, {args.batch} decodes (ms, median)",
+                    float_format=".3f")
+    paths = save_report(f"overheads-{stamp}", report, plot)
+    print(f"wrote {' and '.join(map(str, paths))}")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ worker). The pool size does not change the speed: 300 requests took 4-7 s with e
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import signal
@@ -34,17 +33,16 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from output import RESULTS_DIR, save_report, timestamp
 from pagedserve.internal import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 READY_SERVICE = "pagedserve.v1.Generation"
 
 
@@ -219,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = timestamp()
     serve = Serve(args, RESULTS_DIR / f"soak-{stamp}.log")
     try:
         serve.wait_ready()
@@ -274,8 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  pool at the end: {pool['used']} used, {pool['free']} free + {pool['cached']} cached of "
           f"{pool['total']}, consistent {stats.is_pool_consistent} -> {'whole' if is_pool_whole else 'NOT WHOLE'}")
     print(f"  serve exited with {code}")
-    out = RESULTS_DIR / f"soak-{stamp}.json"
-    out.write_text(json.dumps(report, indent=2))
+    (out,) = save_report(f"soak-{stamp}", report)
     print(f"  -> {out}")
     return 0 if report["failed"] == 0 and is_pool_whole else 1
 

@@ -18,8 +18,9 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from output import RESULTS_DIR
+
 BENCH_DIR = Path(__file__).resolve().parent
-RESULTS_DIR = BENCH_DIR / "results"
 MODELS_DIR = RESULTS_DIR / "models"
 
 
