@@ -132,15 +132,21 @@ def test_outputs_of_a_step_go_out_in_one_batch_after_the_next_plan():
     assert kinds == ["publish"] + ["publish", "dispatch"] * 4 + ["dispatch"]
 
 
-def test_tokens_of_steps_before_a_failure_arrive_before_it():
+def _run_alone(request: Request, fail_at_step: int | None = None) -> tuple[Collector, list]:
+    """Runs one request on a fresh engine until its sink has the last item; (sink, events)."""
     events: list = []
-    engine = _engine(events, fail_at_step=3)
+    engine = _engine(events, fail_at_step)
     try:
         collector = Collector()
-        engine.submit(_request("r0", 6, 10), collector)
+        engine.submit(request, collector)
         assert collector.done.wait(5)
     finally:
         engine.stop()
+    return collector, events
+
+
+def test_tokens_of_steps_before_a_failure_arrive_before_it():
+    collector, _ = _run_alone(_request("r0", 6, 10), fail_at_step=3)
     *tokens, failure = collector.items
     assert isinstance(failure, EngineUnavailable)
     # Steps are numbered from 1: the tokens of steps 1 and 2, then step 3 fails (step 2's token
@@ -150,14 +156,7 @@ def test_tokens_of_steps_before_a_failure_arrive_before_it():
 
 
 def test_rejected_request_gets_its_error_through_dispatch():
-    events: list = []
-    engine = _engine(events)
-    try:
-        collector = Collector()
-        engine.submit(_request("too-long", 300, 5), collector)
-        assert collector.done.wait(5)
-    finally:
-        engine.stop()
+    collector, events = _run_alone(_request("too-long", 300, 5))
     (error,) = collector.items
     assert isinstance(error, RequestRejected), error
     assert ("dispatch", 1) in events
