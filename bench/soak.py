@@ -42,6 +42,7 @@ from output import RESULTS_DIR, save_report, timestamp
 from pagedserve.internal import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc
+from pagedserve.worker.resident_memory import status_bytes
 
 READY_SERVICE = "pagedserve.v1.Generation"
 
@@ -153,9 +154,8 @@ def resident_mib(pids: dict[str, int]) -> dict[str, dict[str, float]]:
     """VmRSS (now) and VmHWM (peak) of each process, in MiB."""
     memory = {}
     for role, pid in pids.items():
-        fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                      if line.startswith(("VmRSS", "VmHWM")))
-        memory[role] = {"rss": int(fields["VmRSS"].split()[0]) / 1024, "peak": int(fields["VmHWM"].split()[0]) / 1024}
+        fields = status_bytes("VmRSS", "VmHWM", pid=pid)
+        memory[role] = {"rss": fields["VmRSS"] / 2**20, "peak": fields["VmHWM"] / 2**20}
     return memory
 
 

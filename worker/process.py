@@ -30,6 +30,7 @@ import zmq
 from pagedserve.internal import step_pb2
 from pagedserve.log import configure_logging
 from pagedserve.plan_codec import encode_result, plan_from_proto
+from pagedserve.worker import resident_memory
 from pagedserve.worker.tensor_parallel import CollectiveError
 
 HEARTBEAT_SECONDS = 1.0
@@ -112,48 +113,6 @@ def init_distributed(config: WorkerConfig, device: str) -> None:
                             timeout=timedelta(seconds=config.dist_timeout_s))
 
 
-def resident_bytes() -> int | None:
-    """This process's resident set size (Linux /proc); None where it cannot be read."""
-    try:
-        with open("/proc/self/statm") as handle:
-            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def anonymous_resident_bytes() -> int | None:
-    """The anonymous part of the resident set (RssAnon): memory the process allocated, without the
-    file pages it maps (shared libraries, a memory-mapped checkpoint), whose count depends on what
-    the page cache happens to hold."""
-    return _status_bytes("RssAnon:")
-
-
-def _status_bytes(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as handle:
-            for line in handle:
-                if line.startswith(field):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def reset_peak_resident_bytes() -> bool:
-    """Starts a new peak resident set size measurement (Linux clear_refs); False where it cannot."""
-    try:
-        with open("/proc/self/clear_refs", "w") as handle:
-            handle.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak_resident_bytes() -> int | None:
-    """The highest resident set size since the process started or the last reset (VmHWM)."""
-    return _status_bytes("VmHWM:")
-
-
 def _raise_stopped(signum, frame) -> None:
     raise WorkerStopped(f"stopped by {signal.Signals(signum).name}")
 
@@ -175,20 +134,13 @@ def run_worker(config: WorkerConfig) -> int:
                          block_size=config.block_size, rank=config.rank,
                          world_size=config.world_size)
     started = time.monotonic()
-    rss_before, anon_before = resident_bytes(), anonymous_resident_bytes()
-    peak_measured = reset_peak_resident_bytes()
-    runner.load()
-    rss_after, anon_after = resident_bytes(), anonymous_resident_bytes()
-    peak_after = peak_resident_bytes() if peak_measured else None
+    with resident_memory.growth() as grown:
+        runner.load()
     log.info("model_loaded", device=device, world_size=config.world_size,
              seconds=round(time.monotonic() - started, 2),
              num_weight_bytes=runner.num_weight_bytes,
              num_checkpoint_bytes_read=runner.num_checkpoint_bytes_read,
-             num_rss_bytes=rss_after,
-             num_rss_load_bytes=None if rss_before is None else rss_after - rss_before,
-             num_anon_rss_load_bytes=None if anon_before is None else anon_after - anon_before,
-             num_peak_rss_load_bytes=(None if rss_before is None or peak_after is None
-                                      else peak_after - rss_before))
+             num_rss_bytes=resident_memory.status_bytes("VmRSS")["VmRSS"], **grown)
     capacity = runner.profile_num_blocks(kv_cache_memory_gib=config.kv_cache_memory_gib)
     num_cpu_blocks = runner.num_blocks_for_bytes(int(config.swap_space_gib * 2**30))
     log.info("kv_capacity", num_gpu_blocks=capacity, num_cpu_blocks=num_cpu_blocks)

@@ -167,14 +167,6 @@ def _role(pid: int) -> str:
     return role
 
 
-def resident_bytes(pid: int) -> int:
-    """Resident set size of a live process (VmRSS)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 def wait_for(predicate, timeout: float = 30.0, interval: float = 0.05) -> bool:
     """Polls predicate until it is true (True) or timeout passes (False)."""
     deadline = time.monotonic() + timeout
