@@ -1,9 +1,9 @@
 """KV block accounting of the real Scheduler over a workload, driven by a deterministic fake worker.
 
-The worker (no torch) keeps one digest per KV slot, chained over the tokens before it, and reads
-the digest of a sequence's last slot through its block table to pick the next token, so
-sequences that diverge (parallel samples, beams) keep diverging and beams that share a history
-share it block for block. Beam candidates come from seeded Gaussian logits (a peaked,
+The worker (pagedserve/digest_worker.py, no torch) keeps one digest per KV slot, chained over the
+tokens before it, and picks the next token from the digests of a sequence's context read through
+its block table, so sequences that diverge (parallel samples, beams) keep diverging and beams that
+share a history share it block for block. Candidates come from seeded Gaussian logits (a peaked,
 model-like distribution); nothing else about the model matters for block counts.
 
 Observers sample the pool right after schedule(), when every scheduled token already has its
@@ -18,74 +18,21 @@ slot; one observation per step:
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pagedserve.digest_worker import DigestWorker
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler.outputs import Request
 from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.scheduler.scheduler_config import SchedulerConfig
 from pagedserve.scheduler.sequence import SequenceGroup
-from pagedserve.step_plan import ScheduledSeq, SeqSample, StepPlan, StepResult
+from pagedserve.step_plan import StepPlan
 
 VOCAB_SIZE = 64
-FIRST_TOKEN_ID = 4  # ids below are special in the demo tokenizer; prompts and samples avoid them
 LOGIT_STD = 2.0
-_ROOT = 0x5EED
-_MASK = (1 << 61) - 1
-
-
-class DigestWorker:
-    """Runs a StepPlan on fake KV: block operations first, then writes, then samples."""
-
-    def __init__(self, block_size: int) -> None:
-        self.block_size = block_size
-        self.gpu: dict[int, list[int]] = {}
-        self.cpu: dict[int, list[int]] = {}
-
-    def run(self, plan: StepPlan) -> StepResult:
-        for gpu, cpu in plan.blocks_to_swap_out:
-            self.cpu[cpu] = list(self.gpu[gpu])
-        for cpu, gpu in plan.blocks_to_swap_in:
-            self.gpu[gpu] = list(self.cpu[cpu])
-        for src, dst in plan.blocks_to_copy:
-            self.gpu[dst] = list(self.gpu[src])
-        samples = []
-        for seq in plan.seqs:
-            last_value = self._write(seq)
-            if seq.sample is not None:
-                samples.append(self._sample(seq, last_value))
-        return StepResult(step_id=plan.step_id, samples=samples, epoch=plan.epoch)
-
-    def _write(self, seq: ScheduledSeq) -> int:
-        size = self.block_size
-        position = seq.start_position
-        if position == 0:
-            value = _ROOT
-        else:
-            value = self.gpu[seq.block_table[(position - 1) // size]][(position - 1) % size]
-        for token_id in seq.token_ids:
-            block = self.gpu.setdefault(seq.block_table[position // size], [0] * size)
-            value = hash((value, token_id)) & _MASK
-            block[position % size] = value
-            position += 1
-        return value
-
-    @staticmethod
-    def _sample(seq: ScheduledSeq, last_value: int) -> SeqSample:
-        spec = seq.sample
-        rng = random.Random(hash((last_value, spec.output_index)) & _MASK)
-        if not spec.num_beam_candidates:
-            return SeqSample(seq_id=seq.seq_id, token_id=rng.randrange(FIRST_TOKEN_ID, VOCAB_SIZE), logprob=-1.0)
-        logits = [rng.gauss(0.0, LOGIT_STD) for _ in range(VOCAB_SIZE)]
-        peak = max(logits)
-        log_total = peak + math.log(sum(math.exp(logit - peak) for logit in logits))
-        ranked = sorted(range(FIRST_TOKEN_ID, VOCAB_SIZE), key=lambda token: -logits[token])
-        best = ranked[:spec.num_beam_candidates]
-        return SeqSample(seq_id=seq.seq_id, token_id=best[0], logprob=logits[best[0]] - log_total,
-                         beam_token_ids=best, beam_logprobs=[logits[token] - log_total for token in best])
+FIRST_TOKEN_ID = 4  # ids below are special in the demo tokenizer; prompts and samples avoid them
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +67,8 @@ def drive(config: SchedulerConfig, requests: list[WorkloadRequest], observer: Ob
     """Runs the workload to its end (requests join at their arrival step); returns the number of
     steps that ran. Raises RuntimeError when nothing can be scheduled or a block leaks."""
     scheduler = Scheduler(config)
-    worker = DigestWorker(config.block_size)
+    worker = DigestWorker.for_config(config, vocab_size=VOCAB_SIZE, first_token_id=FIRST_TOKEN_ID,
+                                     logit_std=LOGIT_STD)
     pending = sorted(requests, key=lambda request: request.arrival_step)
     next_index = 0
     step_index = 0

@@ -38,7 +38,8 @@ from tqdm import tqdm
 from machine_info import machine
 from output import print_table, save_report, timestamp
 from roofline import measure_matmul
-from serve_process import ServeProcess, StepRecorder
+from pagedserve.serve_process import ServeProcess
+from step_recorder import StepRecorder
 from stream_client import RequestTrace, run_requests
 from workload import BENCH_MODEL, RESULTS_DIR, BenchRequest, ModelShape, build_model, make_requests
 
@@ -55,7 +56,7 @@ def run_pagedserve(model_path: Path, dtype: str, requests: list[BenchRequest], t
                    log_dir: Path, serve_args: list[str]) -> dict:
     args = ["--dtype", dtype, "--max-num-seqs", "256", "--max-num-batched-tokens", "2048",
             "--num-kv-blocks", "4096", "--swap-space", "0.25", *serve_args]
-    with ServeProcess(model_path, args, log_path=log_dir / f"serve-{dtype}.log", num_threads=threads) as server:
+    with ServeProcess(model_path, log_dir / f"serve-{dtype}.log", args, num_threads=threads) as server:
         run_requests(server.address, WARMUP)
         with tqdm(total=len(requests), desc=f"pagedserve {dtype}", unit="req", leave=False) as bar, \
                 StepRecorder(server) as recorder:

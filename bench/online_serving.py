@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from machine_info import machine
 from output import print_table, save_report, timestamp
-from serve_process import ServeProcess
+from pagedserve.serve_process import ServeProcess
 from stream_client import RequestTrace, run_requests
 from workload import BENCH_MODEL, RESULTS_DIR, BenchRequest, build_model, make_requests
 
@@ -72,7 +72,7 @@ def serve_args(dtype: str, max_num_batched_tokens: int) -> list[str]:
 
 def rate_sweep(model_path: Path, args, log_dir: Path) -> list[dict]:
     rows = []
-    with ServeProcess(model_path, serve_args(args.dtype, 2048), log_path=log_dir / "serve-rates.log",
+    with ServeProcess(model_path, log_dir / "serve-rates.log", serve_args(args.dtype, 2048),
                       num_threads=args.threads) as server:
         run_requests(server.address, WARMUP)
         for index, rate in enumerate(args.rates):
@@ -91,7 +91,7 @@ def chunked_prefill_run(model_path: Path, args, budget: int, log_dir: Path) -> d
     long_prompts = make_requests(4, (1500, 1500), (16, 16), seed=301)
     requests = decoders + long_prompts
     arrivals = [0.0] * len(decoders) + [args.long_prompt_delay] * len(long_prompts)
-    with ServeProcess(model_path, serve_args(args.dtype, budget), log_path=log_dir / f"serve-budget-{budget}.log",
+    with ServeProcess(model_path, log_dir / f"serve-budget-{budget}.log", serve_args(args.dtype, budget),
                       num_threads=args.threads) as server:
         run_requests(server.address, WARMUP)
         with tqdm(total=len(requests), desc=f"budget {budget}", unit="req", leave=False) as bar:

@@ -189,7 +189,8 @@ def serving_step_row(num_seqs: int, num_steps: int, model_path: Path) -> dict:
 def serve_row(num_seqs: int, model_path: Path, threads: int, log_dir: Path) -> dict:
     """num_seqs long greedy requests at once through `serve`; step and forward seconds of the
     steps where all of them decode, from the scheduler's recent step records."""
-    from serve_process import ServeProcess, StepRecorder
+    from pagedserve.serve_process import ServeProcess
+    from step_recorder import StepRecorder
     from stream_client import run_requests
     from workload import BenchRequest
 
@@ -197,7 +198,7 @@ def serve_row(num_seqs: int, model_path: Path, threads: int, log_dir: Path) -> d
                 for index in range(num_seqs)]
     args = ["--dtype", "float32", "--max-num-seqs", str(num_seqs), "--max-num-batched-tokens",
             str(max(2048, num_seqs)), "--num-kv-blocks", str(num_seqs * 16 + 64), "--swap-space", "0.25"]
-    with ServeProcess(model_path, args, log_path=log_dir / "serve-overheads.log", num_threads=threads) as server:
+    with ServeProcess(model_path, log_dir / "serve-overheads.log", args, num_threads=threads) as server:
         roles = server.child_pids()
         cpu_before = {role: cpu_seconds(pid) for role, pid in roles.items()}
         client_before = time.process_time()

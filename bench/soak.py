@@ -22,35 +22,20 @@ worker). The pool size does not change the speed: 300 requests took 4-7 s with e
 from __future__ import annotations
 
 import argparse
-import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from output import RESULTS_DIR, save_report, timestamp
-from pagedserve.internal import scheduler_pb2, scheduler_pb2_grpc
+from pagedserve.serve_process import ServeProcess
 from pagedserve.v1 import generation_pb2 as pb
-from pagedserve.v1 import generation_pb2_grpc
 from pagedserve.worker.resident_memory import status_bytes
-
-READY_SERVICE = "pagedserve.v1.Generation"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,69 +70,6 @@ def make_requests(args, vocab_size: int, first_index: int = 0) -> list[SoakReque
             temperature=rng.choice([0.0, 0.0, 0.8]), seed=rng.randrange(2**31),
             cancel_after=rng.randint(0, max_tokens) if is_cancelled else None))
     return requests
-
-
-class Serve:
-    """`pagedserve serve` on free ports, its output in a log file."""
-
-    def __init__(self, args, log_path: Path) -> None:
-        self.port, self.scheduler_port = _free_port(), _free_port()
-        command = [sys.executable, "-m", "pagedserve.cli", "serve", "--model", args.model,
-                   "--port", str(self.port), "--scheduler-port", str(self.scheduler_port),
-                   "--max-waiting-requests", str(args.max_waiting_requests),
-                   "--swap-space", str(args.swap_space), *args.serve_args]
-        if args.num_kv_blocks:
-            command += ["--num-kv-blocks", str(args.num_kv_blocks)]
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
-        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
-        self.scheduler = scheduler_pb2_grpc.SchedulerStub(grpc.insecure_channel(f"127.0.0.1:{self.scheduler_port}"))
-
-    def wait_ready(self, timeout: float = 600.0) -> None:
-        health = health_pb2_grpc.HealthStub(self.channel)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"serve exited with {self.proc.returncode}")
-            try:
-                if health.Check(health_pb2.HealthCheckRequest(service=READY_SERVICE), timeout=2).status == \
-                        health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError("serve was not ready in time")
-
-    def pids(self) -> dict[str, int]:
-        """The children by role (scheduler, worker-R, frontend)."""
-        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
-        roles = {}
-        for pid in map(int, children):
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-            role = argv[argv.index("pagedserve.cli") + 1]
-            roles[f"worker-{argv[argv.index('--rank') + 1]}" if role == "worker" else role] = pid
-        return roles
-
-    def stats(self) -> scheduler_pb2.SchedulerStats:
-        return self.scheduler.GetStats(scheduler_pb2.GetStatsRequest(), timeout=30)
-
-    def wait_idle(self, timeout: float = 120.0) -> scheduler_pb2.SchedulerStats:
-        deadline = time.monotonic() + timeout
-        while True:
-            stats = self.stats()
-            if stats.num_running == stats.num_waiting == stats.num_swapped == 0 or time.monotonic() > deadline:
-                return stats
-            time.sleep(0.2)
-
-    def stop(self) -> int:
-        self.channel.close()
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(120)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            return self.proc.wait()
 
 
 def resident_mib(pids: dict[str, int]) -> dict[str, dict[str, float]]:
@@ -218,7 +140,9 @@ def main(argv: list[str] | None = None) -> int:
 
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     stamp = timestamp()
-    serve = Serve(args, RESULTS_DIR / f"soak-{stamp}.log")
+    serve_args = ["--max-waiting-requests", str(args.max_waiting_requests), "--swap-space", str(args.swap_space),
+                  *(["--num-kv-blocks", str(args.num_kv_blocks)] if args.num_kv_blocks else []), *args.serve_args]
+    serve = ServeProcess(args.model, RESULTS_DIR / f"soak-{stamp}.log", serve_args, ready_timeout=600)
     try:
         serve.wait_ready()
         info = serve.stub.ModelInfo(pb.ModelInfoRequest(), timeout=30)
@@ -228,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                                                             "cancel_fraction": 0.0}), info.vocab_size,
                                      first_index=args.requests):
             run_one(serve.stub, request, Outcomes())  # warm-up, not counted
-        pids = serve.pids()
+        pids = serve.child_pids()
         memory = {"start": resident_mib(pids)}
         started = time.monotonic()
         milestones = {len(requests) * k // 10 for k in range(1, 10)}
@@ -242,13 +166,16 @@ def main(argv: list[str] | None = None) -> int:
                           + "  ".join(f"{role} {m['rss']:.0f} MiB" for role, m in memory[f"{done}"].items()),
                           flush=True)
         seconds = time.monotonic() - started
-        stats = serve.wait_idle()
+        try:
+            stats = serve.wait_idle(120)
+        except TimeoutError:
+            stats = serve.stats()
         memory["end"] = resident_mib(pids)
         pool = {name: getattr(stats, f"num_gpu_blocks_{name}") for name in ("total", "free", "used", "cached")}
         is_pool_whole = (stats.is_pool_consistent and stats.num_gpu_blocks_used == 0 and stats.num_cpu_blocks_used == 0
                          and pool["free"] + pool["cached"] == pool["total"])
     finally:
-        code = serve.stop()
+        code = serve.stop(120)
 
     report = {
         "requests": args.requests, "concurrency": args.concurrency, "cancel_fraction": args.cancel_fraction,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,18 +11,13 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagedserve.supervisor import free_port
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_run_frontend_serves_until_sigterm(tokenizer_folder, scheduler_server, fake):
-    port = _free_port()
+    port = free_port()
     code = (f"import sys; from pagedserve.frontend.server import run_frontend; "
             f"sys.exit(run_frontend({str(tokenizer_folder)!r}, {scheduler_server.address!r}, '127.0.0.1', {port}))")
     proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)

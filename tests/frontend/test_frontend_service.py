@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import socket
 import time
 import urllib.request
 
@@ -15,6 +14,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from fake_scheduler import FakeSchedulerServer
 
 from pagedserve.frontend.client import generate_cli
+from pagedserve.supervisor import free_port
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc
 
@@ -43,12 +43,6 @@ def _script(fake, tokenizer, *texts: str) -> list[list[int]]:
 
 def _request(prompt="Hello", request_id="", **params) -> pb.GenerateRequest:
     return pb.GenerateRequest(request_id=request_id, prompt=prompt, params=pb.SamplingParams(**params))
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _wait_for(predicate, timeout=5.0) -> bool:
@@ -255,7 +249,7 @@ def test_deadline_exceeded_aborts_the_request(stub, fake, tokenizer):
 def test_unreachable_scheduler_is_unavailable_until_it_starts(tokenizer_folder, tokenizer):
     from pagedserve.frontend.server import serve_frontend
 
-    scheduler_port = _free_port()
+    scheduler_port = free_port()
     server = serve_frontend(tokenizer_folder, f"127.0.0.1:{scheduler_port}", port=0, health_poll_interval_s=0.1)
     late_scheduler = None
     try:

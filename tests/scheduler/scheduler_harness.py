@@ -1,103 +1,26 @@
-"""A fake worker that simulates the KV cache slot by slot, and a driver that runs a Scheduler
-against it. No torch, no processes.
-
-The fake KV value of a slot chains the value before it with the token written there, so a slot
-holds a digest of the whole prefix up to it. A sampled token is a function of every KV value of
-the sequence's context (read through its block table) and its output index. Any block mix-up
-(missing copy-on-write, wrong swap mapping, reuse of a live block, a stale prefix-cache hit)
-changes the context values and therefore the tokens, so a run under memory pressure must give
-exactly the tokens of a run with a huge pool.
+"""A driver that runs a Scheduler against the digest worker (pagedserve/digest_worker.py), which
+simulates the KV cache slot by slot and checks every plan. No torch, no processes.
 """
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pagedserve.digest_worker import DigestWorker
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler.outputs import FinishReason, Request, RequestOutput
 from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.scheduler.scheduler_config import SchedulerConfig
-from pagedserve.step_plan import ScheduledSeq, SeqSample, StepPlan, StepResult
+from pagedserve.step_plan import StepPlan
 
 VOCAB_SIZE = 24
 EOS_TOKEN_ID = 0
-_ROOT = 0x5EED
 
 
-class FakeWorkerError(AssertionError):
-    """The plan asked the fake worker for something a real one would get wrong."""
-
-
-class FakeWorker:
-    def __init__(self, config: SchedulerConfig) -> None:
-        self.block_size = config.block_size
-        self.gpu: list[list[int | None]] = [[None] * config.block_size for _ in range(config.num_gpu_blocks)]
-        self.cpu: list[list[int | None]] = [[None] * config.block_size for _ in range(config.num_cpu_blocks)]
-        self.plans: list[StepPlan] = []
-
-    def run(self, plan: StepPlan) -> StepResult:
-        self.plans.append(plan)
-        for gpu, cpu in plan.blocks_to_swap_out:
-            self.cpu[cpu] = list(self.gpu[gpu])
-        for cpu, gpu in plan.blocks_to_swap_in:
-            self.gpu[gpu] = list(self.cpu[cpu])
-        for src, dst in plan.blocks_to_copy:
-            self.gpu[dst] = list(self.gpu[src])
-        seq_ids = [seq.seq_id for seq in plan.seqs]
-        if len(set(seq_ids)) != len(seq_ids):
-            raise FakeWorkerError(f"step {plan.step_id} schedules a sequence twice")
-        written: dict[tuple[int, int], int] = {}
-        for seq in plan.seqs:
-            self._write(seq, written)
-        samples = [self._sample(seq, written) for seq in plan.seqs if seq.sample is not None]
-        return StepResult(step_id=plan.step_id, samples=samples, epoch=plan.epoch)
-
-    def _slot(self, seq: ScheduledSeq, position: int) -> tuple[int, int]:
-        block_index = position // self.block_size
-        if block_index >= len(seq.block_table):
-            raise FakeWorkerError(f"sequence {seq.seq_id}: position {position} outside its block table")
-        return seq.block_table[block_index], position % self.block_size
-
-    def _write(self, seq: ScheduledSeq, written: dict[tuple[int, int], int]) -> None:
-        if len(seq.block_table) != -(-seq.context_len // self.block_size):
-            raise FakeWorkerError(f"sequence {seq.seq_id}: {len(seq.block_table)} blocks for {seq.context_len} tokens")
-        value = _ROOT if seq.start_position == 0 else self._read(seq, seq.start_position - 1, written)
-        for offset, token_id in enumerate(seq.token_ids):
-            block, slot = self._slot(seq, seq.start_position + offset)
-            if (block, slot) in written:
-                raise FakeWorkerError(f"block {block} slot {slot} written twice in step")
-            value = hash((value, token_id)) & 0xFFFFFFFFFFFF
-            self.gpu[block][slot] = value
-            written[(block, slot)] = seq.seq_id
-
-    def _read(self, seq: ScheduledSeq, position: int, written: dict[tuple[int, int], int]) -> int:
-        block, slot = self._slot(seq, position)
-        if written.get((block, slot), seq.seq_id) != seq.seq_id:
-            raise FakeWorkerError(f"sequence {seq.seq_id} reads block {block} slot {slot} that another "
-                                  f"sequence writes in the same step")
-        value = self.gpu[block][slot]
-        if value is None:
-            raise FakeWorkerError(f"sequence {seq.seq_id} reads unwritten block {block} slot {slot}")
-        return value
-
-    def _sample(self, seq: ScheduledSeq, written: dict[tuple[int, int], int]) -> SeqSample:
-        context = tuple(self._read(seq, position, written) for position in range(seq.context_len))
-        spec = seq.sample
-        seed = -1 if spec.seed is None else spec.seed  # hash(None) differs between processes
-        rng = random.Random(hash((context, spec.output_index, seed)))
-        allowed = [token for token in range(VOCAB_SIZE) if token not in spec.suppress_token_ids]
-        logprobs = sorted((-rng.randrange(1, 4000) / 64.0 for _ in allowed), reverse=True)
-        ranked = rng.sample(allowed, len(allowed))  # best first
-        sample = SeqSample(seq_id=seq.seq_id, token_id=ranked[0], logprob=logprobs[0])
-        if spec.num_logprobs:
-            sample.top_token_ids = ranked[:spec.num_logprobs]
-            sample.top_logprobs = logprobs[:spec.num_logprobs]
-        if spec.num_beam_candidates:
-            sample.beam_token_ids = ranked[:spec.num_beam_candidates]
-            sample.beam_logprobs = logprobs[:spec.num_beam_candidates]
-        return sample
+def digest_worker(config: SchedulerConfig) -> DigestWorker:
+    """A digest worker with this config's pools and the tests' small vocabulary."""
+    return DigestWorker.for_config(config, vocab_size=VOCAB_SIZE)
 
 
 @dataclass
@@ -164,7 +87,7 @@ def run_workload(config: SchedulerConfig, specs: list[RequestSpec], *, max_steps
     At each of reset_steps the workers "restart": scheduler.reset() and a fresh fake KV cache.
     """
     scheduler = Scheduler(config)
-    worker = FakeWorker(config)
+    worker = digest_worker(config)
     records = {spec.request_id: RequestRecord() for spec in specs}
     plans: list[StepPlan] = []
     step_index = 0
@@ -179,7 +102,7 @@ def run_workload(config: SchedulerConfig, specs: list[RequestSpec], *, max_steps
                 records[spec.request_id].finished_indices.add(spec.finish_index)
         if step_index in reset_steps:
             scheduler.reset()
-            worker = FakeWorker(config)
+            worker = digest_worker(config)
         scheduler.check_invariants()
         step = scheduler.schedule()
         if step is None:

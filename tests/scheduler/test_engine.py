@@ -12,7 +12,7 @@ from pagedserve.scheduler.errors import RequestRejected
 from pagedserve.scheduler.outputs import Request
 from pagedserve.scheduler.scheduler_config import SchedulerConfig
 from pagedserve.scheduler.worker_link import PoolSize, WorkerLost
-from tests.scheduler.scheduler_harness import EOS_TOKEN_ID, FakeWorker
+from tests.scheduler.scheduler_harness import EOS_TOKEN_ID, digest_worker
 
 NUM_BLOCKS = 64
 BLOCK_SIZE = 4
@@ -27,7 +27,7 @@ class FakeLink:
         self.world_size = 1
         self.events = events
         self.fail_at_step = fail_at_step
-        self.worker = FakeWorker(SchedulerConfig(num_gpu_blocks=NUM_BLOCKS, num_cpu_blocks=0,
+        self.worker = digest_worker(SchedulerConfig(num_gpu_blocks=NUM_BLOCKS, num_cpu_blocks=0,
                                                  block_size=BLOCK_SIZE, max_model_len=256))
         self._pending = None
 

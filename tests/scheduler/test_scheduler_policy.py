@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from scheduler_harness import EOS_TOKEN_ID, FakeWorker, RequestRecord, RequestSpec, collect, run_workload
+from scheduler_harness import EOS_TOKEN_ID, RequestRecord, RequestSpec, collect, digest_worker, run_workload
 
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler.errors import RequestRejected, StepOrderError
 from pagedserve.scheduler.outputs import FinishReason, Request
 from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.scheduler.scheduler_config import SchedulerConfig
+from pagedserve.digest_worker import DigestWorker
 from pagedserve.step_plan import SeqSample, StepResult
 
 
@@ -24,7 +25,7 @@ def _request(request_id: str, prompt: list[int], **sampling) -> Request:
                    eos_token_ids=[EOS_TOKEN_ID])
 
 
-def _step(scheduler: Scheduler, worker: FakeWorker, records: dict[str, RequestRecord] | None = None):
+def _step(scheduler: Scheduler, worker: DigestWorker, records: dict[str, RequestRecord] | None = None):
     step = scheduler.schedule()
     assert step is not None
     outputs = scheduler.process_result(step, worker.run(step.plan))
@@ -36,7 +37,7 @@ def _step(scheduler: Scheduler, worker: FakeWorker, records: dict[str, RequestRe
 
 def test_fcfs_admission_and_token_budget() -> None:
     config = _config(max_num_batched_tokens=16)
-    scheduler, worker = Scheduler(config), FakeWorker(config)
+    scheduler, worker = Scheduler(config), digest_worker(config)
     for offset, name in enumerate(("a", "b", "c")):
         scheduler.add_request(_request(name, list(range(1 + offset, 11 + offset)), max_tokens=4, ignore_eos=True))
     seq_of = {name: scheduler.group_of(name).seqs[0].seq_id for name in ("a", "b", "c")}
@@ -53,7 +54,7 @@ def test_fcfs_admission_and_token_budget() -> None:
 
 def test_decodes_are_served_before_a_long_prefill_chunk() -> None:
     config = _config(max_num_batched_tokens=16)
-    scheduler, worker = Scheduler(config), FakeWorker(config)
+    scheduler, worker = Scheduler(config), digest_worker(config)
     scheduler.add_request(_request("short", [1, 2, 3], max_tokens=20, ignore_eos=True))
     _step(scheduler, worker)
     scheduler.add_request(_request("long", list(range(1, 101)), max_tokens=2, ignore_eos=True))
@@ -80,7 +81,7 @@ def test_chunked_prefill_gives_the_same_outputs_as_unchunked() -> None:
 
 def test_prefix_cache_hit_computes_only_the_tail() -> None:
     config = _config(block_size=16, num_gpu_blocks=256, max_num_batched_tokens=2048)
-    scheduler, worker = Scheduler(config), FakeWorker(config)
+    scheduler, worker = Scheduler(config), digest_worker(config)
     prefix = [(t * 31) % 97 + 1 for t in range(1000)]
     scheduler.add_request(_request("first", prefix + [5] * 20, max_tokens=3, ignore_eos=True))
     records = {"first": RequestRecord(), "second": RequestRecord()}
@@ -103,7 +104,7 @@ def test_prefix_cache_hit_computes_only_the_tail() -> None:
 
 def test_identical_prompt_recomputes_its_last_block() -> None:
     config = _config(block_size=4)
-    scheduler, worker = Scheduler(config), FakeWorker(config)
+    scheduler, worker = Scheduler(config), digest_worker(config)
     prompt = list(range(1, 13))  # 3 full blocks
     scheduler.add_request(_request("a", prompt, max_tokens=1))
     _step(scheduler, worker)
@@ -124,7 +125,7 @@ def test_prefix_caching_disabled_reuses_nothing() -> None:
 
 def test_parallel_samples_share_the_prompt_blocks() -> None:
     config = _config(block_size=16, num_gpu_blocks=256, max_num_batched_tokens=1024)
-    scheduler, worker = Scheduler(config), FakeWorker(config)
+    scheduler, worker = Scheduler(config), digest_worker(config)
     scheduler.add_request(_request("n4", [(t * 7) % 50 + 1 for t in range(512)], n=4, max_tokens=40,
                                    ignore_eos=True, temperature=1.0, seed=3))
     plan, _ = _step(scheduler, worker)
@@ -173,7 +174,7 @@ def test_duplicate_request_id_is_rejected() -> None:
 
 def test_abort_frees_blocks_at_once_and_ignores_the_step_in_flight() -> None:
     config = _config()
-    scheduler, worker = Scheduler(config), FakeWorker(config)
+    scheduler, worker = Scheduler(config), digest_worker(config)
     scheduler.add_request(_request("a", list(range(1, 30)), max_tokens=10, n=2, temperature=1.0))
     _step(scheduler, worker)
     step = scheduler.schedule()
@@ -189,7 +190,7 @@ def test_abort_frees_blocks_at_once_and_ignores_the_step_in_flight() -> None:
 
 def test_finish_completion_ends_one_sample() -> None:
     config = _config()
-    scheduler, worker = Scheduler(config), FakeWorker(config)
+    scheduler, worker = Scheduler(config), digest_worker(config)
     scheduler.add_request(_request("a", list(range(1, 10)), max_tokens=6, n=2, temperature=1.0, ignore_eos=True))
     records = {"a": RequestRecord()}
     for _ in range(3):
@@ -212,7 +213,7 @@ def test_finish_completion_ends_one_sample() -> None:
 
 def test_finishing_the_last_completion_finishes_the_request() -> None:
     config = _config()
-    scheduler, worker = Scheduler(config), FakeWorker(config)
+    scheduler, worker = Scheduler(config), digest_worker(config)
     scheduler.add_request(_request("a", [1, 2, 3], max_tokens=6))
     _step(scheduler, worker)
     assert scheduler.finish_completion("a", 0)
@@ -265,7 +266,7 @@ def test_ignore_eos_and_max_tokens() -> None:
 
 def test_step_ids_and_ordering_errors() -> None:
     config = _config()
-    scheduler, worker = Scheduler(config), FakeWorker(config)
+    scheduler, worker = Scheduler(config), digest_worker(config)
     assert scheduler.schedule() is None
     scheduler.add_request(_request("a", [1, 2, 3], max_tokens=3, ignore_eos=True))
     step = scheduler.schedule()
@@ -290,7 +291,7 @@ def test_reset_recomputes_from_held_tokens_without_repeating_outputs() -> None:
     specs.append(RequestSpec("beam", list(range(2, 15)), SamplingParams(max_tokens=6, beam_width=2)))
     reference = run_workload(_config(), specs)
     config = _config()
-    scheduler, worker = Scheduler(config), FakeWorker(config)
+    scheduler, worker = Scheduler(config), digest_worker(config)
     records = {spec.request_id: RequestRecord() for spec in specs}
     for spec in specs:
         scheduler.add_request(spec.request())
@@ -302,7 +303,7 @@ def test_reset_recomputes_from_held_tokens_without_repeating_outputs() -> None:
     num_unfinished = sum(1 for spec in specs if not records[spec.request_id].is_finished)
     assert scheduler.stats().gpu.num_used == 0 and scheduler.stats().num_waiting == num_unfinished == 4
     assert scheduler.process_result(in_flight, worker.run(in_flight.plan)) == []  # stale epoch
-    worker = FakeWorker(config)  # restarted workers: no KV survives
+    worker = digest_worker(config)  # restarted workers: no KV survives
     while scheduler.has_unfinished_requests():
         _step(scheduler, worker, records)
     assert {k: r.completions for k, r in records.items()} == {k: r.completions for k, r in reference.records.items()}

@@ -1,0 +1,43 @@
+"""Collects the scheduler's per-step records (tokens, step and forward seconds) while a run of
+benchmark requests goes on against a `pagedserve.serve_process.ServeProcess`."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+
+from pagedserve.internal import scheduler_pb2, scheduler_pb2_grpc
+from pagedserve.serve_process import ServeProcess
+
+
+class StepRecorder:
+    """Polls the scheduler's recent step records (the last 256 steps) while the block runs;
+    `records` holds every step seen, by step id."""
+
+    def __init__(self, server: ServeProcess, interval: float = 0.5) -> None:
+        self._channel = grpc.insecure_channel(f"127.0.0.1:{server.scheduler_port}")
+        self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+        self._interval = interval
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="step-recorder", daemon=True)
+        self.records: dict[int, scheduler_pb2.StepSummary] = {}
+
+    def _collect(self) -> None:
+        request = scheduler_pb2.GetStatsRequest(max_recent_steps=256)
+        for record in self._stub.GetStats(request, timeout=10).recent_steps:
+            self.records[record.step_id] = record
+
+    def _poll(self) -> None:
+        while not self._done.wait(self._interval):
+            self._collect()
+
+    def __enter__(self) -> "StepRecorder":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._done.set()
+        self._thread.join()
+        self._collect()
+        self._channel.close()
