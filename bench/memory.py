@@ -41,7 +41,7 @@ import time
 from machine_info import machine
 from memory_sim import SharingObserver, WasteObserver, WorkloadRequest, drive
 from memory_swap import SWAP_CYCLES, ModelTiming, measure_swap_and_recompute, prepare_bench_model, prepare_demo_model
-from output import save_report, timestamp
+from output import markdown_table, save_report, timestamp
 from workload import MODELS_DIR
 
 from pagedserve.scheduler.scheduler_config import SchedulerConfig
@@ -61,14 +61,6 @@ def scheduler_config() -> SchedulerConfig:
     """A pool large enough that nothing is preempted: block counts are the workload's own."""
     return SchedulerConfig(num_gpu_blocks=1 << 17, max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE,
                            max_num_seqs=256, max_num_batched_tokens=2048, enable_prefix_caching=False)
-
-
-def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(headers[column]), *(len(row[column]) for row in rows)) for column in range(len(headers))]
-    lines = ["| " + " | ".join(header.ljust(width) for header, width in zip(headers, widths)) + " |",
-             "|" + "|".join("-" * (width + 2) for width in widths) + "|"]
-    lines += ["| " + " | ".join(cell.rjust(width) for cell, width in zip(row, widths)) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def percent_saved(shared: float, unshared: float) -> float:

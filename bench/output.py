@@ -1,4 +1,4 @@
-"""What every benchmark prints and writes: aligned console tables, and a JSON report (with its PNG
+"""What every benchmark prints and writes: aligned console and Markdown tables, and a JSON report (with its PNG
 plot, when there is one) under bench/results/, named by kind and UTC time."""
 
 from __future__ import annotations
@@ -38,6 +38,17 @@ def print_table(rows: list[dict], columns: list[Column] | None = None, *, title:
     for line in cells:
         print("  ".join(value.rjust(width) for value, width in zip(line, widths)))
     print()
+
+
+def markdown_table(headers: list[str], rows: list[list], float_format: str = ",.1f") -> str:
+    """A Markdown table with padded columns (text left, values right); floats use float_format."""
+    cells = [[format(value, float_format) if isinstance(value, float) else str(value) for value in row]
+             for row in rows]
+    widths = [max(len(headers[column]), *(len(row[column]) for row in cells)) for column in range(len(headers))]
+    lines = ["| " + " | ".join(header.ljust(width) for header, width in zip(headers, widths)) + " |",
+             "|" + "|".join("-" * (width + 2) for width in widths) + "|"]
+    lines += ["| " + " | ".join(cell.rjust(width) for cell, width in zip(row, widths)) + " |" for row in cells]
+    return "\n".join(lines)
 
 
 def save_report(name: str, report: dict, plot: Callable[[dict, Path], None] | None = None) -> list[Path]:
