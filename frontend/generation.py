@@ -26,7 +26,7 @@ from pagedserve.frontend.detokenizer import Decoder
 from pagedserve.frontend.metrics import RequestTimer
 from pagedserve.frontend.scheduler_client import SchedulerClient, SchedulerError, SubmitStream
 from pagedserve.frontend.validation import ValidatedRequest
-from pagedserve.scheduler.outputs import CompletionDelta, Request, RequestOutput
+from pagedserve.request_types import CompletionDelta, Request, RequestOutput
 
 log = structlog.get_logger()
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, fields
 import grpc
 
 from pagedserve.internal import scheduler_pb2, scheduler_pb2_grpc
-from pagedserve.scheduler.outputs import CompletionDelta, FinishReason, Request, RequestOutput, TokenLogprob
+from pagedserve.request_types import CompletionDelta, FinishReason, Request, RequestOutput, TokenLogprob
 from pagedserve.scheduler.sampling_codec import sampling_to_proto
 
 DEFAULT_RPC_TIMEOUT_S = 5.0

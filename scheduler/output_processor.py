@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pagedserve.request_types import CompletionDelta, FinishReason, RequestOutput, TokenLogprob
 from pagedserve.scheduler.beam_search import BeamCandidate, BeamHypothesis
 from pagedserve.scheduler.errors import StepOrderError
-from pagedserve.scheduler.outputs import CompletionDelta, FinishReason, RequestOutput, TokenLogprob
 from pagedserve.scheduler.sequence import GroupStatus, Sequence, SequenceGroup
 from pagedserve.step_plan import SeqSample, StepResult
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from pagedserve.internal import scheduler_pb2
+from pagedserve.request_types import FinishReason, RequestOutput
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.scheduler.outputs import FinishReason, RequestOutput
 
 _FINISH_TO_PROTO = {
     None: scheduler_pb2.FINISH_REASON_UNSPECIFIED,

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from bisect import insort
 
+from pagedserve.request_types import CompletionDelta, FinishReason, Request, RequestOutput
 from pagedserve.scheduler.block_manager import BlockManager
 from pagedserve.scheduler.errors import RequestRejected, StepOrderError
 from pagedserve.scheduler.invariants import check_scheduler_invariants
 from pagedserve.scheduler.output_processor import OutputProcessor
-from pagedserve.scheduler.outputs import CompletionDelta, FinishReason, Request, RequestOutput
 from pagedserve.scheduler.preemption import PreemptionMode, choose_preemption_mode, num_tokens_to_recompute
 from pagedserve.scheduler.request_intake import build_group
 from pagedserve.scheduler.scheduler_config import SchedulerConfig

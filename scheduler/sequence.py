@@ -23,7 +23,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pagedserve.scheduler.outputs import FinishReason, Request, TokenLogprob
+from pagedserve.request_types import FinishReason, Request, TokenLogprob
 from pagedserve.step_plan import SampleSpec
 
 if TYPE_CHECKING:

@@ -29,11 +29,11 @@ import structlog
 from pagedserve.internal import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.log import configure_logging
 from pagedserve.model_config import ModelInfo, load_model_info
+from pagedserve.request_types import Request, RequestOutput
 from pagedserve.sampling_params import InvalidParameter
 from pagedserve.scheduler.admission import QueueFull
 from pagedserve.scheduler.engine import Engine, EngineConfig, EngineUnavailable
 from pagedserve.scheduler.metrics import SchedulerMetrics
-from pagedserve.scheduler.outputs import Request, RequestOutput
 from pagedserve.scheduler.sampling_codec import output_to_proto, sampling_from_proto
 from pagedserve.scheduler.worker_link import WorkerLink
 from pagedserve.service_options import DEFAULT_SHUTDOWN_TIMEOUT_S

@@ -1,4 +1,6 @@
-"""What enters the scheduler (a request) and what it reports back each step (no torch)."""
+"""The request types the frontend and the scheduler exchange (no torch, no protobuf): a Request
+in, RequestOutputs back (one per step that changed it), each holding CompletionDeltas.
+"""
 
 from __future__ import annotations
 
