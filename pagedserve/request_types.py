@@ -22,7 +22,6 @@ class Request:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     eos_token_ids: list[int] = field(default_factory=list)
-    arrival_time: float = 0.0
 
 
 @dataclass(slots=True)

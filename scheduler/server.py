@@ -127,7 +127,6 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             prompt_token_ids=list(request.prompt_token_ids),
             sampling=sampling_from_proto(request.sampling),
             eos_token_ids=list(self.model.eos_token_ids),
-            arrival_time=time.monotonic(),
         )
         try:
             self.engine.submit(internal, sink)
