@@ -1,4 +1,4 @@
-"""Client of the scheduler's internal gRPC service; protobuf stays inside this module.
+"""Client of the scheduler's internal gRPC service (messages converted by scheduler_codec.py).
 
 Transport failures become exceptions the servicer maps to public status codes:
 
@@ -22,8 +22,8 @@ from dataclasses import dataclass, fields
 import grpc
 
 from pagedserve.internal import scheduler_pb2, scheduler_pb2_grpc
-from pagedserve.request_types import CompletionDelta, FinishReason, Request, RequestOutput, TokenLogprob
-from pagedserve.scheduler.sampling_codec import sampling_to_proto
+from pagedserve.request_types import Request, RequestOutput
+from pagedserve.scheduler_codec import output_from_proto, request_to_proto
 
 DEFAULT_RPC_TIMEOUT_S = 5.0
 MAX_MESSAGE_BYTES = 64 * 2**20
@@ -41,12 +41,6 @@ _CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 )
-_FINISH_FROM_PROTO = {
-    scheduler_pb2.FINISH_REASON_UNSPECIFIED: None,
-    scheduler_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
-    scheduler_pb2.FINISH_REASON_STOP: FinishReason.STOP,
-    scheduler_pb2.FINISH_REASON_ABORT: FinishReason.ABORT,
-}
 
 
 class SchedulerError(RuntimeError):
@@ -137,26 +131,6 @@ class SchedulerStats:
     is_pool_consistent: bool
 
 
-def _output_from_proto(request_id: str, msg: scheduler_pb2.SubmitResponse) -> RequestOutput:
-    deltas = [
-        CompletionDelta(
-            index=delta.index,
-            token_ids=list(delta.token_ids),
-            logprobs=[
-                TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
-                             top_token_ids=[top.token_id for top in lp.top],
-                             top_logprobs=[top.logprob for top in lp.top])
-                for lp in delta.logprobs
-            ],
-            cumulative_logprob=delta.cumulative_logprob,
-            finish_reason=_FINISH_FROM_PROTO.get(delta.finish_reason),
-        )
-        for delta in msg.deltas
-    ]
-    return RequestOutput(request_id=request_id, deltas=deltas, prompt_tokens=msg.prompt_tokens,
-                         cached_prompt_tokens=msg.cached_prompt_tokens, is_finished=msg.is_finished)
-
-
 class SubmitStream:
     """The outputs of one submitted request; `cancel()` (from any thread) aborts it in the scheduler."""
 
@@ -176,7 +150,7 @@ class SubmitStream:
     def __iter__(self) -> Iterator[RequestOutput]:
         try:
             for msg in self._call:
-                yield _output_from_proto(self.request_id, msg)
+                yield output_from_proto(self.request_id, msg)
         except grpc.RpcError as exc:
             if self.is_cancelled:
                 raise SubmitCancelled("the Submit stream was cancelled", grpc.StatusCode.CANCELLED) from exc
@@ -197,12 +171,7 @@ class SchedulerClient:
 
     def submit(self, request: Request, timeout: float | None = None) -> SubmitStream:
         """Starts the request; failures surface while iterating the returned stream."""
-        msg = scheduler_pb2.SubmitRequest(
-            request_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            sampling=sampling_to_proto(request.sampling),
-            frontend_id=self.frontend_id,
-        )
+        msg = request_to_proto(request, self.frontend_id)
         return SubmitStream(request.request_id, self._stub.Submit(msg, timeout=timeout))
 
     def finish_completion(self, request_id: str, index: int, timeout: float = DEFAULT_RPC_TIMEOUT_S) -> None:

@@ -1,5 +1,6 @@
 """The request types the frontend and the scheduler exchange (no torch, no protobuf): a Request
 in, RequestOutputs back (one per step that changed it), each holding CompletionDeltas.
+scheduler_codec.py converts them to and from the internal protobuf at the process edge.
 """
 
 from __future__ import annotations
