@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from pagedserve.scheduler.block_pool import BlockPool
 from pagedserve.scheduler.prefix_cache import PrefixCache
 from pagedserve.scheduler.scheduler_config import SchedulerConfig
-from pagedserve.scheduler.sequence import Sequence
+from pagedserve.scheduler.sequence import Sequence, SequenceGroup
 
 
 class BlockManager:
@@ -89,6 +89,14 @@ class BlockManager:
         for block in reversed(seq.block_table):
             release(block)
         seq.block_table = []
+
+    def drop_kv(self, group: SequenceGroup) -> None:
+        """Frees every GPU block of the group; its sequences compute their tokens again later
+        (a shared prefix once, then forked again)."""
+        for seq in group.seqs:
+            self.free(seq)
+            seq.reset_computation()
+        group.plan_shared_prefix()
 
     # -- swapping ---------------------------------------------------------------------------
     def num_distinct_blocks(self, seqs: Iterable[Sequence]) -> int:

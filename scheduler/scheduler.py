@@ -9,14 +9,11 @@ later steps, which the workers run after it.
 
 from __future__ import annotations
 
-from bisect import insort
-
 from pagedserve.request_types import CompletionDelta, FinishReason, Request, RequestOutput
 from pagedserve.scheduler.block_manager import BlockManager
 from pagedserve.scheduler.errors import RequestRejected, StepOrderError
 from pagedserve.scheduler.invariants import check_scheduler_invariants
 from pagedserve.scheduler.output_processor import OutputProcessor
-from pagedserve.scheduler.preemption import PreemptionMode, choose_preemption_mode, num_tokens_to_recompute
 from pagedserve.scheduler.request_intake import build_group
 from pagedserve.scheduler.scheduler_config import SchedulerConfig
 from pagedserve.scheduler.scheduler_stats import PoolStats, SchedulerStats
@@ -150,32 +147,6 @@ class Scheduler:
         self._next_seq_id += 1
         return self._next_seq_id - 1
 
-    def preempt(self, group: SequenceGroup, blocks_to_swap_out: list[tuple[int, int]]) -> None:
-        """Takes a running group off the GPU by swapping or recomputation (preemption.py)."""
-        manager = self.block_manager
-        self.running.remove(group)
-        mode = choose_preemption_mode(
-            self.config, num_blocks=manager.num_distinct_blocks(group.seqs),
-            num_recompute_tokens=num_tokens_to_recompute(group.seqs, manager.gpu_pool, manager.block_size),
-            can_swap=manager.can_swap_out(group.seqs))
-        if mode is PreemptionMode.SWAP:
-            blocks_to_swap_out.extend(manager.swap_out(group.seqs))
-            group.status = GroupStatus.SWAPPED
-            insort(self.swapped, group, key=_arrival)
-            self.num_preemptions_swap += 1
-        else:
-            self.drop_kv(group)
-            group.status = GroupStatus.WAITING
-            insort(self.waiting, group, key=_arrival)
-            self.num_preemptions_recompute += 1
-
-    def drop_kv(self, group: SequenceGroup) -> None:
-        """Frees every GPU block of the group; its sequences compute their tokens again later."""
-        for seq in group.seqs:
-            self.block_manager.free(seq)
-            seq.reset_computation()
-        group.plan_shared_prefix()
-
     def fork_if_ready(self, group: SequenceGroup) -> None:
         """Followers share the leader's blocks once it has computed the common prefix."""
         leader = group.seqs[0]
@@ -234,7 +205,3 @@ class Scheduler:
         """Distinct physical blocks the request holds now (shared blocks counted once)."""
         group = self._groups.get(request_id)
         return 0 if group is None else self.block_manager.num_distinct_blocks(group.seqs)
-
-
-def _arrival(group: SequenceGroup) -> int:
-    return group.arrival_index
