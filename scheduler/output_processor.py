@@ -49,7 +49,7 @@ class OutputProcessor:
                 deltas.append(delta)
         for group in step.groups:
             if group.fork_at is not None and group.status is running:
-                self.scheduler.fork_if_ready(group)
+                self.scheduler.block_manager.fork_if_ready(group)
         for group, group_samples in beam_samples.items():
             deltas = self._advance_beams(group, group_samples)
             if deltas:

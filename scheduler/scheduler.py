@@ -76,11 +76,7 @@ class Scheduler:
         seq = next((seq for seq in group.seqs if seq.output_index == index), None)
         if seq is None:
             return False
-        if group.fork_at is not None and seq is group.seqs[0] and len(group.seqs) > 1:
-            successor = group.seqs[1]  # same tokens up to fork_at: it takes over the shared prefix
-            successor.block_table, seq.block_table = seq.block_table, []
-            successor.num_computed_tokens = seq.num_computed_tokens
-            successor.num_registered_blocks = seq.num_registered_blocks
+        self.block_manager.hand_over_before_fork(group, seq)
         self.finish_seq(group, seq, FinishReason.ABORT)
         if len(group.seqs) < 2:
             group.fork_at = None
@@ -146,20 +142,6 @@ class Scheduler:
     def new_seq_id(self) -> int:
         self._next_seq_id += 1
         return self._next_seq_id - 1
-
-    def fork_if_ready(self, group: SequenceGroup) -> None:
-        """Followers share the leader's blocks once it has computed the common prefix."""
-        leader = group.seqs[0]
-        if group.fork_at is None or leader.num_computed_tokens < group.fork_at:
-            return
-        num_shared_keys = group.fork_at // self.config.block_size
-        for follower in group.seqs[1:]:
-            self.block_manager.fork(leader, follower)
-            follower.num_computed_tokens = leader.num_computed_tokens
-            follower.num_registered_blocks = leader.num_registered_blocks
-            if len(follower.block_keys) < num_shared_keys:
-                follower.block_keys = leader.block_keys[:num_shared_keys]
-        group.fork_at = None
 
     def finish_seq(self, group: SequenceGroup, seq: Sequence, reason: FinishReason) -> None:
         seq.finish_reason = reason

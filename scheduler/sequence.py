@@ -14,7 +14,7 @@ A group is every sequence of one request (n parallel samples, or the live beams 
 search); it is scheduled, swapped and preempted as a unit. Sequences that start from a shared
 prefix (n > 1 samples, or any multi-sequence group recomputed after preemption) compute it once:
 the leader computes tokens [0, fork_at) alone, the followers then copy its block table and
-compute their own tails (fork, copy-on-write).
+compute their own tails (BlockManager.fork_if_ready, copy-on-write).
 """
 
 from __future__ import annotations

@@ -248,7 +248,7 @@ class StepBuilder:
             limit = min(group.prefill_target(leader), len(leader.token_ids) - 1)
             num_queries, cached_blocks = prefix_cache.find_prefix(leader, limit)
             manager.adopt_prefix(leader, cached_blocks)
-            self.scheduler.fork_if_ready(group)
+            manager.fork_if_ready(group)
             chunks = plan_chunks(group, self.num_tokens_left, self.num_seqs_left)
             num_needed = manager.count_blocks_needed(
                 ((chunk.seq, chunk.num_tokens) for chunk in chunks), manager.gpu_pool)
