@@ -178,10 +178,6 @@ class SchedulerClient:
         self._unary(self._stub.FinishCompletion,
                     scheduler_pb2.FinishCompletionRequest(request_id=request_id, index=index), timeout)
 
-    def abort(self, request_id: str, timeout: float = DEFAULT_RPC_TIMEOUT_S) -> bool:
-        """Aborts a request; returns whether the scheduler knew it."""
-        return self._unary(self._stub.Abort, scheduler_pb2.AbortRequest(request_id=request_id), timeout).found
-
     def get_info(self, timeout: float = DEFAULT_RPC_TIMEOUT_S) -> SchedulerInfo:
         msg = self._unary(self._stub.GetInfo, scheduler_pb2.GetInfoRequest(), timeout)
         return SchedulerInfo(**{f.name: getattr(msg, f.name) for f in fields(SchedulerInfo)})

@@ -159,10 +159,6 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.engine.finish_completion(request.request_id, request.index)
         return scheduler_pb2.FinishCompletionResponse()
 
-    async def Abort(self, request, context):
-        self.engine.abort(request.request_id)
-        return scheduler_pb2.AbortResponse(found=True)
-
     async def GetInfo(self, request, context):
         state = self.engine.state
         config = self.engine.config
