@@ -101,36 +101,6 @@ class SchedulerInfo:
     max_num_batched_tokens: int
 
 
-@dataclass(frozen=True, slots=True)
-class StepSummary:
-    step_id: int
-    request_ids: tuple[str, ...]
-    num_prefill_tokens: int
-    num_decode_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    num_gpu_blocks_total: int
-    num_gpu_blocks_free: int
-    num_gpu_blocks_used: int
-    num_gpu_blocks_cached: int
-    num_cpu_blocks_total: int
-    num_cpu_blocks_free: int
-    num_cpu_blocks_used: int
-    num_cpu_blocks_cached: int
-    num_steps: int
-    num_preemptions_swap: int
-    num_preemptions_recompute: int
-    num_prefix_cache_queries: int
-    num_prefix_cache_hits: int
-    recent_steps: tuple[StepSummary, ...]
-    is_pool_consistent: bool
-
-
 class SubmitStream:
     """The outputs of one submitted request; `cancel()` (from any thread) aborts it in the scheduler."""
 
@@ -181,17 +151,6 @@ class SchedulerClient:
     def get_info(self, timeout: float = DEFAULT_RPC_TIMEOUT_S) -> SchedulerInfo:
         msg = self._unary(self._stub.GetInfo, scheduler_pb2.GetInfoRequest(), timeout)
         return SchedulerInfo(**{f.name: getattr(msg, f.name) for f in fields(SchedulerInfo)})
-
-    def get_stats(self, max_recent_steps: int = 0, timeout: float = DEFAULT_RPC_TIMEOUT_S) -> SchedulerStats:
-        msg = self._unary(self._stub.GetStats, scheduler_pb2.GetStatsRequest(max_recent_steps=max_recent_steps),
-                          timeout)
-        values = {f.name: getattr(msg, f.name) for f in fields(SchedulerStats) if f.name != "recent_steps"}
-        recent = tuple(
-            StepSummary(step_id=s.step_id, request_ids=tuple(s.request_ids),
-                        num_prefill_tokens=s.num_prefill_tokens, num_decode_tokens=s.num_decode_tokens)
-            for s in msg.recent_steps
-        )
-        return SchedulerStats(recent_steps=recent, **values)
 
     @staticmethod
     def _unary(method, msg, timeout: float):
