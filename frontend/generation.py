@@ -47,10 +47,6 @@ class GenerationUpdate:
     completions: list[CompletionUpdate]  # at most one per index, in index order
     usage: Usage | None = None  # set on the last update only
 
-    @property
-    def is_last(self) -> bool:
-        return self.usage is not None
-
 
 class Generation:
     """One request in flight. Iterate `run()` in the handler thread; `cancel()` from any thread."""

@@ -186,9 +186,3 @@ class BlockManager:
                 table[index] = target
                 cpu.release(block)
         return moves
-
-    # -- inspection -------------------------------------------------------------------------
-    def num_blocks_of(self, seq: Sequence) -> int:
-        """Blocks in seq's table (shared ones included)."""
-        return len(seq.block_table)
-

@@ -116,10 +116,6 @@ class SequenceGroup:
         return self.request.request_id
 
     @property
-    def is_beam_search(self) -> bool:
-        return self.beam is not None
-
-    @property
     def max_num_running_seqs(self) -> int:
         """Sequence slots the group may occupy in a step (a beam search grows to beam_width)."""
         if self.beam is not None:
