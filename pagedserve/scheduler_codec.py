@@ -1,5 +1,6 @@
-"""The frontend <-> scheduler edge: request types to and from the internal protobuf
-(proto/pagedserve/internal/scheduler.proto); nothing else on either side touches these messages.
+"""The frontend <-> scheduler edge: a request and its outputs to and from the internal protobuf
+(proto/pagedserve/internal/scheduler.proto). The small control messages (FinishCompletion,
+GetInfo, GetStats) are built where they are sent.
 
 ```
  frontend (scheduler_client.py)                         scheduler (server.py)
