@@ -23,8 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedserve.digest_worker import DigestWorker
+from pagedserve.request_types import Request
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.scheduler.outputs import Request
 from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.scheduler.scheduler_config import SchedulerConfig
 from pagedserve.scheduler.sequence import SequenceGroup

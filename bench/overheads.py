@@ -29,8 +29,8 @@ from tqdm import tqdm
 
 from pagedserve.internal import step_pb2
 from pagedserve.plan_codec import encode_plan, encode_result, plan_from_proto, result_from_proto
+from pagedserve.request_types import Request
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.scheduler.outputs import Request
 from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.scheduler.scheduler_config import SchedulerConfig
 from pagedserve.step_plan import SeqSample, StepResult

@@ -3,6 +3,7 @@
 server.py (process, health, reflection, metrics; transport.py: message size, keepalive, TLS) ->
 servicer.py (Generation RPCs; request_decoding.py: requests protobuf refuses; drain.py: requests
 in flight and the drain at shutdown) -> validation.py, generation.py (one request against the
-scheduler: scheduler_client.py) -> completion_state.py (detokenizer.py + stop_strings.py per
-completion); client.py is `pagedserve generate`.
+scheduler: scheduler_client.py, its messages converted by pagedserve/scheduler_codec.py) ->
+completion_state.py (detokenizer.py + stop_strings.py per completion); client.py is
+`pagedserve generate`.
 """

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 from pagedserve.frontend.detokenizer import Decoder, IncrementalDetokenizer
 from pagedserve.frontend.stop_strings import StopStringMatcher
+from pagedserve.request_types import CompletionDelta, FinishReason, TokenLogprob
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.scheduler.outputs import CompletionDelta, FinishReason, TokenLogprob
 
 
 class CompletionFinish(enum.Enum):

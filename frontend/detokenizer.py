@@ -39,15 +39,10 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = 0
         self._prefix_text = ""  # decode(token_ids[prefix_offset:read_offset])
-        self._num_emitted_chars = 0
 
     @property
     def token_ids(self) -> list[int]:
         return self._token_ids
-
-    @property
-    def num_emitted_chars(self) -> int:
-        return self._num_emitted_chars
 
     def add(self, new_token_ids: Sequence[int]) -> str:
         """Appends ids; returns the text they complete ('' while a character is unfinished)."""
@@ -61,7 +56,6 @@ class IncrementalDetokenizer:
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._token_ids)
         self._prefix_text = self._decoder.decode(self._token_ids[self._prefix_offset:self._read_offset])
-        self._num_emitted_chars += len(piece)
         return piece
 
     def finish(self) -> str:
@@ -72,5 +66,4 @@ class IncrementalDetokenizer:
         piece = full_text[len(self._prefix_text):]
         self._prefix_offset = self._read_offset = len(self._token_ids)
         self._prefix_text = ""
-        self._num_emitted_chars += len(piece)
         return piece

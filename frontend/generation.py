@@ -26,7 +26,7 @@ from pagedserve.frontend.detokenizer import Decoder
 from pagedserve.frontend.metrics import RequestTimer
 from pagedserve.frontend.scheduler_client import SchedulerClient, SchedulerError, SubmitStream
 from pagedserve.frontend.validation import ValidatedRequest
-from pagedserve.scheduler.outputs import CompletionDelta, Request, RequestOutput
+from pagedserve.request_types import CompletionDelta, Request, RequestOutput
 
 log = structlog.get_logger()
 
@@ -46,10 +46,6 @@ class Usage:
 class GenerationUpdate:
     completions: list[CompletionUpdate]  # at most one per index, in index order
     usage: Usage | None = None  # set on the last update only
-
-    @property
-    def is_last(self) -> bool:
-        return self.usage is not None
 
 
 class Generation:

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from pagedserve.frontend.completion_state import CompletionFinish, CompletionState, CompletionUpdate
 from pagedserve.frontend.generation import Usage
-from pagedserve.scheduler.outputs import TokenLogprob
+from pagedserve.request_types import TokenLogprob
 from pagedserve.v1 import generation_pb2
 
 _FINISH_TO_PROTO = {

@@ -36,7 +36,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pagedserve.scheduler.outputs import TokenLogprob
+from pagedserve.request_types import TokenLogprob
 
 NEG_SCORE = -1.0e9  # HF's stand-in for "never": seeded beams, stopped beams, empty slots
 _FLOAT32 = struct.Struct("<f")

@@ -1,5 +1,5 @@
 """Block tables of sequences over the GPU and CPU pools: slot allocation with copy-on-write,
-forking, freeing, prefix reuse and swapping.
+forking (and when a group's followers fork), freeing, prefix reuse and swapping.
 
 Copy-on-write: forked sequences share every block, including a partly filled last one. The
 first sequence that writes into a shared partial block gets a private copy:
@@ -9,6 +9,13 @@ first sequence that writes into a shared partial block gets a private copy:
     B writes slot 10 of block 9 -> ref now 1: B writes in place
 
 Full blocks are never written again, so they stay shared (and prefix-cached) forever.
+
+Forking a group (sequence.py): its leader computes the shared prefix [0, fork_at) alone; once it
+has, every follower takes a copy of the leader's table and its progress:
+
+    fork_at 6, block_size 4   leader [ 7 | 9 ] computed 6   follower [ ] computed 0
+    fork_if_ready             leader [ 7 | 9 ]              follower [ 7 | 9 ] computed 6
+                              (block 7 ref 2, block 9 ref 2 holding 2 of 4 slots: copy-on-write)
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from collections.abc import Iterable
 from pagedserve.scheduler.block_pool import BlockPool
 from pagedserve.scheduler.prefix_cache import PrefixCache
 from pagedserve.scheduler.scheduler_config import SchedulerConfig
-from pagedserve.scheduler.sequence import Sequence
+from pagedserve.scheduler.sequence import Sequence, SequenceGroup
 
 
 class BlockManager:
@@ -67,6 +74,7 @@ class BlockManager:
         for _ in range(num_missing):
             table.append(pool.allocate())
 
+    # -- forking ----------------------------------------------------------------------------
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """child shares every GPU block of parent (its own table is replaced)."""
         acquire = self.gpu_pool.acquire
@@ -74,6 +82,31 @@ class BlockManager:
             acquire(block)
         child.block_table = list(parent.block_table)
 
+    def fork_if_ready(self, group: SequenceGroup) -> None:
+        """Followers share the leader's blocks once it has computed the common prefix."""
+        leader = group.seqs[0]
+        if group.fork_at is None or leader.num_computed_tokens < group.fork_at:
+            return
+        num_shared_keys = group.fork_at // self.block_size
+        for follower in group.seqs[1:]:
+            self.fork(leader, follower)
+            follower.num_computed_tokens = leader.num_computed_tokens
+            follower.num_registered_blocks = leader.num_registered_blocks
+            if len(follower.block_keys) < num_shared_keys:
+                follower.block_keys = leader.block_keys[:num_shared_keys]
+        group.fork_at = None
+
+    def hand_over_before_fork(self, group: SequenceGroup, seq: Sequence) -> None:
+        """seq is about to leave a group that has not forked yet: when it is the leader, the next
+        sequence (the same tokens up to fork_at) takes over its table and progress."""
+        if group.fork_at is None or seq is not group.seqs[0] or len(group.seqs) < 2:
+            return
+        successor = group.seqs[1]
+        successor.block_table, seq.block_table = seq.block_table, []
+        successor.num_computed_tokens = seq.num_computed_tokens
+        successor.num_registered_blocks = seq.num_registered_blocks
+
+    # -- prefix reuse and freeing -----------------------------------------------------------
     def adopt_prefix(self, seq: Sequence, blocks: list[int]) -> None:
         """Starts an empty sequence on cached blocks: their tokens count as computed."""
         acquire = self.gpu_pool.acquire
@@ -89,6 +122,14 @@ class BlockManager:
         for block in reversed(seq.block_table):
             release(block)
         seq.block_table = []
+
+    def drop_kv(self, group: SequenceGroup) -> None:
+        """Frees every GPU block of the group; its sequences compute their tokens again later
+        (a shared prefix once, then forked again)."""
+        for seq in group.seqs:
+            self.free(seq)
+            seq.reset_computation()
+        group.plan_shared_prefix()
 
     # -- swapping ---------------------------------------------------------------------------
     def num_distinct_blocks(self, seqs: Iterable[Sequence]) -> int:
@@ -145,9 +186,3 @@ class BlockManager:
                 table[index] = target
                 cpu.release(block)
         return moves
-
-    # -- inspection -------------------------------------------------------------------------
-    def num_blocks_of(self, seq: Sequence) -> int:
-        """Blocks in seq's table (shared ones included)."""
-        return len(seq.block_table)
-

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from pagedserve.log import get_logger
+from pagedserve.request_types import Request, RequestOutput
 from pagedserve.scheduler.admission import Admission
-from pagedserve.scheduler.outputs import Request, RequestOutput
 from pagedserve.scheduler.worker_link import WorkerLink, WorkerLost
 
 Sink = Callable[[RequestOutput | Exception], None]

@@ -1,4 +1,5 @@
-"""The scheduler's Prometheus metrics (names pinned in DESIGN.md), refreshed after every step."""
+"""The scheduler's Prometheus metrics (README, "Metrics": the names marked * are pinned), refreshed
+after every step."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Applies a StepResult: appends sampled tokens, applies stops, advances beam searches, forks
-followers whose shared prefix is now computed, and reports deltas.
+"""Applies a StepResult: appends sampled tokens, applies stops, advances beam searches (scored in
+beam_search.py, forked in beam_forking.py), forks followers whose shared prefix is now computed,
+and reports deltas.
 
 Stops, checked on the token just appended (it is part of the output, like HF's EOS):
 
@@ -12,9 +13,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pagedserve.request_types import CompletionDelta, FinishReason, RequestOutput, TokenLogprob
+from pagedserve.scheduler.beam_forking import fork_beams
 from pagedserve.scheduler.beam_search import BeamCandidate, BeamHypothesis
 from pagedserve.scheduler.errors import StepOrderError
-from pagedserve.scheduler.outputs import CompletionDelta, FinishReason, RequestOutput, TokenLogprob
 from pagedserve.scheduler.sequence import GroupStatus, Sequence, SequenceGroup
 from pagedserve.step_plan import SeqSample, StepResult
 
@@ -49,7 +51,7 @@ class OutputProcessor:
                 deltas.append(delta)
         for group in step.groups:
             if group.fork_at is not None and group.status is running:
-                self.scheduler.fork_if_ready(group)
+                self.scheduler.block_manager.fork_if_ready(group)
         for group, group_samples in beam_samples.items():
             deltas = self._advance_beams(group, group_samples)
             if deltas:
@@ -107,27 +109,8 @@ class OutputProcessor:
 
         candidates = [list(zip(sample.beam_token_ids, sample.beam_logprobs)) for sample in samples]
         step = state.step(candidates, make_hypothesis)
-        manager = self.scheduler.block_manager
-        children: list[tuple[Sequence, BeamCandidate]] = []
-        claimed: set[int] = set()
-        for candidate in step.continuations:
-            parent = parents[candidate.beam_index]
-            if candidate.beam_index in claimed:
-                child = parent.copy_as(self.scheduler.new_seq_id(), 0)
-                manager.fork(parent, child)
-            else:
-                claimed.add(candidate.beam_index)
-                child = parent
-            children.append((child, candidate))
-        for index, parent in enumerate(parents):
-            if index not in claimed:
-                manager.free(parent)
-        for child, candidate in children:  # parents were copied above, before any of them grows
-            child.token_ids.append(candidate.token_id)
-            child.cumulative_logprob += candidate.logprob
-            if is_logging:
-                child.output_logprobs.append(token_logprob(candidate))
-        group.seqs = [child for child, _ in children]
+        group.seqs = fork_beams(parents, step.continuations, self.scheduler.block_manager,
+                                self.scheduler.new_seq_id, token_logprob if is_logging else None)
         if not step.is_done:
             return []
         return [CompletionDelta(index=index, token_ids=hypothesis.token_ids, logprobs=hypothesis.logprobs,

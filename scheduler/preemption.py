@@ -1,4 +1,9 @@
-"""Which way to preempt a running group when the GPU pool runs out of blocks.
+"""Preemption: when a running group needs blocks the GPU pool lacks, which group gives way, which
+way it leaves the GPU, and the act itself.
+
+Victim: the newest running group (the running queue is ordered by arrival, oldest first), and
+the group that asked for the blocks itself once no newer one is left, so the oldest requests keep
+running (first come, first served). step_builder.py preempts victims until the blocks fit.
 
     swap       move the group's blocks to the CPU pool (each physical block once), back later
     recompute  free the blocks, keep the tokens, prefill them again later
@@ -13,15 +18,24 @@ and swaps only when swapping is strictly cheaper and the CPU pool has room. Toke
 count the group's shared prefix once (it is recomputed once and forked, see sequence.py) and
 leave out full blocks that other requests also hold: those stay on the GPU and come back through
 the prefix cache. Short sequences, whose last block is mostly empty, therefore lean to recompute.
+
+The act: a swapped group joins the swapped queue with its tables on the CPU (its blocks move in
+the step's blocks_to_swap_out); a recomputed one joins the waiting queue with no blocks. Both
+queues stay in arrival order, so a preempted group comes back before newer ones.
 """
 
 from __future__ import annotations
 
 import enum
+from bisect import insort
+from typing import TYPE_CHECKING
 
 from pagedserve.scheduler.block_pool import BlockPool
 from pagedserve.scheduler.scheduler_config import SchedulerConfig
-from pagedserve.scheduler.sequence import Sequence
+from pagedserve.scheduler.sequence import GroupStatus, Sequence, SequenceGroup
+
+if TYPE_CHECKING:
+    from pagedserve.scheduler.scheduler import Scheduler
 
 
 class PreemptionMode(enum.Enum):
@@ -50,3 +64,34 @@ def choose_preemption_mode(config: SchedulerConfig, *, num_blocks: int, num_reco
     swap_cost = num_blocks * config.swap_seconds_per_block
     recompute_cost = num_recompute_tokens * config.recompute_seconds_per_token
     return PreemptionMode.SWAP if swap_cost < recompute_cost else PreemptionMode.RECOMPUTE
+
+
+def choose_victim(running: list[SequenceGroup]) -> SequenceGroup:
+    """The running group to preempt next: the newest (running is ordered oldest first)."""
+    return running[-1]
+
+
+def preempt(scheduler: Scheduler, group: SequenceGroup,
+            blocks_to_swap_out: list[tuple[int, int]]) -> PreemptionMode:
+    """Takes a running group off the GPU, by swapping or recomputation; returns which."""
+    manager = scheduler.block_manager
+    scheduler.running.remove(group)
+    mode = choose_preemption_mode(
+        scheduler.config, num_blocks=manager.num_distinct_blocks(group.seqs),
+        num_recompute_tokens=num_tokens_to_recompute(group.seqs, manager.gpu_pool, manager.block_size),
+        can_swap=manager.can_swap_out(group.seqs))
+    if mode is PreemptionMode.SWAP:
+        blocks_to_swap_out.extend(manager.swap_out(group.seqs))
+        group.status = GroupStatus.SWAPPED
+        insort(scheduler.swapped, group, key=_arrival)
+        scheduler.num_preemptions_swap += 1
+    else:
+        manager.drop_kv(group)
+        group.status = GroupStatus.WAITING
+        insort(scheduler.waiting, group, key=_arrival)
+        scheduler.num_preemptions_recompute += 1
+    return mode
+
+
+def _arrival(group: SequenceGroup) -> int:
+    return group.arrival_index

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from pagedserve.request_types import Request
 from pagedserve.sampling_params import InvalidParameter
 from pagedserve.scheduler.beam_search import BeamSearchState
 from pagedserve.scheduler.errors import RequestRejected
-from pagedserve.scheduler.outputs import Request
 from pagedserve.scheduler.scheduler_config import SchedulerConfig
 from pagedserve.scheduler.sequence import Sequence, SequenceGroup
 

@@ -9,14 +9,11 @@ later steps, which the workers run after it.
 
 from __future__ import annotations
 
-from bisect import insort
-
+from pagedserve.request_types import CompletionDelta, FinishReason, Request, RequestOutput
 from pagedserve.scheduler.block_manager import BlockManager
 from pagedserve.scheduler.errors import RequestRejected, StepOrderError
 from pagedserve.scheduler.invariants import check_scheduler_invariants
 from pagedserve.scheduler.output_processor import OutputProcessor
-from pagedserve.scheduler.outputs import CompletionDelta, FinishReason, Request, RequestOutput
-from pagedserve.scheduler.preemption import PreemptionMode, choose_preemption_mode, num_tokens_to_recompute
 from pagedserve.scheduler.request_intake import build_group
 from pagedserve.scheduler.scheduler_config import SchedulerConfig
 from pagedserve.scheduler.scheduler_stats import PoolStats, SchedulerStats
@@ -79,11 +76,7 @@ class Scheduler:
         seq = next((seq for seq in group.seqs if seq.output_index == index), None)
         if seq is None:
             return False
-        if group.fork_at is not None and seq is group.seqs[0] and len(group.seqs) > 1:
-            successor = group.seqs[1]  # same tokens up to fork_at: it takes over the shared prefix
-            successor.block_table, seq.block_table = seq.block_table, []
-            successor.num_computed_tokens = seq.num_computed_tokens
-            successor.num_registered_blocks = seq.num_registered_blocks
+        self.block_manager.hand_over_before_fork(group, seq)
         self.finish_seq(group, seq, FinishReason.ABORT)
         if len(group.seqs) < 2:
             group.fork_at = None
@@ -150,46 +143,6 @@ class Scheduler:
         self._next_seq_id += 1
         return self._next_seq_id - 1
 
-    def preempt(self, group: SequenceGroup, blocks_to_swap_out: list[tuple[int, int]]) -> None:
-        """Takes a running group off the GPU by swapping or recomputation (preemption.py)."""
-        manager = self.block_manager
-        self.running.remove(group)
-        mode = choose_preemption_mode(
-            self.config, num_blocks=manager.num_distinct_blocks(group.seqs),
-            num_recompute_tokens=num_tokens_to_recompute(group.seqs, manager.gpu_pool, manager.block_size),
-            can_swap=manager.can_swap_out(group.seqs))
-        if mode is PreemptionMode.SWAP:
-            blocks_to_swap_out.extend(manager.swap_out(group.seqs))
-            group.status = GroupStatus.SWAPPED
-            insort(self.swapped, group, key=_arrival)
-            self.num_preemptions_swap += 1
-        else:
-            self.drop_kv(group)
-            group.status = GroupStatus.WAITING
-            insort(self.waiting, group, key=_arrival)
-            self.num_preemptions_recompute += 1
-
-    def drop_kv(self, group: SequenceGroup) -> None:
-        """Frees every GPU block of the group; its sequences compute their tokens again later."""
-        for seq in group.seqs:
-            self.block_manager.free(seq)
-            seq.reset_computation()
-        group.plan_shared_prefix()
-
-    def fork_if_ready(self, group: SequenceGroup) -> None:
-        """Followers share the leader's blocks once it has computed the common prefix."""
-        leader = group.seqs[0]
-        if group.fork_at is None or leader.num_computed_tokens < group.fork_at:
-            return
-        num_shared_keys = group.fork_at // self.config.block_size
-        for follower in group.seqs[1:]:
-            self.block_manager.fork(leader, follower)
-            follower.num_computed_tokens = leader.num_computed_tokens
-            follower.num_registered_blocks = leader.num_registered_blocks
-            if len(follower.block_keys) < num_shared_keys:
-                follower.block_keys = leader.block_keys[:num_shared_keys]
-        group.fork_at = None
-
     def finish_seq(self, group: SequenceGroup, seq: Sequence, reason: FinishReason) -> None:
         seq.finish_reason = reason
         self.block_manager.free(seq, on_cpu=group.status is GroupStatus.SWAPPED)
@@ -234,7 +187,3 @@ class Scheduler:
         """Distinct physical blocks the request holds now (shared blocks counted once)."""
         group = self._groups.get(request_id)
         return 0 if group is None else self.block_manager.num_distinct_blocks(group.seqs)
-
-
-def _arrival(group: SequenceGroup) -> int:
-    return group.arrival_index

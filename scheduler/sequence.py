@@ -14,7 +14,7 @@ A group is every sequence of one request (n parallel samples, or the live beams 
 search); it is scheduled, swapped and preempted as a unit. Sequences that start from a shared
 prefix (n > 1 samples, or any multi-sequence group recomputed after preemption) compute it once:
 the leader computes tokens [0, fork_at) alone, the followers then copy its block table and
-compute their own tails (fork, copy-on-write).
+compute their own tails (BlockManager.fork_if_ready, copy-on-write).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pagedserve.scheduler.outputs import FinishReason, Request, TokenLogprob
+from pagedserve.request_types import FinishReason, Request, TokenLogprob
 from pagedserve.step_plan import SampleSpec
 
 if TYPE_CHECKING:
@@ -114,10 +114,6 @@ class SequenceGroup:
     @property
     def request_id(self) -> str:
         return self.request.request_id
-
-    @property
-    def is_beam_search(self) -> bool:
-        return self.beam is not None
 
     @property
     def max_num_running_seqs(self) -> int:

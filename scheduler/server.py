@@ -29,13 +29,13 @@ import structlog
 from pagedserve.internal import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.log import configure_logging
 from pagedserve.model_config import ModelInfo, load_model_info
+from pagedserve.request_types import RequestOutput
 from pagedserve.sampling_params import InvalidParameter
 from pagedserve.scheduler.admission import QueueFull
 from pagedserve.scheduler.engine import Engine, EngineConfig, EngineUnavailable
 from pagedserve.scheduler.metrics import SchedulerMetrics
-from pagedserve.scheduler.outputs import Request, RequestOutput
-from pagedserve.scheduler.sampling_codec import output_to_proto, sampling_from_proto
 from pagedserve.scheduler.worker_link import WorkerLink
+from pagedserve.scheduler_codec import output_to_proto, request_from_proto
 from pagedserve.service_options import DEFAULT_SHUTDOWN_TIMEOUT_S
 
 MAX_MESSAGE_BYTES = 64 * 2**20
@@ -122,13 +122,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is draining; retry on another replica")
         outputs: asyncio.Queue = asyncio.Queue()
         sink = outputs.put_nowait  # called on this event loop (see loop_dispatch)
-        internal = Request(
-            request_id=request.request_id,
-            prompt_token_ids=list(request.prompt_token_ids),
-            sampling=sampling_from_proto(request.sampling),
-            eos_token_ids=list(self.model.eos_token_ids),
-            arrival_time=time.monotonic(),
-        )
+        internal = request_from_proto(request, self.model.eos_token_ids)
         try:
             self.engine.submit(internal, sink)
         except Exception as exc:
@@ -164,10 +158,6 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def FinishCompletion(self, request, context):
         self.engine.finish_completion(request.request_id, request.index)
         return scheduler_pb2.FinishCompletionResponse()
-
-    async def Abort(self, request, context):
-        self.engine.abort(request.request_id)
-        return scheduler_pb2.AbortResponse(found=True)
 
     async def GetInfo(self, request, context):
         state = self.engine.state

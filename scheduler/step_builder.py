@@ -5,8 +5,8 @@ Order of service, first come first served inside each pass:
     1. running groups, oldest first: their decodes are reserved budget up front, so a long
        prefill chunk of an older group never starves a newer group's decode; prefill chunks
        (a prompt in progress, or a preempted group computing its tokens again) get what is left.
-       A group that needs blocks the pool lacks preempts the newest running group (possibly
-       itself) until they fit.
+       A group that needs blocks the pool lacks preempts running groups, newest first (possibly
+       itself), until they fit (preemption.py).
     2. swapped groups, oldest first, swapped back in while they fit (not after a preemption).
     3. waiting groups, oldest first, admitted while they fit (not while any group is swapped or
        after a preemption); the first that does not fit stops admission.
@@ -24,6 +24,7 @@ from bisect import insort
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pagedserve.scheduler.preemption import choose_victim, preempt
 from pagedserve.scheduler.sample_specs import sample_spec_for
 from pagedserve.scheduler.sequence import GroupStatus, Sequence, SequenceGroup
 from pagedserve.step_plan import ScheduledSeq, StepPlan
@@ -183,12 +184,12 @@ class StepBuilder:
             if chunks:
                 num_needed = self.block_manager.count_blocks_needed(
                     ((chunk.seq, chunk.num_tokens) for chunk in chunks), gpu)
-                while gpu.num_available < num_needed and running[-1] is not group:
-                    self._preempt(running[-1])
+                while gpu.num_available < num_needed:
+                    victim = choose_victim(running)
+                    self._preempt(victim)
+                    if victim is group:
+                        return
                     num_reserved -= decode_tokens.pop()
-                if gpu.num_available < num_needed:
-                    self._preempt(group)
-                    return
                 self._emit(group, chunks)
             index += 1
 
@@ -209,7 +210,7 @@ class StepBuilder:
         self.num_seqs_left -= 1
 
     def _preempt(self, group: SequenceGroup) -> None:
-        self.scheduler.preempt(group, self.blocks_to_swap_out)
+        preempt(self.scheduler, group, self.blocks_to_swap_out)
         self.num_preemptions += 1
 
     # -- pass 2: swapped groups -------------------------------------------------------------
@@ -247,12 +248,12 @@ class StepBuilder:
             limit = min(group.prefill_target(leader), len(leader.token_ids) - 1)
             num_queries, cached_blocks = prefix_cache.find_prefix(leader, limit)
             manager.adopt_prefix(leader, cached_blocks)
-            self.scheduler.fork_if_ready(group)
+            manager.fork_if_ready(group)
             chunks = plan_chunks(group, self.num_tokens_left, self.num_seqs_left)
             num_needed = manager.count_blocks_needed(
                 ((chunk.seq, chunk.num_tokens) for chunk in chunks), manager.gpu_pool)
             if not chunks or num_needed > manager.gpu_pool.num_available:
-                self.scheduler.drop_kv(group)
+                manager.drop_kv(group)
                 break
             prefix_cache.record(num_queries, len(cached_blocks))
             if not group.is_admitted_once:

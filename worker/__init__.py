@@ -1,1 +1,14 @@
-"""pagedserve.worker."""
+"""pagedserve.worker: one process per GPU (tensor-parallel rank) with its model shard and KV cache;
+rank 0 samples and answers.
+
+process.py (ZeroMQ loop: register, InitCache, StepPlan -> StepResult; resident_memory.py: memory
+in the logs) -> model_runner.py (one step: block operations, forward, logits, sampling):
+  model_input.py      a step's scheduled sequences -> flat tensors and attention metadata
+  models/llama.py     the Llama family (models/llama_config.py: its config.json parameters), built
+                      from parallel_layers.py, attention.py (paged attention through kernels/),
+                      rotary.py and layernorm.py
+  cache_engine.py     KV tensors on the device and in host swap space, their block operations
+  sampler.py          the next token per SampleSpec, logprobs, beam candidates
+  loader.py           checkpoint tensors -> this rank's slices
+tensor_parallel.py: the process group and the arithmetic of splitting a dimension across ranks.
+"""

@@ -225,8 +225,6 @@ def _serve_plans(config, runner, sub, pusher, state, log) -> int:
             raise StepGap(f"expected step {last_step_id + 1} of epoch {state['epoch']}, "
                           f"got {plan_msg.step_id}: plans were lost")
         last_step_id = plan_msg.step_id
-        result = runner.execute(plan_from_proto(plan_msg))
+        result = runner.execute(plan_from_proto(plan_msg))  # carries the plan's step id and epoch
         if config.rank == 0:
-            result.epoch = state["epoch"]
-            result.step_id = plan_msg.step_id
             pusher.send(encode_result(result))

@@ -124,18 +124,6 @@ class FinishCompletionResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class AbortRequest(_message.Message):
-    __slots__ = ("request_id",)
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
-
-class AbortResponse(_message.Message):
-    __slots__ = ("found",)
-    FOUND_FIELD_NUMBER: _ClassVar[int]
-    found: bool
-    def __init__(self, found: _Optional[bool] = ...) -> None: ...
-
 class GetInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

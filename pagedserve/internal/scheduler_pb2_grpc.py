@@ -44,11 +44,6 @@ class SchedulerStub:
                 request_serializer=pagedserve_dot_internal_dot_scheduler__pb2.FinishCompletionRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_internal_dot_scheduler__pb2.FinishCompletionResponse.FromString,
                 _registered_method=True)
-        self.Abort = channel.unary_unary(
-                '/pagedserve.internal.Scheduler/Abort',
-                request_serializer=pagedserve_dot_internal_dot_scheduler__pb2.AbortRequest.SerializeToString,
-                response_deserializer=pagedserve_dot_internal_dot_scheduler__pb2.AbortResponse.FromString,
-                _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/pagedserve.internal.Scheduler/GetInfo',
                 request_serializer=pagedserve_dot_internal_dot_scheduler__pb2.GetInfoRequest.SerializeToString,
@@ -78,12 +73,6 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Abort(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def GetInfo(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -108,11 +97,6 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.FinishCompletion,
                     request_deserializer=pagedserve_dot_internal_dot_scheduler__pb2.FinishCompletionRequest.FromString,
                     response_serializer=pagedserve_dot_internal_dot_scheduler__pb2.FinishCompletionResponse.SerializeToString,
-            ),
-            'Abort': grpc.unary_unary_rpc_method_handler(
-                    servicer.Abort,
-                    request_deserializer=pagedserve_dot_internal_dot_scheduler__pb2.AbortRequest.FromString,
-                    response_serializer=pagedserve_dot_internal_dot_scheduler__pb2.AbortResponse.SerializeToString,
             ),
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
@@ -179,33 +163,6 @@ class Scheduler:
             '/pagedserve.internal.Scheduler/FinishCompletion',
             pagedserve_dot_internal_dot_scheduler__pb2.FinishCompletionRequest.SerializeToString,
             pagedserve_dot_internal_dot_scheduler__pb2.FinishCompletionResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Abort(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pagedserve.internal.Scheduler/Abort',
-            pagedserve_dot_internal_dot_scheduler__pb2.AbortRequest.SerializeToString,
-            pagedserve_dot_internal_dot_scheduler__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -31,7 +31,6 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.cached_prompt_tokens = 0
         self.submits: list[scheduler_pb2.SubmitRequest] = []
         self.finish_requests: list[tuple[str, int]] = []
-        self.aborts: list[str] = []
         self.cancelled_ids: list[str] = []
         self.completed_ids: list[str] = []
         self.stream_closed = threading.Event()
@@ -64,11 +63,6 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
             self.finish_requests.append((request.request_id, request.index))
             self._finished_by_frontend.setdefault(request.request_id, set()).add(request.index)
         return scheduler_pb2.FinishCompletionResponse()
-
-    def Abort(self, request, context):
-        with self.lock:
-            self.aborts.append(request.request_id)
-        return scheduler_pb2.AbortResponse(found=True)
 
     def GetInfo(self, request, context):
         return scheduler_pb2.SchedulerInfo(

@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 
 from pagedserve.frontend.completion_state import CompletionFinish, CompletionState, SchedulerAbortedCompletion
 from pagedserve.frontend.stop_strings import StopStringMatcher
+from pagedserve.request_types import CompletionDelta, FinishReason
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.scheduler.outputs import CompletionDelta, FinishReason
 
 
 def _feed_all(matcher, pieces):

@@ -8,8 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedserve.digest_worker import DigestWorker
+from pagedserve.request_types import FinishReason, Request, RequestOutput
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.scheduler.outputs import FinishReason, Request, RequestOutput
 from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.scheduler.scheduler_config import SchedulerConfig
 from pagedserve.step_plan import StepPlan

@@ -6,10 +6,10 @@ from __future__ import annotations
 import threading
 import time
 
+from pagedserve.request_types import Request
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler.engine import Engine, EngineConfig, EngineUnavailable
 from pagedserve.scheduler.errors import RequestRejected
-from pagedserve.scheduler.outputs import Request
 from pagedserve.scheduler.scheduler_config import SchedulerConfig
 from pagedserve.scheduler.worker_link import PoolSize, WorkerLost
 from tests.scheduler.scheduler_harness import EOS_TOKEN_ID, digest_worker

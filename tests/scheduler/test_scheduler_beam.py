@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from pagedserve.request_types import FinishReason, Request
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.scheduler.outputs import FinishReason, Request
 from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.scheduler.scheduler_config import SchedulerConfig
 from pagedserve.step_plan import SeqSample, StepResult

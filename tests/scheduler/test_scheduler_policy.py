@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from scheduler_harness import EOS_TOKEN_ID, RequestRecord, RequestSpec, collect, digest_worker, run_workload
 
+from pagedserve.request_types import FinishReason, Request
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler.errors import RequestRejected, StepOrderError
-from pagedserve.scheduler.outputs import FinishReason, Request
 from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.scheduler.scheduler_config import SchedulerConfig
 from pagedserve.digest_worker import DigestWorker

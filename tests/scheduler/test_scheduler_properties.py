@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from scheduler_harness import EOS_TOKEN_ID, VOCAB_SIZE, RequestSpec, run_workload
 
+from pagedserve.request_types import FinishReason
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.scheduler.outputs import FinishReason
 from pagedserve.scheduler.request_intake import max_group_blocks
 from pagedserve.scheduler.scheduler_config import SchedulerConfig
 

@@ -1,4 +1,7 @@
-"""What enters the scheduler (a request) and what it reports back each step (no torch)."""
+"""The request types the frontend and the scheduler exchange (no torch, no protobuf): a Request
+in, RequestOutputs back (one per step that changed it), each holding CompletionDeltas.
+scheduler_codec.py converts them to and from the internal protobuf at the process edge.
+"""
 
 from __future__ import annotations
 
@@ -20,7 +23,6 @@ class Request:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     eos_token_ids: list[int] = field(default_factory=list)
-    arrival_time: float = 0.0
 
 
 @dataclass(slots=True)

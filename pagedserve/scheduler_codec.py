@@ -1,10 +1,22 @@
-"""Converts the internal Sampling proto to SamplingParams and scheduler outputs to protobuf."""
+"""The frontend <-> scheduler edge: a request and its outputs to and from the internal protobuf
+(proto/pagedserve/internal/scheduler.proto). The small control messages (FinishCompletion,
+GetInfo, GetStats) are built where they are sent.
+
+```
+ frontend (scheduler_client.py)                         scheduler (server.py)
+ Request        ── request_to_proto ──►  SubmitRequest  ── request_from_proto ──►  Request
+ RequestOutput  ◄─ output_from_proto ──  SubmitResponse ◄─ output_to_proto ─────  RequestOutput
+```
+
+SamplingParams travel as the Sampling message with every default already resolved by the
+frontend; the stop strings stay in the frontend, which applies them to text.
+"""
 
 from __future__ import annotations
 
 from pagedserve.internal import scheduler_pb2
+from pagedserve.request_types import CompletionDelta, FinishReason, Request, RequestOutput, TokenLogprob
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.scheduler.outputs import FinishReason, RequestOutput
 
 _FINISH_TO_PROTO = {
     None: scheduler_pb2.FINISH_REASON_UNSPECIFIED,
@@ -12,6 +24,7 @@ _FINISH_TO_PROTO = {
     FinishReason.STOP: scheduler_pb2.FINISH_REASON_STOP,
     FinishReason.ABORT: scheduler_pb2.FINISH_REASON_ABORT,
 }
+_FINISH_FROM_PROTO = {code: reason for reason, code in _FINISH_TO_PROTO.items()}
 
 
 def sampling_from_proto(msg: scheduler_pb2.Sampling) -> SamplingParams:
@@ -60,7 +73,27 @@ def sampling_to_proto(params: SamplingParams) -> scheduler_pb2.Sampling:
     return msg
 
 
+def request_to_proto(request: Request, frontend_id: str = "") -> scheduler_pb2.SubmitRequest:
+    """The EOS ids stay behind: the scheduler takes them from its own model config."""
+    return scheduler_pb2.SubmitRequest(
+        request_id=request.request_id,
+        prompt_token_ids=request.prompt_token_ids,
+        sampling=sampling_to_proto(request.sampling),
+        frontend_id=frontend_id,
+    )
+
+
+def request_from_proto(msg: scheduler_pb2.SubmitRequest, eos_token_ids: list[int]) -> Request:
+    return Request(
+        request_id=msg.request_id,
+        prompt_token_ids=list(msg.prompt_token_ids),
+        sampling=sampling_from_proto(msg.sampling),
+        eos_token_ids=list(eos_token_ids),
+    )
+
+
 def output_to_proto(output: RequestOutput) -> scheduler_pb2.SubmitResponse:
+    """The request id is left out: the Submit stream it travels on names the request."""
     msg = scheduler_pb2.SubmitResponse(
         prompt_tokens=output.prompt_tokens,
         cached_prompt_tokens=output.cached_prompt_tokens,
@@ -75,3 +108,23 @@ def output_to_proto(output: RequestOutput) -> scheduler_pb2.SubmitResponse:
             for top_id, top_lp in zip(lp.top_token_ids, lp.top_logprobs):
                 token.top.add(token_id=top_id, logprob=top_lp)
     return msg
+
+
+def output_from_proto(request_id: str, msg: scheduler_pb2.SubmitResponse) -> RequestOutput:
+    deltas = [
+        CompletionDelta(
+            index=delta.index,
+            token_ids=list(delta.token_ids),
+            logprobs=[
+                TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                             top_token_ids=[top.token_id for top in lp.top],
+                             top_logprobs=[top.logprob for top in lp.top])
+                for lp in delta.logprobs
+            ],
+            cumulative_logprob=delta.cumulative_logprob,
+            finish_reason=_FINISH_FROM_PROTO.get(delta.finish_reason),
+        )
+        for delta in msg.deltas
+    ]
+    return RequestOutput(request_id=request_id, deltas=deltas, prompt_tokens=msg.prompt_tokens,
+                         cached_prompt_tokens=msg.cached_prompt_tokens, is_finished=msg.is_finished)

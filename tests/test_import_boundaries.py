@@ -1,0 +1,149 @@
+"""Each process imports only its own folder and the shared package, never another process's code.
+
+```
+ folder       package                may import besides itself and pagedserve/ (shared)
+ frontend/    pagedserve.frontend    -                      and never torch
+ scheduler/   pagedserve.scheduler   -                      and never torch
+ worker/      pagedserve.worker      kernels/
+ kernels/     pagedserve.kernels     -
+ pagedserve/  pagedserve             -  (cli.py and supervisor.py start the processes: left out)
+```
+
+Every .py file is parsed with `ast`, so imports inside functions and under TYPE_CHECKING count
+too. A second check imports the frontend's and the scheduler's modules in a fresh interpreter and
+requires that torch was not loaded on the way (through a shared module, say).
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PACKAGE_OF_FOLDER = {"frontend": "pagedserve.frontend", "scheduler": "pagedserve.scheduler",
+                     "worker": "pagedserve.worker", "kernels": "pagedserve.kernels", "pagedserve": "pagedserve"}
+PROCESS_FOLDERS = ("frontend", "scheduler", "worker", "kernels")
+MAY_IMPORT = {"frontend": set(), "scheduler": set(), "worker": {"kernels"}, "kernels": set(), "pagedserve": set()}
+TORCH_FREE = ("frontend", "scheduler")
+LAUNCH_MODULES = {"pagedserve/cli.py", "pagedserve/supervisor.py"}  # import the processes lazily, by design
+# (file, folder it may still import). pagedserve/service_options.py reads the frontend's transport
+# defaults; it goes when those move out of frontend/transport.py.
+KNOWN_EXCEPTIONS = {("pagedserve/service_options.py", "frontend")}
+
+
+def _source_files() -> list[Path]:
+    files = []
+    for folder in PACKAGE_OF_FOLDER:
+        files += sorted((REPO_ROOT / folder).rglob("*.py"))
+    return [path for path in files if path.relative_to(REPO_ROOT).as_posix() not in LAUNCH_MODULES]
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(REPO_ROOT)
+    parts = [PACKAGE_OF_FOLDER[rel.parts[0]], *rel.parts[1:-1]]
+    if rel.stem != "__init__":
+        parts.append(rel.stem)
+    return ".".join(parts)
+
+
+def imported_modules(source: str, package: str) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in the source of a module of `package`;
+    `from X import y` yields X.y."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
+    return found
+
+
+def _imports_of(path: Path) -> list[tuple[int, str]]:
+    module = _module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    return imported_modules(path.read_text(), package)
+
+
+def _process_folder_of(module: str) -> str | None:
+    """The process folder a module belongs to, or None (shared package, third party)."""
+    parts = module.split(".")
+    if parts[0] == "pagedserve" and len(parts) > 1 and parts[1] in PROCESS_FOLDERS:
+        return parts[1]
+    return None
+
+
+def _folder_of(path: Path) -> str:
+    return path.relative_to(REPO_ROOT).parts[0]
+
+
+def test_the_walk_sees_every_folder() -> None:
+    folders = {_folder_of(path) for path in _source_files()}
+    assert folders == set(PACKAGE_OF_FOLDER)
+
+
+def test_module_names_follow_the_package_dir_mapping() -> None:
+    assert _module_name(REPO_ROOT / "scheduler" / "engine.py") == "pagedserve.scheduler.engine"
+    assert _module_name(REPO_ROOT / "worker" / "models" / "__init__.py") == "pagedserve.worker.models"
+    assert _module_name(REPO_ROOT / "pagedserve" / "plan_codec.py") == "pagedserve.plan_codec"
+
+
+def test_every_import_form_is_seen() -> None:
+    source = ("import pagedserve.worker.sampler\n"
+              "from pagedserve import scheduler\n"
+              "from ..kernels import ops\n"
+              "from . import readiness\n"
+              "def lazy():\n"
+              "    from .models.llama import LlamaForCausalLM\n")
+    modules = [module for _, module in imported_modules(source, "pagedserve.frontend")]
+    assert modules == ["pagedserve.worker.sampler", "pagedserve.scheduler", "pagedserve.kernels.ops",
+                       "pagedserve.frontend.readiness", "pagedserve.frontend.models.llama.LlamaForCausalLM"]
+    assert [_process_folder_of(module) for module in modules] == ["worker", "scheduler", "kernels",
+                                                                   "frontend", "frontend"]
+
+
+def test_no_process_imports_another_process() -> None:
+    violations = []
+    for path in _source_files():
+        folder = _folder_of(path)
+        rel = path.relative_to(REPO_ROOT).as_posix()
+        for line, module in _imports_of(path):
+            target = _process_folder_of(module)
+            if target is None or target == folder or target in MAY_IMPORT[folder]:
+                continue
+            if (rel, target) in KNOWN_EXCEPTIONS:
+                continue
+            violations.append(f"{rel}:{line} imports {module}")
+    assert not violations, "imports across process folders:\n" + "\n".join(violations)
+
+
+def test_frontend_and_scheduler_code_never_imports_torch() -> None:
+    violations = []
+    for path in _source_files():
+        if _folder_of(path) not in TORCH_FREE:
+            continue
+        for line, module in _imports_of(path):
+            if module.split(".")[0] in ("torch", "triton"):
+                violations.append(f"{path.relative_to(REPO_ROOT)}:{line} imports {module}")
+    assert not violations, "\n".join(violations)
+
+
+@pytest.mark.parametrize("folder", TORCH_FREE)
+def test_loading_frontend_or_scheduler_leaves_torch_out(folder: str) -> None:
+    modules = sorted(_module_name(path) for path in (REPO_ROOT / folder).rglob("*.py"))
+    script = (
+        "import importlib, sys\n"
+        f"for name in {modules!r}:\n"
+        "    importlib.import_module(name)\n"
+        "print(sorted({name.split('.')[0] for name in sys.modules} & {'torch', 'triton'}))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", f"importing {folder}/ loaded {result.stdout.strip()}"
