@@ -19,6 +19,13 @@ class Draining(RuntimeError):
     """The frontend is shutting down and takes no new requests."""
 
 
+class RequestCut(RuntimeError):
+    """The drain's time ran out and `cut()` ended this request (the client should retry elsewhere)."""
+
+    def __init__(self) -> None:
+        super().__init__("the frontend shut down before the request finished; retry on another instance")
+
+
 class Cancellable(Protocol):
     def cancel(self) -> None: ...
 

@@ -3,6 +3,8 @@
 `pagedserve_requests_total{finish_reason}` counts finished requests by the finish reason of their
 first completion (`length`, `stop`, `stop_sequence`), plus `abort` (the client cancelled or its
 deadline passed), `rejected` (INVALID_ARGUMENT, RESOURCE_EXHAUSTED) and `error` (anything else).
+Every metric has a `protocol` label, `grpc` or `http` (the OpenAI-compatible API), the public
+surface the request came in on.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
 FINISH_LABELS = ("length", "stop", "stop_sequence", "abort", "rejected", "error")
+PROTOCOLS = ("grpc", "http")
 
 
 class FrontendMetrics:
@@ -23,23 +26,28 @@ class FrontendMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.time_to_first_token = Histogram(
             "pagedserve_time_to_first_token_seconds", "Time from request arrival to its first token.",
-            buckets=_LATENCY_BUCKETS, registry=self.registry)
+            ["protocol"], buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.inter_token_latency = Histogram(
             "pagedserve_inter_token_latency_seconds", "Time between successive token outputs of a request.",
-            buckets=_ITL_BUCKETS, registry=self.registry)
+            ["protocol"], buckets=_ITL_BUCKETS, registry=self.registry)
         self.request_latency = Histogram(
             "pagedserve_request_latency_seconds", "Time from request arrival to its end.",
-            buckets=_LATENCY_BUCKETS, registry=self.registry)
+            ["protocol"], buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.requests = Counter(
-            "pagedserve_requests", "Finished requests by finish reason.", ["finish_reason"],
+            "pagedserve_requests", "Finished requests by finish reason.", ["finish_reason", "protocol"],
             registry=self.registry)
         self.prompt_tokens = Counter(
             "pagedserve_prompt_tokens", "Prompt tokens of requests the scheduler accepted.",
-            registry=self.registry)
+            ["protocol"], registry=self.registry)
         self.generation_tokens = Counter(
-            "pagedserve_generation_tokens", "Tokens generated and returned to clients.", registry=self.registry)
-        for label in FINISH_LABELS:
-            self.requests.labels(finish_reason=label)
+            "pagedserve_generation_tokens", "Tokens generated and returned to clients.", ["protocol"],
+            registry=self.registry)
+        for protocol in PROTOCOLS:
+            for metric in (self.time_to_first_token, self.inter_token_latency, self.request_latency,
+                           self.prompt_tokens, self.generation_tokens):
+                metric.labels(protocol=protocol)
+            for label in FINISH_LABELS:
+                self.requests.labels(finish_reason=label, protocol=protocol)
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
         """Starts the /metrics HTTP endpoint in a daemon thread; returns the bound port (0 picks one)."""
@@ -53,21 +61,28 @@ class FrontendMetrics:
             server.shutdown()
             server.server_close()
 
-    def start_request(self) -> RequestTimer:
-        return RequestTimer(self)
+    def start_request(self, protocol: str) -> RequestTimer:
+        """A timer for a request that arrived now over `protocol` ("grpc" or "http")."""
+        return RequestTimer(self, protocol)
 
 
 class RequestTimer:
     """Times one request: first token, gaps between token outputs, whole latency."""
 
-    def __init__(self, metrics: FrontendMetrics) -> None:
+    def __init__(self, metrics: FrontendMetrics, protocol: str) -> None:
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {PROTOCOLS}, not {protocol!r}")
         self._metrics = metrics
+        self._protocol = protocol
+        self._time_to_first_token = metrics.time_to_first_token.labels(protocol=protocol)
+        self._inter_token_latency = metrics.inter_token_latency.labels(protocol=protocol)
+        self._generation_tokens = metrics.generation_tokens.labels(protocol=protocol)
         self._arrival = time.monotonic()
         self._last_token_time: float | None = None
         self._is_done = False
 
     def on_accepted(self, num_prompt_tokens: int) -> None:
-        self._metrics.prompt_tokens.inc(num_prompt_tokens)
+        self._metrics.prompt_tokens.labels(protocol=self._protocol).inc(num_prompt_tokens)
 
     def on_tokens(self, num_tokens: int) -> None:
         """One scheduler output carried `num_tokens` new tokens (over all completions)."""
@@ -75,11 +90,11 @@ class RequestTimer:
             return
         now = time.monotonic()
         if self._last_token_time is None:
-            self._metrics.time_to_first_token.observe(now - self._arrival)
+            self._time_to_first_token.observe(now - self._arrival)
         else:
-            self._metrics.inter_token_latency.observe(now - self._last_token_time)
+            self._inter_token_latency.observe(now - self._last_token_time)
         self._last_token_time = now
-        self._metrics.generation_tokens.inc(num_tokens)
+        self._generation_tokens.inc(num_tokens)
 
     @property
     def is_running(self) -> bool:
@@ -92,5 +107,5 @@ class RequestTimer:
             return
         self._is_done = True
         label = finish_label if finish_label in FINISH_LABELS else "error"
-        self._metrics.requests.labels(finish_reason=label).inc()
-        self._metrics.request_latency.observe(time.monotonic() - self._arrival)
+        self._metrics.requests.labels(finish_reason=label, protocol=self._protocol).inc()
+        self._metrics.request_latency.labels(protocol=self._protocol).observe(time.monotonic() - self._arrival)

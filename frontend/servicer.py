@@ -24,20 +24,17 @@ from __future__ import annotations
 import grpc
 import structlog
 
-from pagedserve.frontend.completion_state import SchedulerAbortedCompletion
-from pagedserve.frontend.drain import Draining, InFlight
-from pagedserve.frontend.generation import Generation, Usage
+from pagedserve.frontend.admission import Admission
+from pagedserve.frontend.drain import InFlight
+from pagedserve.frontend.generation import Generation
 from pagedserve.frontend.metrics import FrontendMetrics, RequestTimer
-from pagedserve.frontend.public_codec import finish_label, stream_message, whole_response
+from pagedserve.frontend.public_codec import stream_message, whole_response
 from pagedserve.frontend.readiness import GENERATION_SERVICE, ReadinessMonitor
 from pagedserve.frontend.request_decoding import UndecodableRequest, lenient_deserializer
-from pagedserve.frontend.scheduler_client import (
-    SchedulerBusy, SchedulerClient, SchedulerError, SchedulerRejected, SchedulerTimeout,
-    SchedulerUnavailable, SubmitCancelled,
-)
+from pagedserve.frontend.request_errors import ErrorKind, classify
+from pagedserve.frontend.scheduler_client import SchedulerClient, SchedulerError, SubmitCancelled
 from pagedserve.frontend.tokenizer import Tokenizer
-from pagedserve.frontend.validation import ModelLimits, validate_request
-from pagedserve.sampling_params import InvalidParameter
+from pagedserve.frontend.validation import validate_request
 from pagedserve.v1 import generation_pb2
 
 log = structlog.get_logger()
@@ -46,6 +43,15 @@ NO_DEADLINE_S = 1e6  # time_remaining() above this means the client set no deadl
 # a little before its own copy of the deadline: a call cancelled this close to it timed out.
 DEADLINE_SLACK_S = 0.25
 REQUEST_ID_METADATA = "x-request-id"
+PROTOCOL = "grpc"  # the `protocol` label of the frontend metrics
+
+_CODE_OF_KIND = {
+    ErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.BUSY: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorKind.TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
+    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
+}
 
 
 class _StatusError(Exception):
@@ -58,22 +64,8 @@ class _StatusError(Exception):
 def _status_for(exc: Exception) -> _StatusError:
     if isinstance(exc, _StatusError):
         return exc
-    if isinstance(exc, (InvalidParameter, SchedulerRejected)):
-        return _StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), "rejected")
-    if isinstance(exc, SchedulerBusy):
-        return _StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), "rejected")
-    if isinstance(exc, SchedulerUnavailable):
-        return _StatusError(grpc.StatusCode.UNAVAILABLE, str(exc), "error")
-    if isinstance(exc, Draining):
-        return _StatusError(grpc.StatusCode.UNAVAILABLE, str(exc), "rejected")
-    if isinstance(exc, SchedulerAbortedCompletion):
-        return _StatusError(grpc.StatusCode.UNAVAILABLE, f"{exc} (it may be draining)", "error")
-    if isinstance(exc, SchedulerTimeout):
-        return _StatusError(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed before the request finished",
-                            "abort")
-    if isinstance(exc, SchedulerError):
-        return _StatusError(grpc.StatusCode.INTERNAL, str(exc), "error")
-    return _StatusError(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}", "error")
+    error = classify(exc)
+    return _StatusError(_CODE_OF_KIND[error.kind], error.message, error.metrics_label)
 
 
 class GenerationServicer:
@@ -83,12 +75,12 @@ class GenerationServicer:
                  metrics: FrontendMetrics, in_flight: InFlight | None = None) -> None:
         self._tokenizer = tokenizer
         self._client = client
-        self._readiness = readiness
         self._metrics = metrics
         self.in_flight = in_flight if in_flight is not None else InFlight()
+        self._admission = Admission(tokenizer, client, readiness, self.in_flight)
 
     def Generate(self, request, context) -> generation_pb2.GenerateResponse:
-        timer = self._metrics.start_request()
+        timer = self._metrics.start_request(PROTOCOL)
         generation = None
         try:
             generation = self._start(request, context, timer)
@@ -96,17 +88,17 @@ class GenerationServicer:
                 usage = None
                 for update in generation.run():
                     usage = update.usage or usage
-                self._finished(generation, timer, usage)
+                self._admission.finished(generation, timer, usage)
                 context.send_initial_metadata(((REQUEST_ID_METADATA, generation.request.request_id),))
                 return whole_response(generation.request.request_id, generation.states, usage)
         except Exception as exc:  # every failure becomes a status code
             self._fail(exc, request, context, timer, generation)
         finally:
             if generation is not None:
-                self.in_flight.leave(generation)
+                self._admission.leave(generation)
 
     def GenerateStream(self, request, context):
-        timer = self._metrics.start_request()
+        timer = self._metrics.start_request(PROTOCOL)
         generation = None
         try:
             generation = self._start(request, context, timer)
@@ -115,7 +107,7 @@ class GenerationServicer:
                 is_first = True
                 for update in generation.run():
                     if update.usage is not None:
-                        self._finished(generation, timer, update.usage)
+                        self._admission.finished(generation, timer, update.usage)
                     if is_first:
                         context.send_initial_metadata(((REQUEST_ID_METADATA, request_id),))
                         is_first = False
@@ -130,7 +122,7 @@ class GenerationServicer:
         finally:
             timer.on_done("abort")  # counts only when the stream was closed early (client gone)
             if generation is not None:
-                self.in_flight.leave(generation)
+                self._admission.leave(generation)
 
     def Tokenize(self, request, context) -> generation_pb2.TokenizeResponse:
         if isinstance(request, UndecodableRequest):
@@ -152,26 +144,15 @@ class GenerationServicer:
     def _start(self, request, context, timer: RequestTimer) -> Generation:
         if isinstance(request, UndecodableRequest):
             raise _StatusError(grpc.StatusCode.INVALID_ARGUMENT, request.message, "rejected")
-        if self.in_flight.is_draining:
-            raise Draining("the frontend is shutting down; retry on another instance")
+        limits = self._admission.limits()
         if not request.request_id:
             request.request_id = _metadata_request_id(context)
-        info = self._readiness.require_ready()
-        limits = ModelLimits(max_model_len=info.max_model_len, vocab_size=info.vocab_size or self._tokenizer.vocab_size)
         validated = validate_request(request, self._tokenizer, limits)
         remaining = context.time_remaining()
         timeout = remaining if remaining is not None and remaining < NO_DEADLINE_S else None
-        generation = Generation(validated, self._client, self._tokenizer, timer, timeout=timeout)
-        self.in_flight.enter(generation)
+        generation = self._admission.start(validated, timer, timeout=timeout)
         context.add_callback(generation.cancel)
         return generation
-
-    @staticmethod
-    def _finished(generation: Generation, timer: RequestTimer, usage: Usage) -> None:
-        label = finish_label(generation.states)
-        timer.on_done(label)
-        log.info("request_finished", finish_reason=label, prompt_tokens=usage.prompt_tokens,
-                 completion_tokens=usage.completion_tokens, cached_prompt_tokens=usage.cached_prompt_tokens)
 
     def _fail(self, exc: Exception, request, context, timer: RequestTimer, generation: Generation | None) -> None:
         request_id = generation.request.request_id if generation is not None else ""
@@ -179,7 +160,7 @@ class GenerationServicer:
             request_id = request.request_id
         if request_id:
             context.set_trailing_metadata(((REQUEST_ID_METADATA, request_id),))
-        if generation is not None and self.in_flight.was_cut(generation):
+        if generation is not None and self._admission.was_cut(generation):
             timer.on_done("error")
             log.info("request_cut_by_drain", request_id=request_id)
             context.abort(grpc.StatusCode.UNAVAILABLE, "the frontend shut down before the request finished; "

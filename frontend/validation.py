@@ -60,29 +60,48 @@ def sampling_params_from_proto(msg: generation_pb2.SamplingParams) -> SamplingPa
 
 def validate_request(msg: generation_pb2.GenerateRequest, encoder: Encoder, limits: ModelLimits) -> ValidatedRequest:
     """Checks every field and tokenizes a text prompt; raises InvalidParameter naming the field."""
-    request_id = _request_id(msg.request_id)
+    request_id = request_id_or_new(msg.request_id)
     params = sampling_params_from_proto(msg.params)
     params.validate(vocab_size=limits.vocab_size)
     prompt_field, prompt_token_ids = _prompt(msg, encoder, limits.vocab_size)
-    num_prompt_tokens = len(prompt_token_ids)
+    defaulted = " (max_tokens 0 means 16)" if msg.params.max_tokens == 0 else ""
+    return validate_lengths(ValidatedRequest(request_id, prompt_token_ids, params), limits, prompt_field,
+                            max_tokens_field="max_tokens", max_tokens_note=defaulted)
+
+
+def validate_lengths(request: ValidatedRequest, limits: ModelLimits, prompt_field: str, *,
+                     max_tokens_field: str = "max_tokens", max_tokens_note: str = "") -> ValidatedRequest:
+    """Checks that prompt and completion fit max_model_len (the parameters are validated already);
+    returns `request`. The field names are the ones the client used (they differ by protocol)."""
+    num_prompt_tokens = len(request.prompt_token_ids)
     if num_prompt_tokens >= limits.max_model_len:
         raise InvalidParameter(
             prompt_field,
             f"the prompt has {num_prompt_tokens} tokens; max_model_len is {limits.max_model_len} "
             "(prompt and completion together)",
         )
-    if num_prompt_tokens + params.max_tokens > limits.max_model_len:
-        defaulted = " (max_tokens 0 means 16)" if msg.params.max_tokens == 0 else ""
+    max_tokens = request.params.max_tokens
+    if num_prompt_tokens + max_tokens > limits.max_model_len:
         raise InvalidParameter(
-            "max_tokens",
-            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}){defaulted} exceeds "
+            max_tokens_field,
+            f"prompt ({num_prompt_tokens} tokens) + {max_tokens_field} ({max_tokens}){max_tokens_note} exceeds "
             f"max_model_len {limits.max_model_len}; at most {limits.max_model_len - num_prompt_tokens} "
             "tokens can be generated",
         )
-    return ValidatedRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, params=params)
+    return request
 
 
-def _request_id(client_id: str) -> str:
+def check_token_ids(field_name: str, token_ids: list[int], vocab_size: int) -> None:
+    """Raises InvalidParameter when a prompt token id is outside the vocabulary."""
+    for position, token_id in enumerate(token_ids):
+        if not 0 <= token_id < vocab_size:
+            raise InvalidParameter(
+                field_name,
+                f"token id {token_id} at position {position} is outside the vocabulary (size {vocab_size})",
+            )
+
+
+def request_id_or_new(client_id: str) -> str:
     """The client's id (it must be unique among running requests), or a fresh one."""
     if not client_id:
         return uuid.uuid4().hex
@@ -106,10 +125,5 @@ def _prompt(msg: generation_pb2.GenerateRequest, encoder: Encoder, vocab_size: i
     token_ids = list(msg.prompt_token_ids.ids)
     if not token_ids:
         raise InvalidParameter("prompt_token_ids", "must not be empty")
-    for position, token_id in enumerate(token_ids):
-        if token_id >= vocab_size:
-            raise InvalidParameter(
-                "prompt_token_ids",
-                f"token id {token_id} at position {position} is outside the vocabulary (size {vocab_size})",
-            )
+    check_token_ids("prompt_token_ids", token_ids, vocab_size)
     return "prompt_token_ids", token_ids

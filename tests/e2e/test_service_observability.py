@@ -42,7 +42,8 @@ def test_pinned_metrics_and_latency_histograms(service_server):
     names = {name for name, _ in frontend}
     assert set(FRONTEND_METRICS) <= names, set(FRONTEND_METRICS) - names
 
-    def delta(name: str, **labels) -> float:
+    def delta(name: str, **labels) -> float:  # of the gRPC requests: the metrics tell protocols apart
+        labels["protocol"] = "grpc"
         return _value(frontend, name, **labels) - _value(frontend_before, name, **labels)
 
     assert delta("pagedserve_time_to_first_token_seconds_count") == 1

@@ -301,9 +301,9 @@ def test_metrics_use_the_pinned_names(stub, fake, tokenizer, frontend):
         assert name in body, name
     values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in body.splitlines()
               if line and not line.startswith("#")}
-    assert values['pagedserve_requests_total{finish_reason="length"}'] >= 1
-    assert values["pagedserve_generation_tokens_total"] >= 5
-    assert values["pagedserve_inter_token_latency_seconds_count"] >= 4
+    assert values['pagedserve_requests_total{finish_reason="length",protocol="grpc"}'] >= 1
+    assert values['pagedserve_generation_tokens_total{protocol="grpc"}'] >= 5
+    assert values['pagedserve_inter_token_latency_seconds_count{protocol="grpc"}'] >= 4
 
 
 def test_generate_cli_streams_text(frontend, fake, tokenizer):

@@ -1,0 +1,71 @@
+"""Where every public request, gRPC or HTTP, is admitted, started and ended.
+
+```
+ limits()  refuses while draining (Draining) or while the scheduler is not ready
+           (SchedulerUnavailable); else the model limits a request is validated against
+ start()   a validated request -> Generation, registered in flight (a drain waits for it, a cut
+           cancels it)
+ leave()   unregisters it (after its scheduler stream has closed)
+ finished() records the end in the metrics and logs `request_finished`
+```
+
+The protocol handlers only convert their requests and responses; admission, back-pressure
+(the scheduler's RESOURCE_EXHAUSTED surfaces while the Generation runs), cancellation and the
+drain work the same for both.
+"""
+
+from __future__ import annotations
+
+import structlog
+
+from pagedserve.frontend.drain import Draining, InFlight
+from pagedserve.frontend.generation import Generation, Usage
+from pagedserve.frontend.metrics import RequestTimer
+from pagedserve.frontend.public_codec import finish_label
+from pagedserve.frontend.readiness import ReadinessMonitor
+from pagedserve.frontend.scheduler_client import SchedulerClient
+from pagedserve.frontend.tokenizer import Tokenizer
+from pagedserve.frontend.validation import ModelLimits, ValidatedRequest
+
+log = structlog.get_logger()
+
+
+class Admission:
+    def __init__(self, tokenizer: Tokenizer, client: SchedulerClient, readiness: ReadinessMonitor,
+                 in_flight: InFlight) -> None:
+        self.tokenizer = tokenizer
+        self.client = client
+        self.readiness = readiness
+        self.in_flight = in_flight
+
+    @property
+    def is_serving(self) -> bool:
+        """Ready for requests: the scheduler is ready and this frontend is not draining."""
+        return not self.in_flight.is_draining and self.readiness.is_ready
+
+    def limits(self) -> ModelLimits:
+        """The model's limits, when requests are taken; raises Draining or SchedulerUnavailable."""
+        if self.in_flight.is_draining:
+            raise Draining("the frontend is shutting down; retry on another instance")
+        info = self.readiness.require_ready()
+        return ModelLimits(max_model_len=info.max_model_len, vocab_size=info.vocab_size or self.tokenizer.vocab_size)
+
+    def start(self, request: ValidatedRequest, timer: RequestTimer, timeout: float | None = None) -> Generation:
+        """A Generation for the request, registered in flight (raises Draining once draining)."""
+        generation = Generation(request, self.client, self.tokenizer, timer, timeout=timeout)
+        self.in_flight.enter(generation)
+        return generation
+
+    def leave(self, generation: Generation) -> None:
+        self.in_flight.leave(generation)
+
+    def was_cut(self, generation: Generation) -> bool:
+        return self.in_flight.was_cut(generation)
+
+    @staticmethod
+    def finished(generation: Generation, timer: RequestTimer, usage: Usage) -> None:
+        """Records a request that ran to its end (metrics label: its first completion's finish)."""
+        label = finish_label(generation.states)
+        timer.on_done(label)
+        log.info("request_finished", finish_reason=label, prompt_tokens=usage.prompt_tokens,
+                 completion_tokens=usage.completion_tokens, cached_prompt_tokens=usage.cached_prompt_tokens)
