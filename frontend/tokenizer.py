@@ -50,10 +50,28 @@ class Tokenizer:
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.info.eos_token_ids
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, with BOS (and EOS) added when the tokenizer's config says so."""
+    @property
+    def chat_template(self) -> str | None:
+        """The checkpoint's own chat template (tokenizer_config.json), or None."""
+        template = getattr(self._hf, "chat_template", None)
+        return template if isinstance(template, str) and template else None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, with BOS (and EOS) added when the tokenizer's config says so, unless
+        `add_special_tokens` is False (a rendered chat template holds its special tokens already)."""
         # verbose=False: over-long prompts are refused by validation, not warned about on stderr.
-        return list(self._hf.encode(text, add_special_tokens=True, verbose=False))
+        return list(self._hf.encode(text, add_special_tokens=add_special_tokens, verbose=False))
+
+    def render_chat(self, messages: list[dict], template: str, add_generation_prompt: bool) -> str:
+        """The chat `messages` rendered by the Jinja `template` as transformers renders it (the
+        same variables: bos_token, eos_token, raise_exception …); template errors propagate."""
+        return self._hf.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                            add_generation_prompt=add_generation_prompt)
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token alone, special tokens included (for logprobs); a token that is
+        part of a multi-byte character decodes to U+FFFD."""
+        return self._hf.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of `token_ids`, special tokens skipped; ids the tokenizer does not know decode to ''."""

@@ -69,6 +69,14 @@ def build_demo_model(folder: Path) -> Path:
     return folder
 
 
+def served_model_name(model_path: str | Path) -> str:
+    """The name clients use for a checkpoint: `demo` for the demo, else its folder or file name."""
+    path = Path(model_path)
+    if path.expanduser().resolve() == demo_path().expanduser().resolve():
+        return DEMO_NAME
+    return path.name or str(path)
+
+
 def resolve_model(model: str) -> Path:
     """Maps `demo` to the built-in checkpoint and anything else to an existing folder."""
     if model == DEMO_NAME:
