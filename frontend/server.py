@@ -26,11 +26,11 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from pagedserve.frontend.drain import InFlight
 from pagedserve.frontend.metrics import FrontendMetrics
 from pagedserve.frontend.readiness import DEFAULT_POLL_INTERVAL_S, GENERATION_SERVICE, ReadinessMonitor
+from pagedserve.frontend.reflection import enable_reflection
 from pagedserve.frontend.scheduler_client import SchedulerClient
 from pagedserve.frontend.servicer import GenerationServicer, generation_rpc_handler
 from pagedserve.frontend.tokenizer import TokenizerLoadError, load_tokenizer
@@ -107,7 +107,7 @@ def serve_frontend(model_path: str | Path, scheduler_address: str, host: str = "
                          options=options, maximum_concurrent_rpcs=max_concurrent_rpcs)
     server.add_generic_rpc_handlers((generation_rpc_handler(servicer),))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    enable_reflection((GENERATION_SERVICE, health.SERVICE_NAME), server)
     try:
         if credentials is None:
             bound_port = server.add_insecure_port(f"{host}:{port}")

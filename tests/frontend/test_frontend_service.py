@@ -282,6 +282,19 @@ def test_reflection_lists_the_services(channel, frontend):
     assert {"pagedserve.v1.Generation", "grpc.health.v1.Health"} <= names
 
 
+@pytest.mark.parametrize("package", ["grpc.reflection.v1alpha", "grpc.reflection.v1"])
+def test_reflection_answers_under_v1_and_v1alpha(channel, frontend, package):
+    """grpcurl and Postman ask v1 first; the messages are the same on the wire."""
+    call = channel.stream_stream(f"/{package}.ServerReflection/ServerReflectionInfo",
+                                 request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                                 response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+    requests = [reflection_pb2.ServerReflectionRequest(list_services=""),
+                reflection_pb2.ServerReflectionRequest(file_containing_symbol="pagedserve.v1.Generation")]
+    listed, described = list(call(iter(requests), timeout=5))
+    assert "pagedserve.v1.Generation" in {service.name for service in listed.list_services_response.service}
+    assert described.file_descriptor_response.file_descriptor_proto
+
+
 def test_tokenize_and_model_info(stub, fake, tokenizer):
     assert list(stub.Tokenize(pb.TokenizeRequest(text="the lamp"), timeout=5).token_ids) == tokenizer.encode("the lamp")
     info = stub.ModelInfo(pb.ModelInfoRequest(), timeout=5)
