@@ -6,8 +6,8 @@ present a certificate signed by that CA, or the handshake fails.
 
 Keepalive: the server pings a connection idle for `keepalive_time_s` and closes it when no answer
 comes within `keepalive_timeout_s`, so a client whose host vanished has its requests cancelled
-(and aborted in the scheduler). Clients may ping too, down to every MIN_CLIENT_PING_INTERVAL_S,
-also without calls in flight.
+(and aborted in the scheduler). Clients may ping too (pagedserve.grpc_options has the option list
+and the defaults, shared with the scheduler's internal port).
 """
 
 from __future__ import annotations
@@ -17,10 +17,8 @@ from pathlib import Path
 
 import grpc
 
-DEFAULT_MAX_MESSAGE_BYTES = 64 * 2**20
-DEFAULT_KEEPALIVE_TIME_S = 60.0
-DEFAULT_KEEPALIVE_TIMEOUT_S = 20.0
-MIN_CLIENT_PING_INTERVAL_S = 5.0
+from pagedserve import grpc_options
+from pagedserve.grpc_options import DEFAULT_KEEPALIVE_TIME_S, DEFAULT_KEEPALIVE_TIMEOUT_S, MAX_MESSAGE_BYTES
 
 
 class TransportConfigError(ValueError):
@@ -29,7 +27,7 @@ class TransportConfigError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class TransportConfig:
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_message_bytes: int = MAX_MESSAGE_BYTES
     keepalive_time_s: float = DEFAULT_KEEPALIVE_TIME_S
     keepalive_timeout_s: float = DEFAULT_KEEPALIVE_TIMEOUT_S
     tls_cert_file: str | None = None  # PEM certificate chain of this server
@@ -55,15 +53,9 @@ class TransportConfig:
         return bool(self.tls_client_ca_file)
 
     def server_options(self) -> list[tuple[str, int]]:
-        return [
-            ("grpc.max_receive_message_length", self.max_message_bytes),
-            ("grpc.max_send_message_length", self.max_message_bytes),
-            ("grpc.keepalive_time_ms", int(self.keepalive_time_s * 1000)),
-            ("grpc.keepalive_timeout_ms", int(self.keepalive_timeout_s * 1000)),
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.min_ping_interval_without_data_ms", int(MIN_CLIENT_PING_INTERVAL_S * 1000)),
-            ("grpc.http2.max_pings_without_data", 0),
-        ]
+        return grpc_options.server_options(max_message_bytes=self.max_message_bytes,
+                                           keepalive_time_s=self.keepalive_time_s,
+                                           keepalive_timeout_s=self.keepalive_timeout_s)
 
     def server_credentials(self) -> grpc.ServerCredentials | None:
         """TLS credentials for the port, or None for plaintext."""

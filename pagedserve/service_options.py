@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import argparse
 
-from pagedserve.frontend.transport import (
-    DEFAULT_KEEPALIVE_TIME_S, DEFAULT_KEEPALIVE_TIMEOUT_S, DEFAULT_MAX_MESSAGE_BYTES, TransportConfig,
+from pagedserve.grpc_options import (
+    DEFAULT_KEEPALIVE_TIME_S, DEFAULT_KEEPALIVE_TIMEOUT_S, DEFAULT_SHUTDOWN_TIMEOUT_S, MAX_MESSAGE_BYTES,
 )
 
-DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 DEFAULT_MAX_WAITING_TOKENS = 1 << 20
 DEFAULT_MAX_CONCURRENT_RPCS = 512
 
@@ -43,7 +42,7 @@ def add_waiting_tokens_arg(parser: argparse.ArgumentParser) -> None:
 
 def add_transport_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("public port transport")
-    group.add_argument("--max-message-size", type=int, default=DEFAULT_MAX_MESSAGE_BYTES, metavar="BYTES",
+    group.add_argument("--max-message-size", type=int, default=MAX_MESSAGE_BYTES, metavar="BYTES",
                        help="largest request or response message")
     group.add_argument("--keepalive-time", type=float, default=DEFAULT_KEEPALIVE_TIME_S, metavar="S",
                        help="ping a connection idle this long")
@@ -57,7 +56,9 @@ def add_transport_args(parser: argparse.ArgumentParser) -> None:
                        help="mutual TLS: require client certificates signed by this CA")
 
 
-def transport_from_args(args) -> TransportConfig:
+def transport_from_args(args):
+    from pagedserve.frontend.transport import TransportConfig
+
     return TransportConfig(max_message_bytes=args.max_message_size, keepalive_time_s=args.keepalive_time,
                            keepalive_timeout_s=args.keepalive_timeout, tls_cert_file=args.tls_cert,
                            tls_key_file=args.tls_key, tls_client_ca_file=args.tls_client_ca)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
+from pagedserve.grpc_options import DEFAULT_SHUTDOWN_TIMEOUT_S, INTERNAL_SERVER_OPTIONS
 from pagedserve.internal import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.log import configure_logging
 from pagedserve.model_config import ModelInfo, load_model_info
@@ -36,20 +37,8 @@ from pagedserve.scheduler.metrics import SchedulerMetrics
 from pagedserve.scheduler.outputs import Request, RequestOutput
 from pagedserve.scheduler.sampling_codec import output_to_proto, sampling_from_proto
 from pagedserve.scheduler.worker_link import WorkerLink
-from pagedserve.service_options import DEFAULT_SHUTDOWN_TIMEOUT_S
 
-MAX_MESSAGE_BYTES = 64 * 2**20
 DRAIN_POLL_S = 0.05
-# Pings to frontends find a connection whose peer vanished without closing it (host lost).
-_SERVER_OPTIONS = (
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-    ("grpc.http2.max_pings_without_data", 0),
-)
 
 
 @dataclass(slots=True)
@@ -254,7 +243,7 @@ async def _serve(config: SchedulerServerConfig, engine_config: EngineConfig, mod
                       heartbeat_timeout=config.heartbeat_timeout)
     engine = Engine(engine_config, link, on_step=on_step, dispatch=loop_dispatch(asyncio.get_running_loop()))
     engine.start()
-    server = grpc.aio.server(options=list(_SERVER_OPTIONS))
+    server = grpc.aio.server(options=INTERNAL_SERVER_OPTIONS)
     servicer = SchedulerServicer(engine, model, config.tensor_parallel_size, metrics)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     bound = server.add_insecure_port(f"{config.host}:{config.port}")
