@@ -132,7 +132,7 @@ def engine_config_from_args(args, max_position_embeddings: int):
 
 
 def _run_scheduler(args) -> int:
-    from pagedserve.demo import resolve_model
+    from pagedserve.models.resolve import resolve_model
     from pagedserve.model_config import load_model_info
     from pagedserve.scheduler.server import SchedulerServerConfig, run_scheduler
 
@@ -147,7 +147,7 @@ def _run_scheduler(args) -> int:
 
 
 def _run_worker(args) -> int:
-    from pagedserve.demo import resolve_model
+    from pagedserve.models.resolve import resolve_model
     from pagedserve.worker.process import WorkerConfig, run_worker
 
     config = WorkerConfig(
@@ -161,7 +161,7 @@ def _run_worker(args) -> int:
 
 
 def _run_frontend(args) -> int:
-    from pagedserve.demo import resolve_model
+    from pagedserve.models.resolve import resolve_model
     from pagedserve.frontend.server import run_frontend
 
     return run_frontend(model_path=str(resolve_model(args.model)),

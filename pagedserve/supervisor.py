@@ -75,7 +75,7 @@ class ServeConfig:
 
     @classmethod
     def from_args(cls, args) -> "ServeConfig":
-        from pagedserve.demo import resolve_model
+        from pagedserve.models.resolve import resolve_model
 
         model = str(resolve_model(args.model))
         scheduler_port = args.scheduler_port or free_port()

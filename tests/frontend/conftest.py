@@ -8,7 +8,7 @@ import pytest
 
 from fake_scheduler import FakeSchedulerServer
 
-from pagedserve.tiny_tokenizer import build_tokenizer
+from pagedserve.models.tiny_tokenizer import build_tokenizer
 
 VOCAB_SIZE = 512
 
