@@ -19,7 +19,7 @@ class SchedulerConfig:
     prefill; only their ratio decides. The defaults are measured for the demo model
     (`--model demo`) on the CPU, one torch thread on a 2-core host, by
     `python bench/memory.py --parts swap` (medians over groups of 64-2048 tokens and over six
-    runs; docs/memory.md). A swap is a memory copy there, cheaper per block than recomputing one
+    runs; README "Memory", "Swap versus recompute" has the tables). A swap is a memory copy there, cheaper per block than recomputing one
     token, so "auto" swaps unless most of a group's blocks are also held by other requests. A 7B
     model on a PCIe 4 GPU is nearer 6.5e-4 s per block and 7.0e-5 s per token (recomputing groups
     of up to 18 tokens); measure and override them per deployment.
