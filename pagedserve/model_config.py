@@ -50,7 +50,7 @@ class ModelInfo:
     num_kv_heads: int
     head_size: int
     hidden_size: int
-    intermediate_size: int
+    intermediate_size: int | None = None  # the MLP's (only the worker needs it)
     rms_norm_eps: float = 1e-6
     hidden_act: str = "silu"
     tie_word_embeddings: bool = False
@@ -117,7 +117,7 @@ def model_info_from_dict(config: dict, *, folder: Path | None = None,
             num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
             head_size=int(config.get("head_dim") or hidden_size // num_heads),
             hidden_size=hidden_size,
-            intermediate_size=int(config["intermediate_size"]),
+            intermediate_size=int(config["intermediate_size"]) if "intermediate_size" in config else None,
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             hidden_act=str(config.get("hidden_act", "silu")),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),

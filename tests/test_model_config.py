@@ -55,7 +55,7 @@ def test_folder_adds_generation_eos_ids_and_names_missing_keys(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
     info = load_model_info(tmp_path)
     assert (info.name, info.eos_token_ids, info.max_position_embeddings) == (tmp_path.name, [2, 7], 2048)
-    with pytest.raises(ModelConfigError, match="lacks 'intermediate_size'"):
-        model_info_from_dict({key: value for key, value in config.items() if key != "intermediate_size"})
+    with pytest.raises(ModelConfigError, match="lacks 'num_hidden_layers'"):
+        model_info_from_dict({key: value for key, value in config.items() if key != "num_hidden_layers"})
     with pytest.raises(ModelConfigError, match="no config.json"):
         load_model_info(tmp_path / "missing")

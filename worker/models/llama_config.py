@@ -63,6 +63,8 @@ class LlamaModelConfig:
     def from_model_info(cls, info: ModelInfo) -> "LlamaModelConfig":
         if info.hidden_act != "silu":
             raise ModelConfigError(f"hidden_act {info.hidden_act!r} is not supported (only 'silu')")
+        if info.intermediate_size is None:
+            raise ModelConfigError("config.json lacks 'intermediate_size'")
         try:
             rope = RopeConfig.from_hf_config(info.hf_config, info.head_size)
         except RopeConfigError as error:
