@@ -18,31 +18,41 @@ from pathlib import Path
 import grpc
 
 from pagedserve import grpc_options
+from pagedserve.config_flags import ConfigError, option
 from pagedserve.grpc_options import DEFAULT_KEEPALIVE_TIME_S, DEFAULT_KEEPALIVE_TIMEOUT_S, MAX_MESSAGE_BYTES
 
 
-class TransportConfigError(ValueError):
+class TransportConfigError(ConfigError):
     """A transport setting is out of range or names a file that cannot be read."""
 
 
 @dataclass(frozen=True, slots=True)
 class TransportConfig:
-    max_message_bytes: int = MAX_MESSAGE_BYTES
-    keepalive_time_s: float = DEFAULT_KEEPALIVE_TIME_S
-    keepalive_timeout_s: float = DEFAULT_KEEPALIVE_TIMEOUT_S
-    tls_cert_file: str | None = None  # PEM certificate chain of this server
-    tls_key_file: str | None = None  # PEM private key of that certificate
-    tls_client_ca_file: str | None = None  # PEM CA bundle: clients must present a cert it signed
+    max_message_bytes: int = option(MAX_MESSAGE_BYTES, flag="--max-message-size", metavar="BYTES", serve=True,
+                                    help="largest request or response message")
+    keepalive_time_s: float = option(DEFAULT_KEEPALIVE_TIME_S, flag="--keepalive-time", metavar="S", serve=True,
+                                     help="ping a connection idle this long")
+    keepalive_timeout_s: float = option(DEFAULT_KEEPALIVE_TIMEOUT_S, flag="--keepalive-timeout", metavar="S",
+                                        serve=True, help="close a connection whose ping is not answered in this time")
+    tls_cert_file: str | None = option(None, flag="--tls-cert", metavar="PEM", serve=True,
+                                       help="serve TLS with this certificate chain")
+    tls_key_file: str | None = option(None, flag="--tls-key", metavar="PEM", serve=True,
+                                      help="private key of --tls-cert")
+    tls_client_ca_file: str | None = option(None, flag="--tls-client-ca", metavar="PEM", serve=True,
+                                            help="mutual TLS: require client certificates signed by this CA")
 
     def __post_init__(self) -> None:
         if self.max_message_bytes <= 0:
-            raise TransportConfigError("max_message_bytes must be positive")
-        if self.keepalive_time_s <= 0 or self.keepalive_timeout_s <= 0:
-            raise TransportConfigError("keepalive_time_s and keepalive_timeout_s must be positive")
+            raise TransportConfigError("max_message_bytes", "must be positive")
+        for name in ("keepalive_time_s", "keepalive_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise TransportConfigError(name, "must be positive")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
-            raise TransportConfigError("TLS needs both a certificate (--tls-cert) and its key (--tls-key)")
+            raise TransportConfigError("tls_key_file" if self.tls_cert_file else "tls_cert_file",
+                                       "TLS needs both a certificate (--tls-cert) and its key (--tls-key)")
         if self.tls_client_ca_file and not self.tls_cert_file:
-            raise TransportConfigError("mutual TLS (--tls-client-ca) needs a server certificate and key as well")
+            raise TransportConfigError("tls_client_ca_file",
+                                       "mutual TLS (--tls-client-ca) needs a server certificate and key as well")
 
     @property
     def is_tls(self) -> bool:
@@ -61,15 +71,17 @@ class TransportConfig:
         """TLS credentials for the port, or None for plaintext."""
         if not self.is_tls:
             return None
-        key = _read(self.tls_key_file, "--tls-key")
-        cert = _read(self.tls_cert_file, "--tls-cert")
-        client_ca = _read(self.tls_client_ca_file, "--tls-client-ca") if self.is_mutual_tls else None
+        key = _read(self.tls_key_file, "tls_key_file", "--tls-key")
+        cert = _read(self.tls_cert_file, "tls_cert_file", "--tls-cert")
+        client_ca = None
+        if self.is_mutual_tls:
+            client_ca = _read(self.tls_client_ca_file, "tls_client_ca_file", "--tls-client-ca")
         return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca,
                                            require_client_auth=self.is_mutual_tls)
 
 
-def _read(path: str, flag: str) -> bytes:
+def _read(path: str, field_name: str, flag: str) -> bytes:
     try:
         return Path(path).read_bytes()
     except OSError as exc:
-        raise TransportConfigError(f"{flag} {path}: {exc.strerror or exc}") from exc
+        raise TransportConfigError(field_name, f"{flag} {path}: {exc.strerror or exc}") from exc

@@ -21,42 +21,26 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 
 import grpc
 import structlog
 
-from pagedserve.grpc_options import DEFAULT_SHUTDOWN_TIMEOUT_S, INTERNAL_SERVER_OPTIONS
+from pagedserve.grpc_options import INTERNAL_SERVER_OPTIONS
 from pagedserve.internal import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.log import configure_logging
 from pagedserve.model_config import ModelInfo, load_model_info
 from pagedserve.sampling_params import InvalidParameter
 from pagedserve.scheduler.admission import QueueFull
-from pagedserve.scheduler.engine import Engine, EngineConfig, EngineUnavailable
+from pagedserve.scheduler.engine import Engine, EngineUnavailable
 from pagedserve.scheduler.metrics import SchedulerMetrics
 from pagedserve.scheduler.outputs import Request, RequestOutput
 from pagedserve.scheduler.sampling_codec import output_to_proto, sampling_from_proto
+from pagedserve.scheduler.scheduler_config import SchedulerConfig
+from pagedserve.scheduler.server_config import SchedulerServerConfig
 from pagedserve.scheduler.worker_link import WorkerLink
 
 DRAIN_POLL_S = 0.05
-
-
-@dataclass(slots=True)
-class SchedulerServerConfig:
-    model_path: str
-    host: str = "127.0.0.1"
-    port: int = 50052
-    plan_address: str = "tcp://127.0.0.1:50061"
-    result_address: str = "tcp://127.0.0.1:50062"
-    tensor_parallel_size: int = 1
-    metrics_port: int | None = None
-    metrics_host: str = "127.0.0.1"
-    heartbeat_timeout: float = 10.0
-    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
-
-    def __post_init__(self) -> None:
-        if self.shutdown_timeout < 0:
-            raise ValueError("shutdown_timeout must be >= 0")
 
 
 _REJECT_REASON = {grpc.StatusCode.INVALID_ARGUMENT: "invalid", grpc.StatusCode.RESOURCE_EXHAUSTED: "queue_full",
@@ -227,7 +211,7 @@ def loop_dispatch(loop: asyncio.AbstractEventLoop):
     return dispatch
 
 
-async def _serve(config: SchedulerServerConfig, engine_config: EngineConfig, model: ModelInfo) -> None:
+async def _serve(config: SchedulerServerConfig, engine_config: SchedulerConfig, model: ModelInfo) -> None:
     log = configure_logging("scheduler")
     metrics = SchedulerMetrics()
     if config.metrics_port:
@@ -265,7 +249,11 @@ async def _serve(config: SchedulerServerConfig, engine_config: EngineConfig, mod
     log.info("scheduler_stopped")
 
 
-def run_scheduler(config: SchedulerServerConfig, engine_config: EngineConfig) -> int:
+def run_scheduler(config: SchedulerServerConfig) -> int:
+    """`pagedserve scheduler`: serves until SIGINT/SIGTERM, then drains. max_model_len defaults to,
+    and is capped at, the model's max_position_embeddings."""
     model = load_model_info(config.model_path)
+    longest = model.max_position_embeddings
+    engine_config = replace(config.engine, max_model_len=min(config.engine.max_model_len or longest, longest))
     asyncio.run(_serve(config, engine_config, model))
     return 0

@@ -24,8 +24,10 @@ def _free_port() -> int:
 
 def test_run_frontend_serves_until_sigterm(tokenizer_folder, scheduler_server, fake):
     port = _free_port()
-    code = (f"import sys; from pagedserve.frontend.server import run_frontend; "
-            f"sys.exit(run_frontend({str(tokenizer_folder)!r}, {scheduler_server.address!r}, '127.0.0.1', {port}))")
+    code = (f"import sys; from pagedserve.frontend.frontend_config import FrontendConfig; "
+            f"from pagedserve.frontend.server import run_frontend; "
+            f"sys.exit(run_frontend(FrontendConfig(model_path={str(tokenizer_folder)!r}, "
+            f"scheduler_address={scheduler_server.address!r}, host='127.0.0.1', port={port})))")
     proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
