@@ -36,8 +36,8 @@ MAX_RUNS = 40
 
 @dataclass(frozen=True, slots=True)
 class SwapBenchModel:
-    """A Llama-shaped checkpoint built by pagedserve.tiny_checkpoint (the demo model is built by
-    pagedserve.demo with its own shape)."""
+    """A Llama-shaped checkpoint built by pagedserve.models.tiny_checkpoint (the demo model is built by
+    pagedserve.models.demo with its own shape)."""
 
     label: str
     hidden_size: int
@@ -66,7 +66,7 @@ class PreparedModel:
 
 
 def prepare_demo_model() -> PreparedModel:
-    from pagedserve.demo import demo_path, ensure_demo_model
+    from pagedserve.models.demo import demo_path, ensure_demo_model
 
     was_built = (demo_path() / "config.json").is_file()
     started = time.perf_counter()
@@ -75,7 +75,7 @@ def prepare_demo_model() -> PreparedModel:
 
 
 def prepare_bench_model(models_dir: Path, shape: SwapBenchModel = BENCH_MODEL) -> PreparedModel:
-    from pagedserve.tiny_checkpoint import build_tiny_checkpoint
+    from pagedserve.models.tiny_checkpoint import build_tiny_checkpoint
 
     folder = models_dir / shape.folder_name
     if (folder / "config.json").is_file():

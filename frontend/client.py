@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from typing import TextIO
 
 import grpc
 
+from pagedserve.config_flags import option
+from pagedserve.shared_options import DEFAULT_HOST, DEFAULT_PORT
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc
 
 _FINISH_NAMES = {
@@ -16,25 +19,32 @@ _FINISH_NAMES = {
 }
 
 
-def build_request(prompt: str, max_tokens: int = 64, temperature: float = 0.0,
-                  seed: int | None = None) -> generation_pb2.GenerateRequest:
-    params = generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature)
-    if seed is not None:
-        params.seed = seed
-    return generation_pb2.GenerateRequest(prompt=prompt, params=params)
+@dataclass(kw_only=True, slots=True)
+class GenerateOptions:
+    prompt: str = option(flag="prompt", help="the prompt text")
+    address: str = option(f"{DEFAULT_HOST}:{DEFAULT_PORT}", metavar="HOST:PORT",
+                          help="a frontend's public gRPC address")
+    max_tokens: int = option(64, metavar="N", help="tokens to generate at most (0: the server's default)")
+    temperature: float = option(0.0, help="sampling temperature (0: greedy)")
+    seed: int | None = option(None, help="seed of the sampling, for a repeatable completion")
+
+    def request(self) -> generation_pb2.GenerateRequest:
+        params = generation_pb2.SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature)
+        if self.seed is not None:
+            params.seed = self.seed
+        return generation_pb2.GenerateRequest(prompt=self.prompt, params=params)
 
 
-def generate_cli(address: str, prompt: str, max_tokens: int = 64, temperature: float = 0.0,
-                 seed: int | None = None, *, timeout: float | None = None,
+def generate_cli(options: GenerateOptions, *, timeout: float | None = None,
                  out: TextIO | None = None, err: TextIO | None = None) -> int:
     """Streams the text of one completion to `out` as it arrives; a summary line goes to `err`.
     Returns the exit code: 0, 1 on an RPC error, 2 on invalid arguments."""
     out = out or sys.stdout
     err = err or sys.stderr
-    request = build_request(prompt, max_tokens=max_tokens, temperature=temperature, seed=seed)
+    request = options.request()
     finish_reason = generation_pb2.FINISH_REASON_UNSPECIFIED
     usage = None
-    with grpc.insecure_channel(address) as channel:
+    with grpc.insecure_channel(options.address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         try:
             for message in stub.GenerateStream(request, timeout=timeout, wait_for_ready=False):

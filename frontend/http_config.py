@@ -1,7 +1,10 @@
-"""Settings of the frontend's OpenAI-compatible HTTP port.
+"""Settings of the frontend's OpenAI-compatible HTTP port (nested in FrontendConfig; `serve`
+forwards them all).
 
 The port shares the frontend's --host and its TLS settings (--tls-cert, --tls-key, and
---tls-client-ca for mutual TLS) with the gRPC port.
+--tls-client-ca for mutual TLS) with the gRPC port. The API key is --api-key, else the
+PAGEDSERVE_API_KEY environment variable (which keeps it off the command line that `ps` shows;
+`serve`'s children inherit it).
 """
 
 from __future__ import annotations
@@ -9,30 +12,36 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from pagedserve.config_flags import option, require
+
 DEFAULT_HTTP_PORT = 8000
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
+MIN_REQUEST_BYTES = 1024
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
-
-
-class HttpConfigError(ValueError):
-    """An HTTP setting is out of range."""
 
 
 @dataclass(frozen=True, slots=True)
 class HttpConfig:
-    port: int = DEFAULT_HTTP_PORT  # 0: no HTTP port
-    served_model_name: str | None = None  # None: the model folder's name ("demo" for the demo)
-    api_key: str | None = None  # None: PAGEDSERVE_API_KEY, or no authentication when that is unset
-    chat_template_file: str | None = None  # None: the tokenizer's own template
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    port: int = option(DEFAULT_HTTP_PORT, flag="--http-port", metavar="P", serve=True,
+                       help="OpenAI-compatible HTTP port on --host (0: no HTTP port)")
+    served_model_name: str | None = option(
+        None, metavar="NAME", serve=True,
+        help="the model name HTTP clients send (default: the model folder's name, `demo` for the demo)")
+    api_key: str | None = option(
+        None, metavar="KEY", serve=True,
+        help=f"HTTP clients must send Authorization: Bearer KEY (default: ${API_KEY_ENV}; unset: no key)")
+    chat_template_file: str | None = option(
+        None, flag="--chat-template", metavar="FILE", serve=True,
+        help="Jinja chat template for /v1/chat/completions (default: the tokenizer's own)")
+    max_request_bytes: int = option(DEFAULT_MAX_REQUEST_BYTES, metavar="N", serve=True,
+                                    help="largest HTTP request body; a larger one gets 400")
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise HttpConfigError(f"--http-port must be a port number (0-65535; 0 turns HTTP off), not {self.port}")
-        if self.max_request_bytes < 1024:
-            raise HttpConfigError(f"--max-request-bytes must be at least 1024, not {self.max_request_bytes}")
-        if self.served_model_name is not None and not self.served_model_name.strip():
-            raise HttpConfigError("--served-model-name must not be empty")
+        require(0 <= self.port <= 65535, "port", f"--http-port must be a port number (0-65535; 0: off), not {self.port}")
+        require(self.max_request_bytes >= MIN_REQUEST_BYTES, "max_request_bytes",
+                f"must be at least {MIN_REQUEST_BYTES}, not {self.max_request_bytes}")
+        require(self.served_model_name is None or bool(self.served_model_name.strip()), "served_model_name",
+                "must not be empty")
 
     @property
     def is_enabled(self) -> bool:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import uvicorn
 
-from pagedserve.demo import served_model_name
+from pagedserve.models.resolve import served_model_name
 from pagedserve.frontend.admission import Admission
 from pagedserve.frontend.chat_template import ChatTemplate, read_chat_template
 from pagedserve.frontend.http_app import build_app

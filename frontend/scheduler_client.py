@@ -21,26 +21,12 @@ from dataclasses import dataclass, fields
 
 import grpc
 
+from pagedserve.grpc_options import INTERNAL_CHANNEL_OPTIONS
 from pagedserve.internal import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.request_types import Request, RequestOutput
 from pagedserve.scheduler_codec import output_from_proto, request_to_proto
 
 DEFAULT_RPC_TIMEOUT_S = 5.0
-MAX_MESSAGE_BYTES = 64 * 2**20
-# Keepalive notices a scheduler that vanished without closing its connections. The client's
-# default cap of two pings without data keeps a default-configured server from answering
-# "too many pings" (GOAWAY); the readiness monitor's GetInfo polls keep data flowing anyway.
-_CHANNEL_OPTIONS = (
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    # Reconnect quickly to a scheduler that starts after the frontend or restarts.
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 2_000),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-)
 
 
 class SchedulerError(RuntimeError):
@@ -133,7 +119,7 @@ class SchedulerClient:
     def __init__(self, address: str, frontend_id: str = "", channel: grpc.Channel | None = None) -> None:
         self.address = address
         self.frontend_id = frontend_id
-        self._channel = channel or grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self._channel = channel or grpc.insecure_channel(address, options=INTERNAL_CHANNEL_OPTIONS)
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
 
     def close(self) -> None:

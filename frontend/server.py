@@ -22,21 +22,21 @@ import signal
 import socket
 import threading
 from concurrent import futures
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from pagedserve.frontend.drain import InFlight
+from pagedserve.frontend.frontend_config import FrontendConfig
 from pagedserve.frontend.metrics import FrontendMetrics
 from pagedserve.frontend.readiness import DEFAULT_POLL_INTERVAL_S, GENERATION_SERVICE, ReadinessMonitor
+from pagedserve.frontend.reflection import enable_reflection
 from pagedserve.frontend.scheduler_client import SchedulerClient
 from pagedserve.frontend.servicer import GenerationServicer, generation_rpc_handler
 from pagedserve.frontend.tokenizer import TokenizerLoadError, load_tokenizer
-from pagedserve.frontend.transport import TransportConfig, TransportConfigError
+from pagedserve.frontend.transport import TransportConfigError
+from pagedserve.grpc_options import DEFAULT_SHUTDOWN_TIMEOUT_S
 from pagedserve.log import configure_logging
-from pagedserve.service_options import DEFAULT_MAX_CONCURRENT_RPCS, DEFAULT_SHUTDOWN_TIMEOUT_S
 
 STOP_GRACE_S = 5.0
 CUT_GRACE_S = 2.0  # after the shutdown timeout: how long cut requests get to send their status
@@ -82,18 +82,18 @@ class FrontendServer:
         return self.server.wait_for_termination(timeout)
 
 
-def serve_frontend(model_path: str | Path, scheduler_address: str, host: str = "127.0.0.1", port: int = 50051,
-                   metrics_port: int | None = None, *, max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS,
-                   health_poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
-                   frontend_id: str | None = None, transport: TransportConfig | None = None) -> FrontendServer:
-    """Loads the tokenizer, binds host:port (0 picks a free port) and starts serving; returns at once."""
-    transport = transport or TransportConfig()
+def serve_frontend(config: FrontendConfig, *, health_poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
+                   frontend_id: str | None = None) -> FrontendServer:
+    """Loads the tokenizer of config.model_path, binds config.host:config.port (0 picks a free
+    port) and starts serving; returns at once."""
+    host, port, transport = config.host, config.port, config.transport
     try:
-        tokenizer = load_tokenizer(model_path)
+        tokenizer = load_tokenizer(config.model_path)
         credentials = transport.server_credentials()
     except (TokenizerLoadError, TransportConfigError) as exc:
         raise FrontendStartError(str(exc)) from exc
-    client = SchedulerClient(scheduler_address, frontend_id=frontend_id or f"{socket.gethostname()}:{os.getpid()}")
+    client = SchedulerClient(config.scheduler_address,
+                             frontend_id=frontend_id or f"{socket.gethostname()}:{os.getpid()}")
     metrics = FrontendMetrics()
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     readiness = ReadinessMonitor(client, health_servicer, poll_interval_s=health_poll_interval_s)
@@ -103,11 +103,11 @@ def serve_frontend(model_path: str | Path, scheduler_address: str, host: str = "
     # Each streaming call holds a worker thread; beyond max_concurrent_rpcs calls get RESOURCE_EXHAUSTED
     # (so no queue of calls grows without bound under overload).
     options = [("grpc.so_reuseport", 0), *transport.server_options()]  # a port in use is an error, not shared
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_concurrent_rpcs, thread_name_prefix="rpc"),
-                         options=options, maximum_concurrent_rpcs=max_concurrent_rpcs)
+    pool = futures.ThreadPoolExecutor(max_workers=config.max_concurrent_rpcs, thread_name_prefix="rpc")
+    server = grpc.server(pool, options=options, maximum_concurrent_rpcs=config.max_concurrent_rpcs)
     server.add_generic_rpc_handlers((generation_rpc_handler(servicer),))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    enable_reflection((GENERATION_SERVICE, health.SERVICE_NAME), server)
     try:
         if credentials is None:
             bound_port = server.add_insecure_port(f"{host}:{port}")
@@ -121,21 +121,18 @@ def serve_frontend(model_path: str | Path, scheduler_address: str, host: str = "
         raise FrontendStartError(f"cannot listen on {host}:{port} (in use?)")
 
     bound_metrics_port = None
-    if metrics_port is not None:
+    if config.metrics_port is not None:
         try:
-            bound_metrics_port = metrics.serve(metrics_port, host=host)
+            bound_metrics_port = metrics.serve(config.metrics_port, host=host)
         except OSError as exc:
             client.close()
-            raise FrontendStartError(f"cannot serve metrics on {host}:{metrics_port}: {exc}") from exc
+            raise FrontendStartError(f"cannot serve metrics on {host}:{config.metrics_port}: {exc}") from exc
     server.start()
     readiness.start()
     return FrontendServer(server, bound_port, metrics, bound_metrics_port, readiness, client, in_flight)
 
 
-def run_frontend(model_path: str | Path, scheduler_address: str, host: str = "127.0.0.1", port: int = 50051,
-                 metrics_port: int | None = None, *, max_concurrent_rpcs: int = DEFAULT_MAX_CONCURRENT_RPCS,
-                 shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
-                 transport: TransportConfig | None = None) -> int:
+def run_frontend(config: FrontendConfig) -> int:
     """`pagedserve frontend`: serves until SIGINT/SIGTERM, then drains. Returns the exit code."""
     process_log = configure_logging("frontend")
     stop_requested = threading.Event()
@@ -147,19 +144,20 @@ def run_frontend(model_path: str | Path, scheduler_address: str, host: str = "12
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         try:
-            frontend = serve_frontend(model_path, scheduler_address, host, port, metrics_port,
-                                      max_concurrent_rpcs=max_concurrent_rpcs, transport=transport)
+            frontend = serve_frontend(config)
         except FrontendStartError as exc:
             process_log.error("frontend_start_failed", error=str(exc))
             return 1
-        tls = "off" if transport is None or not transport.is_tls else "mutual" if transport.is_mutual_tls else "on"
-        process_log.info("frontend_serving", address=f"{host}:{frontend.port}", scheduler=scheduler_address,
-                         metrics_port=frontend.metrics_port, model=str(model_path), tls=tls)
+        transport = config.transport
+        tls = "mutual" if transport.is_mutual_tls else "on" if transport.is_tls else "off"
+        process_log.info("frontend_serving", address=f"{config.host}:{frontend.port}",
+                         scheduler=config.scheduler_address, metrics_port=frontend.metrics_port,
+                         model=config.model_path, tls=tls)
         while not stop_requested.wait(0.5):
             pass
         process_log.info("frontend_draining", num_in_flight=len(frontend.in_flight),
-                         shutdown_timeout=shutdown_timeout_s)
-        num_cut = frontend.drain(shutdown_timeout_s)
+                         shutdown_timeout=config.shutdown_timeout)
+        num_cut = frontend.drain(config.shutdown_timeout)
         process_log.info("frontend_stopped", num_requests_cut=num_cut)
         return 0
     finally:

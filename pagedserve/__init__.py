@@ -4,14 +4,19 @@ This package is what every process shares, plus the launcher; each process lives
 folder (frontend/, scheduler/, worker/, with kernels/ for the worker) and imports no other's.
 
   cli.py, supervisor.py   the `pagedserve` command; `serve` starts and stops every process
-  service_options.py      command-line options shared by `serve` and the processes
+  serve_config.py         serve's options and the configs (and so the argv) of its children
+  config_flags.py         config dataclass fields -> CLI flags, parsed args -> configs -> argv
+  shared_options.py       flags several processes share; grpc_options.py: gRPC limits, keepalive
+  serve_process.py        `serve` as a child process tree (tests, benchmarks, embedding)
+  digest_worker.py        a torch-free worker stand-in that checks plans (scheduler tests, bench)
   request_types.py        Request, RequestOutput, CompletionDelta: frontend <-> scheduler
   scheduler_codec.py      those types <-> internal protobuf (internal/scheduler_pb2)
   sampling_params.py      resolved sampling parameters
   step_plan.py            StepPlan and StepResult: scheduler <-> workers
   plan_codec.py           those types <-> internal protobuf (internal/step_pb2)
   model_config.py         what every process reads from a checkpoint folder (no torch)
-  demo.py                 the `--model demo` checkpoint (tiny_checkpoint.py, tiny_tokenizer.py)
+  models/                 --model names: resolve.py, the `demo` checkpoint (demo.py,
+                          tiny_checkpoint.py, tiny_tokenizer.py)
   log.py                  structured JSON logs
   protogen.py             regenerates internal/ and v1/ (the public API) from proto/
 """

@@ -11,6 +11,8 @@ MAX_STOP_STRING_CHARS = 256
 MAX_N = 64
 MAX_BEAM_WIDTH = 32
 MAX_LOGPROBS = 20
+MAX_STOP_TOKEN_IDS = 64
+MAX_ABS_LENGTH_PENALTY = 10.0
 
 
 class InvalidParameter(ValueError):
@@ -94,6 +96,8 @@ class SamplingParams:
                 raise InvalidParameter("stop", "stop strings must not be empty")
             if len(text) > MAX_STOP_STRING_CHARS:
                 raise InvalidParameter("stop", f"a stop string has at most {MAX_STOP_STRING_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidParameter("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop token ids")
         if vocab_size is not None:
             for token_id in self.stop_token_ids:
                 if not 0 <= token_id < vocab_size:
@@ -109,6 +113,17 @@ class SamplingParams:
                 raise InvalidParameter("n", "use beam_width alone for beam search (n must be 0 or 1)")
             if self.top_p != 1.0 or self.top_k != 0 or self.min_p != 0.0:
                 raise InvalidParameter("beam_width", "beam search does not combine with top_p, top_k or min_p")
+            if vocab_size is not None:
+                # every step ranks max(2, 1 + stop ids) * beam_width candidates
+                num_candidates = max(2, 1 + len(set(self.stop_token_ids))) * self.beam_width
+                if num_candidates > vocab_size:
+                    raise InvalidParameter(
+                        "stop_token_ids", f"beam search over {self.beam_width} beams with "
+                        f"{len(set(self.stop_token_ids))} stop token ids ranks {num_candidates} candidates a step, "
+                        f"more than the vocabulary ({vocab_size}) holds")
+        if not -MAX_ABS_LENGTH_PENALTY <= self.length_penalty <= MAX_ABS_LENGTH_PENALTY:
+            raise InvalidParameter("length_penalty",
+                                   f"must be in [-{MAX_ABS_LENGTH_PENALTY:g}, {MAX_ABS_LENGTH_PENALTY:g}]")
         if not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidParameter("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
 

@@ -24,7 +24,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.internal import scheduler_pb2, scheduler_pb2_grpc
-from pagedserve.supervisor import free_port
+from pagedserve.serve_config import free_port
 from pagedserve.v1 import generation_pb2_grpc
 
 READY_SERVICE = "pagedserve.v1.Generation"

@@ -15,44 +15,24 @@ where they were. With no restart left the scheduler fails the in-flight requests
 and reports not ready, and frontend and scheduler keep answering until `serve` is stopped, which
 then exits 1. Children also
 get SIGTERM from the kernel if `serve` itself dies (PR_SET_PDEATHSIG), so nothing is orphaned.
+
+Which children start with which flags is decided by serve_config.py.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 
 from pagedserve.log import configure_logging
-from pagedserve.service_options import frontend_argv, scheduler_argv
+from pagedserve.serve_config import ServeConfig
 
 PR_SET_PDEATHSIG = 1
-STOP_TIMEOUT_SECONDS = 10.0
-WORKER_RECOVERY_SECONDS = 120.0  # the scheduler holds requests this long for restarted workers
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def threads_per_rank(num_ranks: int) -> int:
-    """CPU threads for each of num_ranks workers on this host. One core is left to the frontend
-    and the scheduler, and the rest is split between the ranks: a worker's parallel regions end
-    in barriers, so one of its threads descheduled by a neighbour (or by another rank's threads)
-    holds every other thread, and every all-reduce, back."""
-    try:
-        num_cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        num_cores = os.cpu_count() or 1
-    return max(1, (num_cores - 1) // num_ranks)
+STOP_TIMEOUT_SECONDS = 10.0  # frontend and scheduler get their drain plus this; workers this alone
 
 
 def _die_with_parent() -> None:
@@ -60,72 +40,6 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass
-
-
-@dataclass
-class ServeConfig:
-    model: str
-    scheduler_args: list[str]
-    worker_args: list[list[str]]
-    frontend_args: list[str]
-    public_address: str = ""
-    env: dict[str, str] | None = field(default=None)
-    stop_timeout: float = STOP_TIMEOUT_SECONDS  # frontend and scheduler: their drain, and a margin
-    max_worker_restarts: int = 0
-
-    @classmethod
-    def from_args(cls, args) -> "ServeConfig":
-        from pagedserve.demo import resolve_model
-
-        model = str(resolve_model(args.model))
-        scheduler_port = args.scheduler_port or free_port()
-        plan = f"tcp://127.0.0.1:{free_port()}"
-        result = f"tcp://127.0.0.1:{free_port()}"
-        dist = f"tcp://127.0.0.1:{free_port()}"
-        tp = str(args.tensor_parallel_size)
-        engine = ["--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
-                  "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                  "--preemption-mode", args.preemption_mode,
-                  "--max-waiting-requests", str(args.max_waiting_requests),
-                  "--enable-prefix-caching" if args.enable_prefix_caching
-                  else "--no-enable-prefix-caching"]
-        if args.num_kv_blocks is not None:
-            engine += ["--num-kv-blocks", str(args.num_kv_blocks)]
-        if args.max_model_len is not None:
-            engine += ["--max-model-len", str(args.max_model_len)]
-        scheduler = ["scheduler", "--model", model, "--port", str(scheduler_port),
-                     "--plan-address", plan, "--result-address", result,
-                     "--tensor-parallel-size", tp, *engine]
-        scheduler_metrics = args.scheduler_metrics_port
-        if scheduler_metrics is None and args.metrics_port:
-            scheduler_metrics = args.metrics_port + 1
-        if scheduler_metrics:
-            scheduler += ["--metrics-port", str(scheduler_metrics)]
-        workers = []
-        for rank in range(args.tensor_parallel_size):
-            worker = ["worker", "--model", model, "--rank", str(rank), "--tensor-parallel-size", tp,
-                      "--plan-address", plan, "--result-address", result,
-                      "--dist-init-address", dist, "--block-size", str(args.block_size),
-                      "--device", args.device, "--dtype", args.dtype,
-                      "--swap-space", str(args.swap_space)]
-            if args.kv_cache_memory is not None:
-                worker += ["--kv-cache-memory", str(args.kv_cache_memory)]
-            if "OMP_NUM_THREADS" not in os.environ:  # else torch follows what the operator set
-                worker += ["--num-threads", str(threads_per_rank(args.tensor_parallel_size))]
-            workers.append(worker)
-        frontend = ["frontend", "--model", model, "--host", args.host, "--port", str(args.port),
-                    "--scheduler-address", f"127.0.0.1:{scheduler_port}"]
-        if args.metrics_port:
-            frontend += ["--metrics-port", str(args.metrics_port)]
-        if args.max_worker_restarts < 0:
-            raise ValueError("--max-worker-restarts must be >= 0")
-        if args.max_worker_restarts > 0:
-            scheduler += ["--worker-recovery-timeout", str(WORKER_RECOVERY_SECONDS)]
-        scheduler += scheduler_argv(args)
-        frontend += frontend_argv(args)
-        return cls(model, scheduler, workers, frontend, f"{args.host}:{args.port}",
-                   stop_timeout=args.shutdown_timeout + STOP_TIMEOUT_SECONDS,
-                   max_worker_restarts=args.max_worker_restarts)
 
 
 class Supervisor:
@@ -136,6 +50,7 @@ class Supervisor:
         self._exited: set[str] = set()
         self._is_replica_lost = False
         self._restarts_left = config.max_worker_restarts
+        self._drain_timeout = config.shutdown_timeout + STOP_TIMEOUT_SECONDS
         self._log = configure_logging("serve")
 
     def _spawn(self, name: str, args: list[str]) -> None:
@@ -193,7 +108,7 @@ class Supervisor:
 
     def _wait(self, child: subprocess.Popen, name: str) -> None:
         try:
-            child.wait(self.config.stop_timeout if name in ("frontend", "scheduler") else STOP_TIMEOUT_SECONDS)
+            child.wait(self._drain_timeout if name in ("frontend", "scheduler") else STOP_TIMEOUT_SECONDS)
         except subprocess.TimeoutExpired:
             self._log.warning("child_killed", child=name, pid=child.pid)
             child.kill()

@@ -88,7 +88,10 @@ def top_candidates(running_scores: list[float], candidates: list[list[tuple[int,
 
 
 def length_normalised(score: float, num_generated: int, length_penalty: float) -> float:
-    return f32(score / f32(num_generated ** length_penalty))
+    try:
+        return f32(score / f32(num_generated ** length_penalty))
+    except (OverflowError, ZeroDivisionError):  # |length_penalty| far beyond what a request may ask
+        return NEG_SCORE
 
 
 class BeamSearchState:

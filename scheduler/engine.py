@@ -25,12 +25,14 @@ import collections
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from pagedserve.log import get_logger
 from pagedserve.request_types import Request, RequestOutput
 from pagedserve.scheduler.admission import Admission
+from pagedserve.scheduler.errors import SchedulerConfigError
+from pagedserve.scheduler.scheduler_config import SchedulerConfig
 from pagedserve.scheduler.worker_link import WorkerLink, WorkerLost
 
 Sink = Callable[[RequestOutput | Exception], None]
@@ -40,33 +42,6 @@ MAX_RECENT_STEPS = 256
 
 class EngineUnavailable(RuntimeError):
     """Workers are not (or no longer) ready, or the engine is draining."""
-
-
-@dataclass(slots=True)
-class EngineConfig:
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    num_kv_blocks: int | None = None  # operator override of the workers' capacity
-    enable_prefix_caching: bool = True
-    preemption_mode: str = "auto"
-    max_waiting_requests: int = 4096
-    max_waiting_tokens: int = 1 << 20  # prompt tokens of requests not yet scheduled
-    startup_timeout: float = 600.0
-    worker_recovery_timeout: float = 0.0  # hold in-flight requests this long for restarted workers
-
-    def __post_init__(self) -> None:
-        if self.preemption_mode not in ("auto", "swap", "recompute"):
-            raise ValueError("preemption_mode must be auto, swap or recompute")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                     "max_waiting_requests", "max_waiting_tokens"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive")
-        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
-            raise ValueError("num_kv_blocks must be positive")
-        if self.worker_recovery_timeout < 0:
-            raise ValueError("worker_recovery_timeout must be >= 0")
 
 
 @dataclass(slots=True)
@@ -91,11 +66,14 @@ class EngineState:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, link: WorkerLink,
+    def __init__(self, config: SchedulerConfig, link: WorkerLink,
                  on_step: Callable[["Engine", StepRecord | None], None] | None = None,
                  dispatch: Dispatch | None = None) -> None:
-        """dispatch: runs a batch of (sink, item) pairs; by default each sink is called in turn
-        on the loop thread."""
+        """config.num_gpu_blocks caps the pool the workers offer (None: all of it); its
+        max_model_len must be known. dispatch: runs a batch of (sink, item) pairs; by default each
+        sink is called in turn on the loop thread."""
+        if config.max_model_len is None:
+            raise SchedulerConfigError("max_model_len", "must be known before the engine starts")
         self.config = config
         self.link = link
         self.state = EngineState()
@@ -216,7 +194,7 @@ class Engine:
             self.link.poll_registration(0.1)
             return
         deadline = time.monotonic() + self.config.startup_timeout
-        pool = self.link.init_cache(self.config.num_kv_blocks, deadline)
+        pool = self.link.init_cache(self.config.num_gpu_blocks, deadline)
         if self.scheduler is not None and (pool.num_gpu_blocks, pool.num_cpu_blocks) != (
                 self.state.num_gpu_blocks, self.state.num_cpu_blocks):
             self._give_up_recovery("the restarted workers have a different KV pool size")
@@ -241,18 +219,9 @@ class Engine:
         self._fail_all(EngineUnavailable(f"workers lost: {reason}"))
 
     def _new_scheduler(self, num_gpu_blocks: int, num_cpu_blocks: int):
-        from pagedserve.scheduler.scheduler import Scheduler, SchedulerConfig
+        from pagedserve.scheduler.scheduler import Scheduler
 
-        return Scheduler(SchedulerConfig(
-            block_size=self.config.block_size,
-            num_gpu_blocks=num_gpu_blocks,
-            num_cpu_blocks=num_cpu_blocks,
-            max_num_seqs=self.config.max_num_seqs,
-            max_num_batched_tokens=self.config.max_num_batched_tokens,
-            max_model_len=self.config.max_model_len,
-            enable_prefix_caching=self.config.enable_prefix_caching,
-            preemption_mode=self.config.preemption_mode,
-        ))
+        return Scheduler(replace(self.config, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks))
 
     def _step(self) -> bool:
         started = time.perf_counter()

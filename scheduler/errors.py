@@ -6,17 +6,15 @@ Callers map them to transport errors: `RequestRejected` is the client's fault (I
 
 from __future__ import annotations
 
+from pagedserve.config_flags import ConfigError
+
 
 class SchedulerError(Exception):
     """Base class of every exception the scheduler raises on purpose."""
 
 
-class SchedulerConfigError(SchedulerError, ValueError):
+class SchedulerConfigError(SchedulerError, ConfigError):
     """A SchedulerConfig field is out of range; `field_name` names it."""
-
-    def __init__(self, field_name: str, message: str) -> None:
-        super().__init__(f"{field_name}: {message}")
-        self.field_name = field_name
 
 
 class RequestRejected(SchedulerError, ValueError):

@@ -24,6 +24,7 @@ from pagedserve.step_plan import StepResult
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
+        config.check_complete()
         self.config = config
         self.block_manager = BlockManager(config)
         self.waiting: list[SequenceGroup] = []  # each queue ordered by arrival, oldest first

@@ -1,44 +1,75 @@
-"""Validated configuration of the scheduler core (pool sizes, step budget, policies)."""
+"""Validated configuration of the scheduler core and its step loop (pool sizes, step budget,
+policies, waiting queue, worker recovery): the one definition of those settings. The flags of
+`pagedserve scheduler` (and those `serve` forwards) are derived from the fields' metadata
+(pagedserve.config_flags)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
+from pagedserve.config_flags import internal, option
 from pagedserve.scheduler.errors import SchedulerConfigError
+from pagedserve.shared_options import block_size_option
 
 PREEMPTION_MODES = ("auto", "swap", "recompute")
+DEFAULT_MAX_WAITING_TOKENS = 1 << 20
 
 
 @dataclass(kw_only=True, slots=True)
 class SchedulerConfig:
     """Everything the scheduler needs to know about the deployment, keyword-only.
 
+    Two sizes may be unknown (None) until the scheduler process has read the model and heard from
+    its workers: num_gpu_blocks (None: what every rank has room for; set: at most that many, the
+    `--num-kv-blocks` override) and max_model_len (None: the model's max_position_embeddings).
+    The scheduler process fills in max_model_len (server.run_scheduler) and the Engine the pool
+    sizes (dataclasses.replace) before a Scheduler is built, which refuses a config that still
+    lacks them (check_complete).
+
     The two cost constants drive preemption_mode="auto" (see preemption.py): the estimated time
     to move one block to CPU and back, and the estimated time to recompute one token's KV in a
     prefill; only their ratio decides. The defaults are measured for the demo model
     (`--model demo`) on the CPU, one torch thread on a 2-core host, by
     `python bench/memory.py --parts swap` (medians over groups of 64-2048 tokens and over six
-    runs; docs/memory.md). A swap is a memory copy there, cheaper per block than recomputing one
-    token, so "auto" swaps unless most of a group's blocks are also held by other requests. A 7B
-    model on a PCIe 4 GPU is nearer 6.5e-4 s per block and 7.0e-5 s per token (recomputing groups
-    of up to 18 tokens); measure and override them per deployment.
+    runs; the tables are in the README, "Swap versus recompute"). A swap is a memory copy there,
+    cheaper per block than recomputing one token, so "auto" swaps unless most of a group's blocks
+    are also held by other requests. A 7B model on a PCIe 4 GPU is nearer 6.5e-4 s per block and
+    7.0e-5 s per token (recomputing groups of up to 18 tokens); measure and override them per
+    deployment.
     """
 
-    num_gpu_blocks: int
-    max_model_len: int
-    block_size: int = 16
-    num_cpu_blocks: int = 0
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    preemption_mode: str = "auto"
-    swap_seconds_per_block: float = 3.3e-5
-    recompute_seconds_per_token: float = 5.4e-5
+    num_gpu_blocks: int | None = option(
+        None, flag="--num-kv-blocks", metavar="N", serve=True,
+        help="KV pool size in blocks (overrides the memory-derived size)")
+    max_model_len: int | None = option(
+        None, metavar="N", serve=True,
+        help="longest prompt plus output in tokens (default and upper bound: the model's max_position_embeddings)")
+    block_size: int = block_size_option()
+    num_cpu_blocks: int = internal(0)  # the workers' swap space, known when they register
+    max_num_seqs: int = option(256, metavar="N", serve=True, help="sequences in one step at most")
+    max_num_batched_tokens: int = option(2048, metavar="N", serve=True, help="tokens in one step at most")
+    enable_prefix_caching: bool = option(True, serve=True, help="reuse the KV blocks of a shared prompt prefix")
+    preemption_mode: str = option("auto", choices=PREEMPTION_MODES, serve=True,
+                                  help="how a request gives its KV blocks back when the pool runs out")
+    swap_seconds_per_block: float = internal(3.3e-5)
+    recompute_seconds_per_token: float = internal(5.4e-5)
+    # The step loop (engine.py) and its admission control:
+    max_waiting_requests: int = option(4096, metavar="N", serve=True,
+                                       help="requests not yet scheduled; beyond it RESOURCE_EXHAUSTED")
+    max_waiting_tokens: int = option(DEFAULT_MAX_WAITING_TOKENS, metavar="N", serve=True,
+                                     help="prompt tokens of requests not yet scheduled; beyond it RESOURCE_EXHAUSTED")
+    worker_recovery_timeout: float = option(
+        0.0, metavar="SECONDS",
+        help="when workers are lost, hold the requests in flight this long for them to register again "
+             "(0: fail them at once)")
+    startup_timeout: float = internal(600.0)  # registered workers must allocate their KV cache in this time
 
     def __post_init__(self) -> None:
-        _require_int("num_gpu_blocks", self.num_gpu_blocks, minimum=1)
-        _require_int("max_model_len", self.max_model_len, minimum=1)
+        if self.num_gpu_blocks is not None:
+            _require_int("num_gpu_blocks", self.num_gpu_blocks, minimum=1)
+        if self.max_model_len is not None:
+            _require_int("max_model_len", self.max_model_len, minimum=1)
         _require_int("block_size", self.block_size, minimum=1)
         _require_int("num_cpu_blocks", self.num_cpu_blocks, minimum=0)
         _require_int("max_num_seqs", self.max_num_seqs, minimum=1)
@@ -52,10 +83,21 @@ class SchedulerConfig:
             raise SchedulerConfigError("enable_prefix_caching", "must be a bool")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise SchedulerConfigError("preemption_mode", f"must be one of {', '.join(PREEMPTION_MODES)}")
-        for name in ("swap_seconds_per_block", "recompute_seconds_per_token"):
+        for name in ("swap_seconds_per_block", "recompute_seconds_per_token", "worker_recovery_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise SchedulerConfigError(name, "must be a finite number >= 0")
+        _require_int("max_waiting_requests", self.max_waiting_requests, minimum=1)
+        _require_int("max_waiting_tokens", self.max_waiting_tokens, minimum=1)
+        if isinstance(self.startup_timeout, bool) or not isinstance(self.startup_timeout, (int, float)) \
+                or not self.startup_timeout > 0:
+            raise SchedulerConfigError("startup_timeout", "must be a number > 0")
+
+    def check_complete(self) -> None:
+        """Raises SchedulerConfigError unless the sizes a Scheduler needs are known."""
+        for name in ("num_gpu_blocks", "max_model_len"):
+            if getattr(self, name) is None:
+                raise SchedulerConfigError(name, "must be known before a Scheduler is built")
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold num_tokens KV slots."""

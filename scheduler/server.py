@@ -21,53 +21,26 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 
 import grpc
 import structlog
 
+from pagedserve.grpc_options import INTERNAL_SERVER_OPTIONS
 from pagedserve.internal import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.log import configure_logging
 from pagedserve.model_config import ModelInfo, load_model_info
-from pagedserve.request_types import RequestOutput
+from pagedserve.request_types import Request, RequestOutput
 from pagedserve.sampling_params import InvalidParameter
 from pagedserve.scheduler.admission import QueueFull
-from pagedserve.scheduler.engine import Engine, EngineConfig, EngineUnavailable
+from pagedserve.scheduler.engine import Engine, EngineUnavailable
 from pagedserve.scheduler.metrics import SchedulerMetrics
+from pagedserve.scheduler.scheduler_config import SchedulerConfig
+from pagedserve.scheduler.server_config import SchedulerServerConfig
 from pagedserve.scheduler.worker_link import WorkerLink
 from pagedserve.scheduler_codec import output_to_proto, request_from_proto
-from pagedserve.service_options import DEFAULT_SHUTDOWN_TIMEOUT_S
 
-MAX_MESSAGE_BYTES = 64 * 2**20
 DRAIN_POLL_S = 0.05
-# Pings to frontends find a connection whose peer vanished without closing it (host lost).
-_SERVER_OPTIONS = (
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-    ("grpc.http2.max_pings_without_data", 0),
-)
-
-
-@dataclass(slots=True)
-class SchedulerServerConfig:
-    model_path: str
-    host: str = "127.0.0.1"
-    port: int = 50052
-    plan_address: str = "tcp://127.0.0.1:50061"
-    result_address: str = "tcp://127.0.0.1:50062"
-    tensor_parallel_size: int = 1
-    metrics_port: int | None = None
-    metrics_host: str = "127.0.0.1"
-    heartbeat_timeout: float = 10.0
-    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
-
-    def __post_init__(self) -> None:
-        if self.shutdown_timeout < 0:
-            raise ValueError("shutdown_timeout must be >= 0")
 
 
 _REJECT_REASON = {grpc.StatusCode.INVALID_ARGUMENT: "invalid", grpc.StatusCode.RESOURCE_EXHAUSTED: "queue_full",
@@ -228,7 +201,7 @@ def loop_dispatch(loop: asyncio.AbstractEventLoop):
     return dispatch
 
 
-async def _serve(config: SchedulerServerConfig, engine_config: EngineConfig, model: ModelInfo) -> None:
+async def _serve(config: SchedulerServerConfig, engine_config: SchedulerConfig, model: ModelInfo) -> None:
     log = configure_logging("scheduler")
     metrics = SchedulerMetrics()
     if config.metrics_port:
@@ -244,7 +217,7 @@ async def _serve(config: SchedulerServerConfig, engine_config: EngineConfig, mod
                       heartbeat_timeout=config.heartbeat_timeout)
     engine = Engine(engine_config, link, on_step=on_step, dispatch=loop_dispatch(asyncio.get_running_loop()))
     engine.start()
-    server = grpc.aio.server(options=list(_SERVER_OPTIONS))
+    server = grpc.aio.server(options=INTERNAL_SERVER_OPTIONS)
     servicer = SchedulerServicer(engine, model, config.tensor_parallel_size, metrics)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     bound = server.add_insecure_port(f"{config.host}:{config.port}")
@@ -266,7 +239,11 @@ async def _serve(config: SchedulerServerConfig, engine_config: EngineConfig, mod
     log.info("scheduler_stopped")
 
 
-def run_scheduler(config: SchedulerServerConfig, engine_config: EngineConfig) -> int:
+def run_scheduler(config: SchedulerServerConfig) -> int:
+    """`pagedserve scheduler`: serves until SIGINT/SIGTERM, then drains. max_model_len defaults to,
+    and is capped at, the model's max_position_embeddings."""
     model = load_model_info(config.model_path)
+    longest = model.max_position_embeddings
+    engine_config = replace(config.engine, max_model_len=min(config.engine.max_model_len or longest, longest))
     asyncio.run(_serve(config, engine_config, model))
     return 0

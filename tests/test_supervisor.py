@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve import supervisor
+from pagedserve import serve_config
 from pagedserve.cli import build_parser
-from pagedserve.supervisor import ServeConfig, threads_per_rank
+from pagedserve.serve_config import ServeConfig, threads_per_rank
 
 
 @pytest.mark.parametrize("num_cores, num_ranks, expected", [
     (1, 1, 1), (2, 1, 1), (2, 2, 1), (4, 1, 3), (4, 2, 1), (16, 1, 15), (16, 2, 7), (16, 4, 3)])
 def test_threads_per_rank_leaves_a_core_to_the_frontend_and_scheduler(monkeypatch, num_cores, num_ranks,
                                                                        expected):
-    monkeypatch.setattr(supervisor.os, "sched_getaffinity", lambda pid: set(range(num_cores)))
+    monkeypatch.setattr(serve_config.os, "sched_getaffinity", lambda pid: set(range(num_cores)))
     assert threads_per_rank(num_ranks) == expected
 
 
 def _worker_args(tmp_path, monkeypatch, *extra: str) -> list[list[str]]:
     (tmp_path / "config.json").write_text("{}")
-    monkeypatch.setattr(supervisor.os, "sched_getaffinity", lambda pid: set(range(4)))
+    monkeypatch.setattr(serve_config.os, "sched_getaffinity", lambda pid: set(range(4)))
     args = build_parser().parse_args(["serve", "--model", str(tmp_path), *extra])
     return ServeConfig.from_args(args).worker_args
 

@@ -22,7 +22,6 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 
 import zmq
@@ -32,6 +31,7 @@ from pagedserve.log import configure_logging
 from pagedserve.plan_codec import encode_result, plan_from_proto
 from pagedserve.worker import resident_memory
 from pagedserve.worker.tensor_parallel import CollectiveError
+from pagedserve.worker.worker_config import WorkerConfig
 
 HEARTBEAT_SECONDS = 1.0
 
@@ -42,35 +42,6 @@ class StepGap(RuntimeError):
 
 class WorkerStopped(Exception):
     """Raised in the main thread by SIGTERM or SIGINT."""
-
-
-@dataclass(slots=True)
-class WorkerConfig:
-    model_path: str
-    plan_address: str
-    result_address: str
-    rank: int = 0
-    world_size: int = 1
-    device: str = "auto"
-    dtype: str = "auto"
-    block_size: int = 16
-    swap_space_gib: float = 4.0
-    dist_init_address: str = "tcp://127.0.0.1:29500"
-    dist_timeout_s: float = 60.0
-    kv_cache_memory_gib: float | None = None
-    num_threads: int | None = None  # torch intra-op threads (CPU); None: torch's default
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
-        if self.dist_timeout_s <= 0:
-            raise ValueError("dist_timeout_s must be positive")
-        if self.num_threads is not None and self.num_threads <= 0:
-            raise ValueError("num_threads must be positive")
-        if self.block_size <= 0:
-            raise ValueError("block_size must be positive")
-        if self.swap_space_gib < 0:
-            raise ValueError("swap_space_gib must be >= 0")
 
 
 class _Pusher:

@@ -178,14 +178,16 @@ class Sampler:
             for i, row in enumerate(top_rows):
                 spec = specs[row]
                 if spec.num_logprobs:
-                    values, ids = logprobs[i].topk(spec.num_logprobs)
+                    values, ids = logprobs[i].topk(min(spec.num_logprobs, logprobs.shape[-1]))
                     top_ids[row], top_logprobs[row] = ids.tolist(), values.tolist()
                 if spec.num_beam_candidates:
                     candidates = logprobs[i]
                     if spec.suppress_token_ids:
                         candidates = candidates.index_fill(0, torch.tensor(spec.suppress_token_ids, device=raw.device),
                                                            float("-inf"))
-                    values, ids = candidates.topk(spec.num_beam_candidates)
+                    # never more candidates than tokens left (EOS ids add to the stop ids)
+                    num_allowed = candidates.shape[-1] - len(set(spec.suppress_token_ids))
+                    values, ids = candidates.topk(max(1, min(spec.num_beam_candidates, num_allowed)))
                     beam_ids[row], beam_logprobs[row] = ids.tolist(), values.tolist()
         if beam_ids:
             beam_rows = list(beam_ids)

@@ -14,7 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.internal import scheduler_pb2, scheduler_pb2_grpc
-from pagedserve.supervisor import free_port
+from pagedserve.serve_config import free_port
 from pagedserve.v1 import generation_pb2_grpc
 from tests.e2e.harness import ServeProcess, assert_pool_whole, parse_log_events, token_request, wait_for
 

@@ -8,7 +8,7 @@ import pytest
 
 from fake_scheduler import FakeSchedulerServer
 
-from pagedserve.tiny_tokenizer import build_tokenizer
+from pagedserve.models.tiny_tokenizer import build_tokenizer
 
 VOCAB_SIZE = 512
 
@@ -40,9 +40,11 @@ def fake(scheduler_server):
 
 @pytest.fixture(scope="module")
 def frontend(tokenizer_folder, scheduler_server):
+    from pagedserve.frontend.frontend_config import FrontendConfig
     from pagedserve.frontend.server import serve_frontend
 
-    server = serve_frontend(tokenizer_folder, scheduler_server.address, host="127.0.0.1", port=0,
-                            metrics_port=0, health_poll_interval_s=0.1)
+    config = FrontendConfig(model_path=str(tokenizer_folder), scheduler_address=scheduler_server.address,
+                            host="127.0.0.1", port=0, metrics_port=0)
+    server = serve_frontend(config, health_poll_interval_s=0.1)
     yield server
     server.stop(grace_s=1.0)

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedserve.frontend.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
-from pagedserve.tiny_tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID
+from pagedserve.models.tiny_tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID
 
 MULTIBYTE_TEXT = "Prices: 3 € in Zürich, a star ★, a heart ♥ and “quotes” — done."
 

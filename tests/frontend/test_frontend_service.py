@@ -13,8 +13,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from fake_scheduler import FakeSchedulerServer
 
-from pagedserve.frontend.client import generate_cli
-from pagedserve.supervisor import free_port
+from pagedserve.frontend.client import GenerateOptions, generate_cli
+from pagedserve.serve_config import free_port
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc
 
@@ -247,10 +247,12 @@ def test_deadline_exceeded_aborts_the_request(stub, fake, tokenizer):
 
 
 def test_unreachable_scheduler_is_unavailable_until_it_starts(tokenizer_folder, tokenizer):
+    from pagedserve.frontend.frontend_config import FrontendConfig
     from pagedserve.frontend.server import serve_frontend
 
     scheduler_port = free_port()
-    server = serve_frontend(tokenizer_folder, f"127.0.0.1:{scheduler_port}", port=0, health_poll_interval_s=0.1)
+    config = FrontendConfig(model_path=str(tokenizer_folder), scheduler_address=f"127.0.0.1:{scheduler_port}", port=0)
+    server = serve_frontend(config, health_poll_interval_s=0.1)
     late_scheduler = None
     try:
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as chan:
@@ -282,6 +284,19 @@ def test_reflection_lists_the_services(channel, frontend):
     assert {"pagedserve.v1.Generation", "grpc.health.v1.Health"} <= names
 
 
+@pytest.mark.parametrize("package", ["grpc.reflection.v1alpha", "grpc.reflection.v1"])
+def test_reflection_answers_under_v1_and_v1alpha(channel, frontend, package):
+    """grpcurl and Postman ask v1 first; the messages are the same on the wire."""
+    call = channel.stream_stream(f"/{package}.ServerReflection/ServerReflectionInfo",
+                                 request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                                 response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+    requests = [reflection_pb2.ServerReflectionRequest(list_services=""),
+                reflection_pb2.ServerReflectionRequest(file_containing_symbol="pagedserve.v1.Generation")]
+    listed, described = list(call(iter(requests), timeout=5))
+    assert "pagedserve.v1.Generation" in {service.name for service in listed.list_services_response.service}
+    assert described.file_descriptor_response.file_descriptor_proto
+
+
 def test_tokenize_and_model_info(stub, fake, tokenizer):
     assert list(stub.Tokenize(pb.TokenizeRequest(text="the lamp"), timeout=5).token_ids) == tokenizer.encode("the lamp")
     info = stub.ModelInfo(pb.ModelInfoRequest(), timeout=5)
@@ -310,13 +325,15 @@ def test_generate_cli_streams_text(frontend, fake, tokenizer):
     (script,) = _script(fake, tokenizer, SCRIPT_0)
     fake.step_delay_s = 0.01
     out, err = _RecordingStream(), io.StringIO()
-    code = generate_cli(f"127.0.0.1:{frontend.port}", "Hello", max_tokens=len(script), timeout=10, out=out, err=err)
+    options = GenerateOptions(prompt="Hello", address=f"127.0.0.1:{frontend.port}", max_tokens=len(script))
+    code = generate_cli(options, timeout=10, out=out, err=err)
     assert code == 0
     assert "".join(out.writes) == SCRIPT_0 + "\n"
     assert len(out.writes) > 5, "the text was not streamed piece by piece"
     assert "finish_reason=length" in err.getvalue()
     err = io.StringIO()
-    bad = generate_cli(f"127.0.0.1:{frontend.port}", "Hello", max_tokens=1000, timeout=10, out=io.StringIO(), err=err)
+    too_long = GenerateOptions(prompt="Hello", address=f"127.0.0.1:{frontend.port}", max_tokens=1000)
+    bad = generate_cli(too_long, timeout=10, out=io.StringIO(), err=err)
     assert bad == 2 and "INVALID_ARGUMENT" in err.getvalue()
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from pagedserve.frontend.tokenizer import TokenizerLoadError, load_tokenizer
-from pagedserve.tiny_tokenizer import (
+from pagedserve.models.tiny_tokenizer import (
     BOS_TOKEN_ID, EOS_TOKEN_ID, MIN_VOCAB_SIZE, PAD_TOKEN_ID, UNK_TOKEN_ID, build_tokenizer,
 )
 

@@ -92,6 +92,10 @@ BAD_REQUESTS = [
     ("beam search with n", _request(beam_width=2, n=2), "n"),
     ("infinite length_penalty", _request(length_penalty=float("inf")), "length_penalty"),
     ("too many logprobs", _request(logprobs=21), "logprobs"),
+    ("huge length_penalty", _request(beam_width=2, length_penalty=1e30), "length_penalty"),
+    ("too many stop token ids", _request(stop_token_ids=list(range(65))), "stop_token_ids"),
+    ("more beam candidates than the vocabulary", _request(beam_width=2, stop_token_ids=list(range(60))),
+     "stop_token_ids"),
 ]
 
 

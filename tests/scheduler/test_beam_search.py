@@ -121,3 +121,8 @@ def test_length_normalised_matches_hf_formula() -> None:
     assert length_normalised(-3.0, 4, 0.5) == pytest.approx(-1.5)
     assert length_normalised(-3.0, 2, -1.0) == pytest.approx(-6.0)
     assert NEG_SCORE == -1.0e9
+
+
+def test_length_normalised_survives_an_overflowing_length_penalty() -> None:
+    assert length_normalised(-3.0, 7, 1e30) == NEG_SCORE
+    assert length_normalised(-3.0, 7, -1e30) == NEG_SCORE

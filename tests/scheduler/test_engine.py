@@ -8,7 +8,7 @@ import time
 
 from pagedserve.request_types import Request
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.scheduler.engine import Engine, EngineConfig, EngineUnavailable
+from pagedserve.scheduler.engine import Engine, EngineUnavailable
 from pagedserve.scheduler.errors import RequestRejected
 from pagedserve.scheduler.scheduler_config import SchedulerConfig
 from pagedserve.scheduler.worker_link import PoolSize, WorkerLost
@@ -71,7 +71,7 @@ def _engine(events: list, fail_at_step: int | None = None) -> Engine:
         for sink, item in pairs:
             sink(item)
 
-    config = EngineConfig(block_size=BLOCK_SIZE, max_model_len=256, max_num_seqs=8, num_kv_blocks=NUM_BLOCKS)
+    config = SchedulerConfig(block_size=BLOCK_SIZE, max_model_len=256, max_num_seqs=8, num_gpu_blocks=NUM_BLOCKS)
     engine = Engine(config, FakeLink(events, fail_at_step), dispatch=dispatch)
     engine.start()
     deadline = time.monotonic() + 5

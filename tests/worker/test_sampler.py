@@ -180,6 +180,14 @@ def test_beam_candidates_are_sorted_top_logprobs():
     assert len(samples[0].beam_token_ids) == 6
 
 
+def test_beam_candidates_and_logprobs_never_exceed_the_vocabulary():
+    suppressed = list(range(10))
+    samples = _sample(_logits(1), [SampleSpec(num_beam_candidates=4 * VOCAB, num_logprobs=VOCAB + 5,
+                                              suppress_token_ids=suppressed)])
+    assert sorted(samples[0].beam_token_ids) == list(range(10, VOCAB))
+    assert len(samples[0].top_token_ids) == VOCAB
+
+
 def test_invalid_spec_is_rejected():
     with pytest.raises(SamplerError, match="top_p"):
         _sample(_logits(1), [SampleSpec(temperature=1.0, top_p=0.0)])

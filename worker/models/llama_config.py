@@ -1,20 +1,15 @@
-"""The Llama-family architecture parameters our model needs, read from a config.json dict.
-
-Family differences handled here rather than in the model:
-
-    architecture          q/k/v bias        o bias            MLP bias    sliding window
-    LlamaForCausalLM      attention_bias    attention_bias    mlp_bias    none
-    MistralForCausalLM    no                no                no          every layer (sliding_window)
-    Qwen2ForCausalLM      yes               no                no          layer_types, when use_sliding_window
-"""
+"""The Llama-family architecture parameters our model needs, built from pagedserve.model_config's
+ModelInfo (the one reader of config.json, where the family differences are read) plus the RoPE
+settings only the worker uses."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedserve.model_config import SUPPORTED_ARCHITECTURES, ModelConfigError
+from pagedserve.model_config import (
+    SUPPORTED_ARCHITECTURES, ModelConfigError, ModelInfo, load_model_info, model_info_from_dict,
+)
 from pagedserve.worker.rotary import RopeConfig, RopeConfigError
 
 
@@ -58,63 +53,37 @@ class LlamaModelConfig:
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "LlamaModelConfig":
-        path = Path(folder) / "config.json"
-        if not path.is_file():
-            raise ModelConfigError(f"{folder} has no config.json")
-        return cls.from_hf_dict(json.loads(path.read_text()))
+        return cls.from_model_info(load_model_info(folder))
 
     @classmethod
     def from_hf_dict(cls, config: dict) -> "LlamaModelConfig":
-        architectures = config.get("architectures") or []
-        architecture = architectures[0] if architectures else ""
-        if architecture not in SUPPORTED_ARCHITECTURES:
-            raise ModelConfigError(
-                f"architecture {architecture!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-            )
-        activation = config.get("hidden_act", "silu")
-        if activation != "silu":
-            raise ModelConfigError(f"hidden_act {activation!r} is not supported (only 'silu')")
+        return cls.from_model_info(model_info_from_dict(config))
+
+    @classmethod
+    def from_model_info(cls, info: ModelInfo) -> "LlamaModelConfig":
+        if info.hidden_act != "silu":
+            raise ModelConfigError(f"hidden_act {info.hidden_act!r} is not supported (only 'silu')")
+        if info.intermediate_size is None:
+            raise ModelConfigError("config.json lacks 'intermediate_size'")
         try:
-            num_heads = int(config["num_attention_heads"])
-            hidden_size = int(config["hidden_size"])
-            num_layers = int(config["num_hidden_layers"])
-            head_size = int(config.get("head_dim") or hidden_size // num_heads)
-            rope = RopeConfig.from_hf_config(config, head_size)
-            return cls(
-                architecture=architecture,
-                vocab_size=int(config["vocab_size"]),
-                hidden_size=hidden_size,
-                intermediate_size=int(config["intermediate_size"]),
-                num_layers=num_layers,
-                num_heads=num_heads,
-                num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
-                head_size=head_size,
-                rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-                rope=rope,
-                max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                **_family_options(architecture, config, num_layers),
-            )
-        except KeyError as missing:
-            raise ModelConfigError(f"config.json lacks {missing}") from None
+            rope = RopeConfig.from_hf_config(info.hf_config, info.head_size)
         except RopeConfigError as error:
             raise ModelConfigError(str(error)) from None
-
-
-def _family_options(architecture: str, config: dict, num_layers: int) -> dict:
-    if architecture == "LlamaForCausalLM":
-        attention_bias = bool(config.get("attention_bias", False))
-        return {"has_qkv_bias": attention_bias, "has_o_bias": attention_bias,
-                "has_mlp_bias": bool(config.get("mlp_bias", False))}
-    if architecture == "MistralForCausalLM":
-        window = config.get("sliding_window")
-        return {"layer_sliding_windows": (int(window),) * num_layers if window else ()}
-    window = config.get("sliding_window") if config.get("use_sliding_window", False) else None
-    if not window:
-        return {"has_qkv_bias": True}
-    layer_types = config.get("layer_types") or [
-        "sliding_attention" if i >= int(config.get("max_window_layers", num_layers)) else "full_attention"
-        for i in range(num_layers)
-    ]
-    windows = tuple(int(window) if kind == "sliding_attention" else None for kind in layer_types)
-    return {"has_qkv_bias": True, "layer_sliding_windows": windows}
+        return cls(
+            architecture=info.architecture,
+            vocab_size=info.vocab_size,
+            hidden_size=info.hidden_size,
+            intermediate_size=info.intermediate_size,
+            num_layers=info.num_layers,
+            num_heads=info.num_heads,
+            num_kv_heads=info.num_kv_heads,
+            head_size=info.head_size,
+            rms_norm_eps=info.rms_norm_eps,
+            rope=rope,
+            max_position_embeddings=info.max_position_embeddings,
+            tie_word_embeddings=info.tie_word_embeddings,
+            has_qkv_bias=info.has_qkv_bias,
+            has_o_bias=info.has_o_bias,
+            has_mlp_bias=info.has_mlp_bias,
+            layer_sliding_windows=info.layer_sliding_windows,
+        )

@@ -47,8 +47,8 @@ def ensure_demo_model() -> Path:
 
 
 def build_demo_model(folder: Path) -> Path:
-    from pagedserve.tiny_checkpoint import build_tiny_checkpoint
-    from pagedserve.tiny_tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID, build_tokenizer
+    from pagedserve.models.tiny_checkpoint import build_tiny_checkpoint
+    from pagedserve.models.tiny_tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID, build_tokenizer
 
     build_tokenizer(folder, vocab_size=DEMO_VOCAB_SIZE)
     build_tiny_checkpoint(
@@ -67,22 +67,3 @@ def build_demo_model(folder: Path) -> Path:
     )
     (folder / "pagedserve_demo.json").write_text(json.dumps({"version": DEMO_VERSION}))
     return folder
-
-
-def served_model_name(model_path: str | Path) -> str:
-    """The name clients use for a checkpoint: `demo` for the demo, else its folder or file name."""
-    path = Path(model_path)
-    if path.expanduser().resolve() == demo_path().expanduser().resolve():
-        return DEMO_NAME
-    return path.name or str(path)
-
-
-def resolve_model(model: str) -> Path:
-    """Maps `demo` to the built-in checkpoint and anything else to an existing folder."""
-    if model == DEMO_NAME:
-        return ensure_demo_model()
-    path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{model} is not a checkpoint folder with a config.json "
-                                f"(use --model demo for the built-in model)")
-    return path

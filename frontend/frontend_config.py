@@ -1,0 +1,40 @@
+"""Validated configuration of the frontend process: its public port, the scheduler it talks to,
+its limits and its transport (message size, keepalive, TLS).
+
+The one definition of `pagedserve frontend`'s settings; the flags (and what `serve` forwards)
+are derived from the fields' metadata (pagedserve.config_flags).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedserve.config_flags import nested, option, require
+from pagedserve.frontend.transport import TransportConfig
+from pagedserve.shared_options import (
+    DEFAULT_HOST, DEFAULT_PORT, DEFAULT_SCHEDULER_PORT, model_option, shutdown_timeout_option,
+)
+
+DEFAULT_MAX_CONCURRENT_RPCS = 512
+
+
+@dataclass(kw_only=True, slots=True)
+class FrontendConfig:
+    model_path: str = model_option()  # the frontend reads only the tokenizer and EOS ids
+    host: str = option(DEFAULT_HOST, serve=True, help="address of the public gRPC port (and of /metrics)")
+    port: int = option(DEFAULT_PORT, serve=True, help="public gRPC port (0: a free one)")
+    scheduler_address: str = option(f"{DEFAULT_HOST}:{DEFAULT_SCHEDULER_PORT}", metavar="HOST:PORT",
+                                    help="the scheduler's internal gRPC port")
+    metrics_port: int | None = option(None, metavar="P", serve=True, help="serve Prometheus /metrics on this port")
+    shutdown_timeout: float = shutdown_timeout_option()
+    max_concurrent_rpcs: int = option(
+        DEFAULT_MAX_CONCURRENT_RPCS, metavar="N", serve=True,
+        help="calls served at once (health checks included); beyond it RESOURCE_EXHAUSTED")
+    transport: TransportConfig = nested(TransportConfig, title="public port transport")
+
+    def __post_init__(self) -> None:
+        for name in ("port", "metrics_port"):
+            value = getattr(self, name)
+            require(value is None or 0 <= value <= 65535, name, f"must be a port number (0-65535), not {value}")
+        require(self.shutdown_timeout >= 0, "shutdown_timeout", "must be >= 0")
+        require(self.max_concurrent_rpcs >= 1, "max_concurrent_rpcs", "must be >= 1")

@@ -1,0 +1,7 @@
+"""pagedserve.models: where the checkpoint a process serves comes from (shared by every process).
+
+resolve.py (`--model` -> a checkpoint folder: resolve_model) -> demo.py (the built-in `demo`
+model, built on first use into the cache folder) -> tiny_checkpoint.py (seeded Llama-family
+checkpoints, also for tests and benchmarks) + tiny_tokenizer.py (a deterministic byte-level BPE
+tokenizer folder). Reading a folder's config.json is pagedserve.model_config's job.
+"""

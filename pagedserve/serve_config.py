@@ -1,0 +1,143 @@
+"""What `pagedserve serve` starts: each child's validated config, and the command line it gets.
+
+`serve` takes its own options (ServeOptions) and every option of the three processes marked
+`serve=True` (pagedserve.config_flags); each flag is added once, so `--model` or
+`--shutdown-timeout` set every process that has it. ServeConfig.from_args builds the children's
+configs from those flags plus what `serve` decides itself:
+
+    scheduler  --port (--scheduler-port, else a free port), --plan-address/--result-address
+               (free local ports), --metrics-port (--scheduler-metrics-port, else --metrics-port + 1),
+               --worker-recovery-timeout 120 when --max-worker-restarts > 0
+    worker r   --rank r, the same plan/result addresses, --dist-init-address (a free local port),
+               --num-threads threads_per_rank(N) unless OMP_NUM_THREADS is set
+    frontend   --scheduler-address 127.0.0.1:PORT
+
+and each child's argv is derived from its config (to_argv), so it parses back to the same values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from dataclasses import dataclass, field
+
+from pagedserve.config_flags import add_flags, from_args, option, require, to_argv
+from pagedserve.frontend.frontend_config import FrontendConfig
+from pagedserve.models.resolve import resolve_model
+from pagedserve.scheduler.scheduler_config import SchedulerConfig
+from pagedserve.scheduler.server_config import SchedulerServerConfig
+from pagedserve.shared_options import DEFAULT_HOST
+from pagedserve.worker.worker_config import WorkerConfig
+
+WORKER_RECOVERY_SECONDS = 120.0  # the scheduler holds requests this long for restarted workers
+
+
+def free_port(host: str = DEFAULT_HOST) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def threads_per_rank(num_ranks: int) -> int:
+    """CPU threads for each of num_ranks workers on this host. One core is left to the frontend
+    and the scheduler, and the rest is split between the ranks: a worker's parallel regions end
+    in barriers, so one of its threads descheduled by a neighbour (or by another rank's threads)
+    holds every other thread, and every all-reduce, back."""
+    try:
+        num_cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        num_cores = os.cpu_count() or 1
+    return max(1, (num_cores - 1) // num_ranks)
+
+
+@dataclass(kw_only=True, slots=True)
+class ServeOptions:
+    """The options of `serve` itself (the processes' options it takes are their configs')."""
+
+    max_worker_restarts: int = option(
+        3, metavar="N", serve=True,
+        help="restart the workers this many times when one dies, resuming the requests in flight "
+             "(0: a dead worker leaves the replica unready)")
+    scheduler_port: int | None = option(None, metavar="P", serve=True,
+                                        help="internal scheduler gRPC port on 127.0.0.1 (default: a free port)")
+    scheduler_metrics_port: int | None = option(
+        None, metavar="P", serve=True, help="the scheduler's Prometheus /metrics port (default: --metrics-port + 1)")
+
+    def __post_init__(self) -> None:
+        require(self.max_worker_restarts >= 0, "max_worker_restarts", "must be >= 0")
+        for name in ("scheduler_port", "scheduler_metrics_port"):
+            value = getattr(self, name)
+            require(value is None or 0 <= value <= 65535, name, f"must be a port number (0-65535), not {value}")
+
+
+SERVE_CONFIGS = (FrontendConfig, ServeOptions, SchedulerServerConfig, WorkerConfig)
+
+
+def add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    add_flags(parser, *SERVE_CONFIGS, serve_only=True)
+
+
+@dataclass(kw_only=True)
+class ServeConfig:
+    options: ServeOptions
+    frontend: FrontendConfig
+    scheduler: SchedulerServerConfig
+    workers: list[WorkerConfig]
+    env: dict[str, str] | None = field(default=None)  # the children's environment (None: serve's)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "ServeConfig":
+        """The children's configs from `serve`'s parsed flags (see the module docstring)."""
+        options = from_args(ServeOptions, args, serve_only=True)
+        model = str(resolve_model(args.model))
+        scheduler_port = options.scheduler_port or free_port()
+        plan, result, dist = (f"tcp://127.0.0.1:{free_port()}" for _ in range(3))
+        metrics_port = args.metrics_port or None
+        scheduler_metrics_port = options.scheduler_metrics_port
+        if scheduler_metrics_port is None and metrics_port:
+            scheduler_metrics_port = metrics_port + 1
+        recovery_timeout = WORKER_RECOVERY_SECONDS if options.max_worker_restarts > 0 else 0.0
+        scheduler = from_args(
+            SchedulerServerConfig, args, serve_only=True, model_path=model, port=scheduler_port,
+            plan_address=plan, result_address=result, metrics_port=scheduler_metrics_port or None,
+            engine=from_args(SchedulerConfig, args, serve_only=True, worker_recovery_timeout=recovery_timeout))
+        num_ranks = scheduler.tensor_parallel_size
+        # with OMP_NUM_THREADS set, torch follows what the operator set
+        num_threads = None if "OMP_NUM_THREADS" in os.environ else threads_per_rank(num_ranks)
+        workers = [from_args(WorkerConfig, args, serve_only=True, model_path=model, rank=rank,
+                             plan_address=plan, result_address=result, dist_init_address=dist,
+                             num_threads=num_threads)
+                   for rank in range(num_ranks)]
+        frontend = from_args(FrontendConfig, args, serve_only=True, model_path=model,
+                             metrics_port=metrics_port, scheduler_address=f"127.0.0.1:{scheduler_port}")
+        return cls(options=options, frontend=frontend, scheduler=scheduler, workers=workers)
+
+    @property
+    def model(self) -> str:
+        return self.scheduler.model_path
+
+    @property
+    def public_address(self) -> str:
+        return f"{self.frontend.host}:{self.frontend.port}"
+
+    @property
+    def max_worker_restarts(self) -> int:
+        return self.options.max_worker_restarts
+
+    @property
+    def shutdown_timeout(self) -> float:
+        """The longer drain of frontend and scheduler."""
+        return max(self.frontend.shutdown_timeout, self.scheduler.shutdown_timeout)
+
+    @property
+    def scheduler_args(self) -> list[str]:
+        return ["scheduler", *to_argv(self.scheduler)]
+
+    @property
+    def worker_args(self) -> list[list[str]]:
+        return [["worker", *to_argv(worker)] for worker in self.workers]
+
+    @property
+    def frontend_args(self) -> list[str]:
+        return ["frontend", *to_argv(self.frontend)]

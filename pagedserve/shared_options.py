@@ -1,0 +1,57 @@
+"""The options that more than one process's config declares, defined once, and the default
+addresses by which the processes find each other.
+
+    --model                   frontend, scheduler, worker (serve resolves it once for all)
+    --shutdown-timeout        frontend, scheduler
+    --tensor-parallel-size    scheduler, worker
+    --block-size              scheduler, worker
+    --plan-address, --result-address    scheduler (binds), worker (connects)
+
+Each process's config field is declared with the helper below, so the flag has one default, type
+and help text wherever it appears (pagedserve.config_flags checks it when `serve` adds it once).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedserve.config_flags import option
+from pagedserve.grpc_options import DEFAULT_SHUTDOWN_TIMEOUT_S
+from pagedserve.models.demo import DEMO_NAME
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 50051  # the frontend's public port
+DEFAULT_SCHEDULER_PORT = 50052
+DEFAULT_PLAN_ADDRESS = "tcp://127.0.0.1:50061"  # ZeroMQ PUB of the scheduler: step plans
+DEFAULT_RESULT_ADDRESS = "tcp://127.0.0.1:50062"  # ZeroMQ PULL of the scheduler: worker messages
+DEFAULT_DIST_INIT_ADDRESS = "tcp://127.0.0.1:50063"  # torch.distributed rendezvous of the ranks
+DEFAULT_BLOCK_SIZE = 16
+
+
+def model_option() -> Any:
+    return option(DEMO_NAME, flag="--model", metavar="PATH|demo", serve=True,
+                  help="Hugging Face checkpoint folder, or `demo` for the built-in model")
+
+
+def shutdown_timeout_option() -> Any:
+    return option(DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="S", serve=True,
+                  help="on SIGTERM: seconds running requests get to finish before they are cut")
+
+
+def tensor_parallel_size_option() -> Any:
+    return option(1, flag="--tensor-parallel-size", metavar="N", serve=True,
+                  help="ranks of the replica, one worker process each")
+
+
+def block_size_option() -> Any:
+    return option(DEFAULT_BLOCK_SIZE, metavar="N", serve=True, help="tokens per KV cache block")
+
+
+def plan_address_option() -> Any:
+    return option(DEFAULT_PLAN_ADDRESS, metavar="tcp://HOST:PORT",
+                  help="ZeroMQ address of the step plans (the scheduler binds it, workers connect)")
+
+
+def result_address_option() -> Any:
+    return option(DEFAULT_RESULT_ADDRESS, metavar="tcp://HOST:PORT",
+                  help="ZeroMQ address of the workers' results (the scheduler binds it, workers connect)")

@@ -1,0 +1,54 @@
+"""Validated configuration of one worker rank: its model, device, KV memory and links (no torch).
+
+The one definition of `pagedserve worker`'s settings; the flags (and what `serve` forwards) are
+derived from the fields' metadata (pagedserve.config_flags).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedserve.config_flags import option, require
+from pagedserve.shared_options import (
+    DEFAULT_DIST_INIT_ADDRESS, block_size_option, model_option, plan_address_option, result_address_option,
+    tensor_parallel_size_option,
+)
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(kw_only=True, slots=True)
+class WorkerConfig:
+    model_path: str = model_option()
+    rank: int = option(0, metavar="R", help="this process's tensor-parallel rank, 0 to N-1")
+    world_size: int = tensor_parallel_size_option()
+    plan_address: str = plan_address_option()
+    result_address: str = result_address_option()
+    dist_init_address: str = option(DEFAULT_DIST_INIT_ADDRESS, metavar="tcp://HOST:PORT",
+                                    help="rendezvous of the tensor-parallel ranks: tcp://RANK0_HOST:PORT")
+    dist_timeout_s: float = option(60.0, flag="--dist-timeout", metavar="SECONDS",
+                                   help="how long a rank waits in a collective (or the rendezvous) for the others")
+    num_threads: int | None = option(None, metavar="N",
+                                     help="torch CPU threads of this rank (default: torch's choice)")
+    block_size: int = block_size_option()
+    device: str = option("auto", choices=DEVICES, serve=True, help="where the model runs (auto: cuda if present)")
+    dtype: str = option("auto", choices=DTYPES, serve=True,
+                        help="weights and KV cache (auto: the checkpoint's dtype on CUDA, float32 on CPU)")
+    swap_space_gib: float = option(4.0, flag="--swap-space", metavar="GIB", serve=True,
+                                   help="CPU swap space per rank for preempted KV blocks")
+    kv_cache_memory_gib: float | None = option(
+        None, flag="--kv-cache-memory", metavar="GIB", serve=True,
+        help="memory for the KV pool per rank (default: derived from the device)")
+
+    def __post_init__(self) -> None:
+        require(self.world_size >= 1, "world_size", f"must be >= 1, not {self.world_size}")
+        require(0 <= self.rank < self.world_size, "rank", f"{self.rank} is outside world size {self.world_size}")
+        require(self.dist_timeout_s > 0, "dist_timeout_s", "must be positive")
+        require(self.num_threads is None or self.num_threads > 0, "num_threads", "must be positive")
+        require(self.block_size > 0, "block_size", "must be positive")
+        require(self.device in DEVICES, "device", f"must be one of {', '.join(DEVICES)}")
+        require(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")
+        require(self.swap_space_gib >= 0, "swap_space_gib", "must be >= 0")
+        require(self.kv_cache_memory_gib is None or self.kv_cache_memory_gib > 0, "kv_cache_memory_gib",
+                "must be positive")
