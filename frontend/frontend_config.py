@@ -1,5 +1,5 @@
 """Validated configuration of the frontend process: its public port, the scheduler it talks to,
-its limits and its transport (message size, keepalive, TLS).
+its limits, its transport (message size, keepalive, TLS) and its OpenAI-compatible HTTP port.
 
 The one definition of `pagedserve frontend`'s settings; the flags (and what `serve` forwards)
 are derived from the fields' metadata (pagedserve.config_flags).
@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedserve.config_flags import nested, option, require
+from pagedserve.frontend.http_config import HttpConfig
 from pagedserve.frontend.transport import TransportConfig
 from pagedserve.shared_options import (
     DEFAULT_HOST, DEFAULT_PORT, DEFAULT_SCHEDULER_PORT, model_option, shutdown_timeout_option,
@@ -29,8 +30,10 @@ class FrontendConfig:
     shutdown_timeout: float = shutdown_timeout_option()
     max_concurrent_rpcs: int = option(
         DEFAULT_MAX_CONCURRENT_RPCS, metavar="N", serve=True,
-        help="calls served at once (health checks included); beyond it RESOURCE_EXHAUSTED")
+        help="calls served at once (health checks included); beyond it RESOURCE_EXHAUSTED; "
+             "HTTP: prompts generating at once, beyond it 429")
     transport: TransportConfig = nested(TransportConfig, title="public port transport")
+    http: HttpConfig = nested(HttpConfig, title="OpenAI-compatible HTTP")
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port"):

@@ -1,10 +1,13 @@
-"""The frontend process: public gRPC server (Generation, health, reflection) and Prometheus metrics.
+"""The frontend process: public gRPC server (Generation, health, reflection), the OpenAI-compatible
+HTTP API, and Prometheus metrics.
 
 ```
  serve_frontend()
    ├─ grpc.server  host:port   pagedserve.v1.Generation   (servicer.py)
    │   plaintext, TLS or mTLS  grpc.health.v1.Health       "" = alive, Generation = scheduler ready
    │   (transport.py)          server reflection           both services listed
+   ├─ uvicorn thread           host:http_port (0: none)   /v1/completions, /v1/chat/completions … (http_server.py)
+   │                           same TLS settings
    ├─ ReadinessMonitor thread  polls the scheduler's GetInfo (readiness.py)
    └─ /metrics HTTP            host:metrics_port, when a metrics port is given
 ```
@@ -22,10 +25,12 @@ import signal
 import socket
 import threading
 from concurrent import futures
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
+from pagedserve.frontend.admission import Admission
 from pagedserve.frontend.drain import InFlight
 from pagedserve.frontend.frontend_config import FrontendConfig
 from pagedserve.frontend.metrics import FrontendMetrics
@@ -37,6 +42,9 @@ from pagedserve.frontend.tokenizer import TokenizerLoadError, load_tokenizer
 from pagedserve.frontend.transport import TransportConfigError
 from pagedserve.grpc_options import DEFAULT_SHUTDOWN_TIMEOUT_S
 from pagedserve.log import configure_logging
+
+if TYPE_CHECKING:
+    from pagedserve.frontend.http_server import HttpServer
 
 STOP_GRACE_S = 5.0
 CUT_GRACE_S = 2.0  # after the shutdown timeout: how long cut requests get to send their status
@@ -50,9 +58,12 @@ class FrontendServer:
     """A running frontend; `port` and `metrics_port` are the bound ports (useful when 0 was asked)."""
 
     def __init__(self, server: grpc.Server, port: int, metrics: FrontendMetrics, metrics_port: int | None,
-                 readiness: ReadinessMonitor, client: SchedulerClient, in_flight: InFlight) -> None:
+                 readiness: ReadinessMonitor, client: SchedulerClient, in_flight: InFlight,
+                 http_server: HttpServer | None = None) -> None:
         self.server = server
         self.port = port
+        self.http_server = http_server
+        self.http_port = http_server.port if http_server is not None else None
         self.metrics = metrics
         self.metrics_port = metrics_port
         self.readiness = readiness
@@ -74,6 +85,8 @@ class FrontendServer:
         """NOT_SERVING everywhere, refuse new calls, wait up to `grace_s` for running ones, then
         cancel the rest (which aborts them in the scheduler)."""
         self.readiness.stop()
+        if self.http_server is not None:
+            self.http_server.stop(grace_s)
         self.server.stop(grace_s).wait()
         self._client.close()
         self.metrics.stop()
@@ -127,9 +140,23 @@ def serve_frontend(config: FrontendConfig, *, health_poll_interval_s: float = DE
         except OSError as exc:
             client.close()
             raise FrontendStartError(f"cannot serve metrics on {host}:{config.metrics_port}: {exc}") from exc
+    http_server = None
+    if config.http.is_enabled:
+        from pagedserve.frontend.http_server import HttpStartError, start_http_server  # FastAPI: only when used
+
+        try:
+            http_server = start_http_server(
+                Admission(tokenizer, client, readiness, in_flight), metrics, config.http, host=host,
+                model_path=config.model_path, transport=transport,
+                max_concurrent_requests=config.max_concurrent_rpcs, grace_s=CUT_GRACE_S)
+        except HttpStartError as exc:
+            client.close()
+            metrics.stop()
+            raise FrontendStartError(str(exc)) from exc
     server.start()
     readiness.start()
-    return FrontendServer(server, bound_port, metrics, bound_metrics_port, readiness, client, in_flight)
+    return FrontendServer(server, bound_port, metrics, bound_metrics_port, readiness, client, in_flight,
+                          http_server)
 
 
 def run_frontend(config: FrontendConfig) -> int:
@@ -151,8 +178,8 @@ def run_frontend(config: FrontendConfig) -> int:
         transport = config.transport
         tls = "mutual" if transport.is_mutual_tls else "on" if transport.is_tls else "off"
         process_log.info("frontend_serving", address=f"{config.host}:{frontend.port}",
-                         scheduler=config.scheduler_address, metrics_port=frontend.metrics_port,
-                         model=config.model_path, tls=tls)
+                         http_port=frontend.http_port, scheduler=config.scheduler_address,
+                         metrics_port=frontend.metrics_port, model=config.model_path, tls=tls)
         while not stop_requested.wait(0.5):
             pass
         process_log.info("frontend_draining", num_in_flight=len(frontend.in_flight),

@@ -5,6 +5,9 @@ programs that embed a server.
         server.stub.Generate(...)           # pagedserve.v1.Generation, synchronous
         server.stats()                      # the scheduler's internal GetStats
 
+    with ServeProcess("demo", Path("serve.log"), http_port=True) as server:
+        OpenAI(base_url=server.http_url + "/v1", api_key="-")   # the OpenAI-compatible HTTP API
+
 The constructor starts the tree; `wait_ready` (called by `with`) waits for readiness; `stop`
 (called at the end of `with`) sends SIGTERM and returns serve's exit code, killing the whole
 process group when it does not exit in time.
@@ -35,15 +38,21 @@ class ServeProcess:
 
     `credentials` (TLS to the public port) are used for `channel`; `metrics=True` also serves both
     processes' Prometheus metrics on free ports (`metrics_port`, `scheduler_metrics_port`);
-    `num_threads` sets OMP_NUM_THREADS for the tree (the workers' torch thread count).
+    `num_threads` sets OMP_NUM_THREADS for the tree (the workers' torch thread count);
+    `http_port=True` serves the OpenAI-compatible HTTP API on a free port (`http_port`, `http_url`),
+    an int on that port; by default the tree has no HTTP port (serve's own default, 8000, would
+    collide between trees).
     """
 
     def __init__(self, model: str | Path, log_path: Path, extra_args: list[str] | None = None,
                  env: dict[str, str] | None = None, *,
                  credentials: grpc.ChannelCredentials | None = None, metrics: bool = False,
                  num_threads: int | None = None, device: str = "cpu",
-                 ready_timeout: float = 300.0) -> None:
+                 ready_timeout: float = 300.0, http_port: bool | int = False) -> None:
         self.port = free_port()
+        if http_port is True:
+            http_port = free_port()
+        self.http_port: int | None = int(http_port) or None
         self.scheduler_port = free_port()
         self.log_path = Path(log_path)
         self.ready_timeout = ready_timeout
@@ -53,7 +62,8 @@ class ServeProcess:
                          "--scheduler-metrics-port", str(self.scheduler_metrics_port)] if metrics else [])
         self.command = [sys.executable, "-m", "pagedserve.cli", "serve", "--model", str(model),
                         "--port", str(self.port), "--scheduler-port", str(self.scheduler_port),
-                        "--device", device, *metrics_args, *(extra_args or [])]
+                        "--device", device, "--http-port", str(self.http_port or 0), *metrics_args,
+                        *(extra_args or [])]
         full_env = dict(os.environ)
         full_env.update(env or {})
         if num_threads is not None:
@@ -84,6 +94,13 @@ class ServeProcess:
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        """http://127.0.0.1:PORT of the OpenAI-compatible API (ServeProcess(http_port=True))."""
+        if self.http_port is None:
+            raise RuntimeError("this serve has no HTTP port: start it with http_port=True")
+        return f"http://127.0.0.1:{self.http_port}"
 
     def aio_channel(self) -> grpc.aio.Channel:
         return grpc.aio.insecure_channel(self.address)

@@ -86,7 +86,7 @@ def test_killed_frontend_has_its_requests_aborted(service_server, llama_checkpoi
     log = open(tmp_path / "frontend.log", "wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "pagedserve.cli", "frontend", "--model", str(llama_checkpoint),
-         "--port", str(port), "--scheduler-address", f"127.0.0.1:{service_server.scheduler_port}"],
+         "--port", str(port), "--http-port", "0", "--scheduler-address", f"127.0.0.1:{service_server.scheduler_port}"],
         stdout=log, stderr=subprocess.STDOUT)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:

@@ -90,7 +90,7 @@ class Frontend:
     def __init__(self, checkpoint: Path, scheduler_port: int, log_dir: Path) -> None:
         self.port = free_port()
         self.process = Process("frontend", [
-            "frontend", "--model", str(checkpoint), "--port", str(self.port),
+            "frontend", "--model", str(checkpoint), "--port", str(self.port), "--http-port", "0",
             "--scheduler-address", f"127.0.0.1:{scheduler_port}",
             "--shutdown-timeout", str(FRONTEND_SHUTDOWN_TIMEOUT_S)], log_dir)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")

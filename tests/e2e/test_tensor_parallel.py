@@ -263,7 +263,7 @@ def test_ranks_started_one_by_one_recover_after_a_restart(checkpoints, tmp_path)
                         "--result-address", f"tcp://*:{result_port}", "--tensor-parallel-size", "2",
                         "--num-kv-blocks", "64", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S))
         ranks = [worker(0), worker(1)]
-        processes.start("frontend", "--model", model, "--host", "127.0.0.1", "--port", str(port),
+        processes.start("frontend", "--model", model, "--host", "127.0.0.1", "--port", str(port), "--http-port", "0",
                         "--scheduler-address", f"127.0.0.1:{scheduler_port}")
         assert wait_for(is_ready, timeout=180), processes.log_path.read_text()[-3000:]
         before = stub.Generate(token_request(prompt, max_tokens=MAX_NEW_TOKENS), timeout=60)

@@ -41,10 +41,12 @@ def fake(scheduler_server):
 @pytest.fixture(scope="module")
 def frontend(tokenizer_folder, scheduler_server):
     from pagedserve.frontend.frontend_config import FrontendConfig
+    from pagedserve.frontend.http_config import HttpConfig
     from pagedserve.frontend.server import serve_frontend
+    from pagedserve.serve_config import free_port
 
     config = FrontendConfig(model_path=str(tokenizer_folder), scheduler_address=scheduler_server.address,
-                            host="127.0.0.1", port=0, metrics_port=0)
+                            host="127.0.0.1", port=0, metrics_port=0, http=HttpConfig(port=free_port()))
     server = serve_frontend(config, health_poll_interval_s=0.1)
     yield server
     server.stop(grace_s=1.0)

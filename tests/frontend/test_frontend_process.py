@@ -19,9 +19,11 @@ from pagedserve.v1 import generation_pb2_grpc
 def test_run_frontend_serves_until_sigterm(tokenizer_folder, scheduler_server, fake):
     port = free_port()
     code = (f"import sys; from pagedserve.frontend.frontend_config import FrontendConfig; "
+            f"from pagedserve.frontend.http_config import HttpConfig; "
             f"from pagedserve.frontend.server import run_frontend; "
             f"sys.exit(run_frontend(FrontendConfig(model_path={str(tokenizer_folder)!r}, "
-            f"scheduler_address={scheduler_server.address!r}, host='127.0.0.1', port={port})))")
+            f"scheduler_address={scheduler_server.address!r}, host='127.0.0.1', port={port}, "
+            f"http=HttpConfig(port=0))))")
     proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:

@@ -248,10 +248,12 @@ def test_deadline_exceeded_aborts_the_request(stub, fake, tokenizer):
 
 def test_unreachable_scheduler_is_unavailable_until_it_starts(tokenizer_folder, tokenizer):
     from pagedserve.frontend.frontend_config import FrontendConfig
+    from pagedserve.frontend.http_config import HttpConfig
     from pagedserve.frontend.server import serve_frontend
 
     scheduler_port = free_port()
-    config = FrontendConfig(model_path=str(tokenizer_folder), scheduler_address=f"127.0.0.1:{scheduler_port}", port=0)
+    config = FrontendConfig(model_path=str(tokenizer_folder), scheduler_address=f"127.0.0.1:{scheduler_port}", port=0,
+                            http=HttpConfig(port=0))
     server = serve_frontend(config, health_poll_interval_s=0.1)
     late_scheduler = None
     try:
