@@ -47,6 +47,7 @@ log = structlog.get_logger()
 REQUEST_ID_HEADER = "x-request-id"
 MAX_REQUEST_ID_CHARS = 256
 OPEN_PATHS = ("/health",)  # answered without an API key
+MAX_DISCARDED_BYTES = 256 * 2**20  # of a body over the limit; past this the connection is dropped
 
 
 class HttpEdge:
@@ -98,16 +99,18 @@ def _request_id(header: bytes) -> str:
 
 
 async def read_json(request: Request, max_bytes: int):
-    """The request body parsed as JSON; InvalidParameter("body") for what is not."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise InvalidParameter("body", f"the body has {declared} bytes; at most {max_bytes} are accepted")
+    """The request body parsed as JSON; InvalidParameter("body") for what is not. A body over
+    max_bytes is read to its end and dropped (up to MAX_DISCARDED_BYTES), so the client, still
+    sending, gets the 400 rather than a reset connection."""
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
-        if size > max_bytes:
-            raise InvalidParameter("body", f"the body is larger than {max_bytes} bytes")
-        chunks.append(chunk)
+        if size <= max_bytes:
+            chunks.append(chunk)
+        elif size > MAX_DISCARDED_BYTES:
+            break
+    if size > max_bytes:
+        raise InvalidParameter("body", f"the body is larger than {max_bytes} bytes (--max-request-bytes)")
     try:
         text = b"".join(chunks).decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,12 @@ import pytest
 from tests.e2e.harness import ServeProcess
 
 VOCAB_SIZE = 512
+# A plain chat template (the tiny tokenizer has none): BOS, one turn per message ended by EOS,
+# and the assistant's header with add_generation_prompt.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}"
+    "{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+OPENAI_API_KEY = "test-key"
 
 
 def build_checkpoint(folder: Path, architecture: str, **sizes) -> Path:
@@ -27,6 +34,19 @@ def llama_checkpoint(tmp_path_factory) -> Path:
     return build_checkpoint(tmp_path_factory.mktemp("llama-gqa"), "llama", hidden_size=64,
                             num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
                             max_position_embeddings=1024, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def chat_checkpoint(tmp_path_factory) -> Path:
+    """The Llama checkpoint of llama_checkpoint, its tokenizer_config.json with CHAT_TEMPLATE."""
+    folder = build_checkpoint(tmp_path_factory.mktemp("llama-chat"), "llama", hidden_size=64,
+                              num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
+                              max_position_embeddings=1024, tie_word_embeddings=False)
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    config_path.write_text(json.dumps(config, indent=2))
+    return folder
 
 
 @pytest.fixture(scope="session")
@@ -92,6 +112,19 @@ def service_server(llama_checkpoint, tmp_path_factory):
     observability): metrics on both processes, a pool small enough that a leak shows."""
     server = start_server(llama_checkpoint, tmp_path_factory, "service", "--num-kv-blocks", "192",
                           "--max-num-batched-tokens", "512", metrics=True)
+    yield server
+    code = server.stop()
+    assert code == 0, f"serve exited with {code}:\n{server.logs()[-3000:]}"
+
+
+@pytest.fixture(scope="session")
+def openai_server(chat_checkpoint, tmp_path_factory):
+    """One `serve` with the OpenAI-compatible HTTP port, shared by the HTTP tests: an API key,
+    metrics, and room for 4 running sequences and 2 waiting requests (so a flood gets 429)."""
+    server = start_server(chat_checkpoint, tmp_path_factory, "openai", "--num-kv-blocks", "192",
+                          "--max-num-batched-tokens", "512", "--max-num-seqs", "4",
+                          "--max-waiting-requests", "2", "--served-model-name", "tiny-chat",
+                          "--api-key", OPENAI_API_KEY, metrics=True, http_port=True)
     yield server
     code = server.stop()
     assert code == 0, f"serve exited with {code}:\n{server.logs()[-3000:]}"
