@@ -28,6 +28,8 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.tokens_by_index: dict[int, list[int]] = {0: [40, 41, 42, 43, 44, 45, 46, 47]}
         self.step_delay_s = 0.0
         self.reject_code: grpc.StatusCode | None = None
+        self.fail_after_steps: int | None = None  # abort the Submit stream with fail_code after this many messages
+        self.fail_code = grpc.StatusCode.UNAVAILABLE
         self.cached_prompt_tokens = 0
         self.submits: list[scheduler_pb2.SubmitRequest] = []
         self.finish_requests: list[tuple[str, int]] = []
@@ -80,7 +82,11 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         positions = {i: 0 for i in range(num_completions)}
         finished: set[int] = set()
         first = True
+        num_sent = 0
         while len(finished) < num_completions and context.is_active():
+            if self.fail_after_steps is not None and num_sent >= self.fail_after_steps:
+                context.abort(self.fail_code, "the fake scheduler failed mid-stream")
+            num_sent += 1
             if self.step_delay_s:
                 time.sleep(self.step_delay_s)
             msg = scheduler_pb2.SubmitResponse()
