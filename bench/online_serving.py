@@ -1,12 +1,16 @@
 """Online serving: latency of pagedserve under Poisson arrivals, and chunked prefill's effect on ITL.
 
     python bench/online_serving.py [--rates 0.5,1,2,4] [--num-requests 40] [--dtype float32] [--threads 1]
+                                   [--protocol grpc|http|both]
 
 1. Request rates. For each rate, --num-requests requests (prompt lengths uniform in 32-256,
    output lengths in 32-128, greedy, EOS ignored) arrive with exponential gaps (seeded) at one
-   `pagedserve serve`, streamed over GenerateStream. Per rate: TTFT (send to first token),
-   inter-token latency (gap between consecutive tokens of a request), end-to-end latency
-   (p50/p90/p99) and output tokens/s over the rate's run.
+   `pagedserve serve`, streamed over GenerateStream (--protocol grpc), over the OpenAI-compatible
+   HTTP API's streamed /v1/completions (http), or both, one after the other at the same rate with
+   the same requests, on the same server (both; which goes first alternates between rates). Per rate and protocol: TTFT (send to first token), inter-token
+   latency (gap between consecutive tokens of a request), end-to-end latency (p50/p90/p99),
+   output tokens/s over the run, and the frontend process's CPU time per streamed token (what
+   the protocol costs: user + system seconds of the frontend over the run / tokens streamed).
 2. Chunked prefill. 16 requests decode 160 tokens each; one second in, 4 requests with
    1,500-token prompts arrive at once. Run twice: with a 256-token step budget
    (--max-num-batched-tokens 256: each long prompt is prefilled in chunks of at most 256 tokens
@@ -28,6 +32,8 @@ from tqdm import tqdm
 from machine_info import machine
 from output import print_table, save_report, timestamp
 from pagedserve.serve_process import ServeProcess
+from http_stream_client import run_http_requests
+from overheads import cpu_seconds
 from stream_client import RequestTrace, run_requests
 from workload import BENCH_MODEL, RESULTS_DIR, BenchRequest, build_model, make_requests
 
@@ -72,17 +78,28 @@ def serve_args(dtype: str, max_num_batched_tokens: int) -> list[str]:
 
 def rate_sweep(model_path: Path, args, log_dir: Path) -> list[dict]:
     rows = []
+    protocols = ["grpc", "http"] if args.protocol == "both" else [args.protocol]
     with ServeProcess(model_path, log_dir / "serve-rates.log", serve_args(args.dtype, 2048),
-                      num_threads=args.threads) as server:
-        run_requests(server.address, WARMUP)
+                      num_threads=args.threads, http_port="http" in protocols) as server:
+        frontend_pid = server.child_pids()["frontend"]
+        senders = {"grpc": lambda *a, **k: run_requests(server.address, *a, **k),
+                   "http": lambda *a, **k: run_http_requests(server.http_url, *a, **k)}
+        for protocol in protocols:
+            senders[protocol](WARMUP)
         for index, rate in enumerate(args.rates):
             requests = make_requests(args.num_requests, (32, 256), (32, 128), seed=100 + index)
             arrivals = poisson_arrivals(len(requests), rate, seed=200 + index)
-            with tqdm(total=len(requests), desc=f"rate {rate}/s", unit="req", leave=False) as bar:
-                traces = run_requests(server.address, requests, arrivals, on_done=lambda: bar.update(1))
-            rows.append({"rate": rate, **summarize(traces)})
-            print(f"  rate {rate}/s: {rows[-1]['output_tokens_per_second']:.1f} tok/s, TTFT p50 "
-                  f"{rows[-1]['ttft_ms']['p50']:.0f} ms, ITL p50 {rows[-1]['itl_ms']['p50']:.0f} ms", flush=True)
+            for protocol in protocols if index % 2 == 0 else protocols[::-1]:  # neither always goes first
+                with tqdm(total=len(requests), desc=f"rate {rate}/s {protocol}", unit="req", leave=False) as bar:
+                    cpu_before = cpu_seconds(frontend_pid)
+                    traces = senders[protocol](requests, arrivals, on_done=lambda: bar.update(1))
+                    frontend_cpu = cpu_seconds(frontend_pid) - cpu_before
+                row = {"rate": rate, "protocol": protocol, **summarize(traces)}
+                row["frontend_cpu_ms_per_token"] = frontend_cpu * 1e3 / row["num_output_tokens"]
+                rows.append(row)
+                print(f"  rate {rate}/s {protocol}: {row['output_tokens_per_second']:.1f} tok/s, TTFT p50 "
+                      f"{row['ttft_ms']['p50']:.0f} ms, ITL p50 {row['itl_ms']['p50']:.0f} ms, frontend CPU "
+                      f"{row['frontend_cpu_ms_per_token']:.3f} ms/token", flush=True)
     return rows
 
 
@@ -122,7 +139,7 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, (latency, itl) = plt.subplots(1, 2, figsize=(12, 4.2))
-    rows = report["rates"]
+    rows = [row for row in report["rates"] if row["protocol"] == report["rates"][0]["protocol"]]
     rates = [row["rate"] for row in rows]
     for key, label in (("ttft_ms", "TTFT"), ("itl_ms", "ITL")):
         for pct, style in (("p50", "-"), ("p99", "--")):
@@ -159,6 +176,8 @@ def main() -> None:
     parser.add_argument("--long-prompt-delay", type=float, default=1.0)
     parser.add_argument("--skip-rates", action="store_true")
     parser.add_argument("--skip-chunked", action="store_true")
+    parser.add_argument("--protocol", choices=["grpc", "http", "both"], default="grpc",
+                        help="how the rate sweep streams: gRPC GenerateStream, OpenAI HTTP SSE, or both")
     args = parser.parse_args()
     args.rates = [float(rate) for rate in args.rates.split(",")]
     stamp = timestamp()
@@ -170,10 +189,12 @@ def main() -> None:
     if not args.skip_rates:
         report["rates"] = rate_sweep(model_path, args, log_dir)
         print_table(report["rates"], [
-            ("rate/s", lambda r: r["rate"]), ("tok/s", lambda r: r["output_tokens_per_second"]),
+            ("rate/s", lambda r: r["rate"]), ("protocol", lambda r: r["protocol"]),
+            ("tok/s", lambda r: r["output_tokens_per_second"]),
             *((f"TTFT {p} ms", (lambda p: lambda r: r["ttft_ms"][p])(p)) for p in ("p50", "p90", "p99")),
             *((f"ITL {p} ms", (lambda p: lambda r: r["itl_ms"][p])(p)) for p in ("p50", "p90", "p99")),
-            *((f"E2E {p} s", (lambda p: lambda r: r["latency_s"][p])(p)) for p in ("p50", "p90", "p99"))])
+            *((f"E2E {p} s", (lambda p: lambda r: r["latency_s"][p])(p)) for p in ("p50", "p90", "p99")),
+            ("frontend CPU ms/token", lambda r: f"{r['frontend_cpu_ms_per_token']:.3f}")])
     if not args.skip_chunked:
         for budget in (256, 2048):
             report["chunked_prefill"].append(chunked_prefill_run(model_path, args, budget, log_dir))
