@@ -76,6 +76,12 @@ def serve_args(dtype: str, max_num_batched_tokens: int) -> list[str]:
             "--num-kv-blocks", "4096", "--swap-space", "0.25"]
 
 
+def uncached(requests: list[BenchRequest], salt: int) -> list[BenchRequest]:
+    """The same lengths with the first prompt token set to 4 + salt: the runs of the protocols
+    compared at one rate share no prefix-cache blocks (the second would find every prompt cached)."""
+    return [BenchRequest([4 + salt, *request.prompt_token_ids[1:]], request.max_tokens) for request in requests]
+
+
 def rate_sweep(model_path: Path, args, log_dir: Path) -> list[dict]:
     rows = []
     protocols = ["grpc", "http"] if args.protocol == "both" else [args.protocol]
@@ -92,7 +98,8 @@ def rate_sweep(model_path: Path, args, log_dir: Path) -> list[dict]:
             for protocol in protocols if index % 2 == 0 else protocols[::-1]:  # neither always goes first
                 with tqdm(total=len(requests), desc=f"rate {rate}/s {protocol}", unit="req", leave=False) as bar:
                     cpu_before = cpu_seconds(frontend_pid)
-                    traces = senders[protocol](requests, arrivals, on_done=lambda: bar.update(1))
+                    traces = senders[protocol](uncached(requests, protocols.index(protocol)), arrivals,
+                                               on_done=lambda: bar.update(1))
                     frontend_cpu = cpu_seconds(frontend_pid) - cpu_before
                 row = {"rate": rate, "protocol": protocol, **summarize(traces)}
                 row["frontend_cpu_ms_per_token"] = frontend_cpu * 1e3 / row["num_output_tokens"]

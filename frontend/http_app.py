@@ -80,8 +80,10 @@ class HttpEdge:
                 else:
                     await self._app(scope, receive, send_with_id)
             finally:
-                log.info("http_request", method=scope["method"], path=scope["path"], status=status["code"],
-                         latency_ms=round((time.perf_counter() - started) * 1e3, 3))
+                # probes poll /health every few seconds: their lines are debug, the rest info
+                write = log.debug if scope["path"] in OPEN_PATHS and status["code"] == 200 else log.info
+                write("http_request", method=scope["method"], path=scope["path"], status=status["code"],
+                      latency_ms=round((time.perf_counter() - started) * 1e3, 3))
 
     def _authorized(self, headers: dict[bytes, bytes]) -> bool:
         scheme, _, token = headers.get(b"authorization", b"").partition(b" ")

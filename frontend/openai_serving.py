@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import structlog
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -124,9 +125,12 @@ class OpenAIServing:
                 writer = ChunkWriter(header, is_chat=is_chat, num_choices=plan.num_choices,
                                      num_top_logprobs=plan.num_top_logprobs, include_usage=plan.include_usage,
                                      token_text=self._token_text, echo_texts=prepared.echo_texts)
+                # The background task also runs when the client left before the stream started
+                # (Starlette then never starts the frames' generator, so its cleanup cannot).
                 return StreamingResponse(sse_frames(first, run, writer, lambda exc: error_parts(exc)[1]),
                                          media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                                         background=BackgroundTask(_cancel_unless_finished, run))
             await _unless_disconnected(request, run.collect())
             return JSONResponse(self._whole(header, run, plan, prepared, is_chat))
         except ClientGone:
@@ -211,6 +215,11 @@ class OpenAIServing:
                 choices.append(choice_of(index, text, state.finish, logprobs))
         usage = total_usage([run.usages[index] for index in sorted(run.usages)])
         return (chat_response if is_chat else completion_response)(header, choices, usage)
+
+
+async def _cancel_unless_finished(run: GenerationRun) -> None:
+    if not run.is_finished:
+        run.cancel()
 
 
 async def _unless_disconnected(request: Request, awaitable):
