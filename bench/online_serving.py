@@ -10,7 +10,8 @@
    the same requests, on the same server (both; which goes first alternates between rates). Per rate and protocol: TTFT (send to first token), inter-token
    latency (gap between consecutive tokens of a request), end-to-end latency (p50/p90/p99),
    output tokens/s over the run, and the frontend process's CPU time per streamed token (what
-   the protocol costs: user + system seconds of the frontend over the run / tokens streamed).
+   the protocol costs: user + system seconds of the frontend over the run / tokens streamed), and
+   the benchmark client's (on a small machine a client's CPU is taken from the server's).
 2. Chunked prefill. 16 requests decode 160 tokens each; one second in, 4 requests with
    1,500-token prompts arrive at once. Run twice: with a 256-token step budget
    (--max-num-batched-tokens 256: each long prompt is prefilled in chunks of at most 256 tokens
@@ -97,12 +98,14 @@ def rate_sweep(model_path: Path, args, log_dir: Path) -> list[dict]:
             arrivals = poisson_arrivals(len(requests), rate, seed=200 + index)
             for protocol in protocols if index % 2 == 0 else protocols[::-1]:  # neither always goes first
                 with tqdm(total=len(requests), desc=f"rate {rate}/s {protocol}", unit="req", leave=False) as bar:
-                    cpu_before = cpu_seconds(frontend_pid)
+                    cpu_before, client_cpu_before = cpu_seconds(frontend_pid), time.process_time()
                     traces = senders[protocol](uncached(requests, protocols.index(protocol)), arrivals,
                                                on_done=lambda: bar.update(1))
                     frontend_cpu = cpu_seconds(frontend_pid) - cpu_before
+                    client_cpu = time.process_time() - client_cpu_before
                 row = {"rate": rate, "protocol": protocol, **summarize(traces)}
                 row["frontend_cpu_ms_per_token"] = frontend_cpu * 1e3 / row["num_output_tokens"]
+                row["client_cpu_ms_per_token"] = client_cpu * 1e3 / row["num_output_tokens"]
                 rows.append(row)
                 print(f"  rate {rate}/s {protocol}: {row['output_tokens_per_second']:.1f} tok/s, TTFT p50 "
                       f"{row['ttft_ms']['p50']:.0f} ms, ITL p50 {row['itl_ms']['p50']:.0f} ms, frontend CPU "
@@ -201,7 +204,8 @@ def main() -> None:
             *((f"TTFT {p} ms", (lambda p: lambda r: r["ttft_ms"][p])(p)) for p in ("p50", "p90", "p99")),
             *((f"ITL {p} ms", (lambda p: lambda r: r["itl_ms"][p])(p)) for p in ("p50", "p90", "p99")),
             *((f"E2E {p} s", (lambda p: lambda r: r["latency_s"][p])(p)) for p in ("p50", "p90", "p99")),
-            ("frontend CPU ms/token", lambda r: f"{r['frontend_cpu_ms_per_token']:.3f}")])
+            ("frontend CPU ms/token", lambda r: f"{r['frontend_cpu_ms_per_token']:.3f}"),
+            ("client CPU ms/token", lambda r: f"{r['client_cpu_ms_per_token']:.3f}")])
     if not args.skip_chunked:
         for budget in (256, 2048):
             report["chunked_prefill"].append(chunked_prefill_run(model_path, args, budget, log_dir))

@@ -1,12 +1,17 @@
 """Transport settings of the public port of a real `serve`. Mutual TLS: a client with a
 certificate signed by the configured client CA is served; without one, with one from another CA,
 or in plaintext, the handshake is refused (certificates are made here with the `openssl` command
-line). The message size bound: a larger request is refused."""
+line). The OpenAI-compatible HTTP port speaks the same mutual TLS. The message size bound: a larger
+request is refused."""
 
 from __future__ import annotations
 
+import json
 import shutil
+import ssl
 import subprocess
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -64,7 +69,7 @@ def mtls_server(llama_checkpoint, tmp_path_factory, certs):
     server = start_server(llama_checkpoint, tmp_path_factory, "mtls", "--num-kv-blocks", "64",
                           "--tls-cert", str(certs / "server.pem"), "--tls-key", str(certs / "server.key"),
                           "--tls-client-ca", str(certs / "ca.pem"), "--max-message-size", str(MAX_MESSAGE_BYTES),
-                          credentials=_credentials(certs, "client"))
+                          credentials=_credentials(certs, "client"), http_port=True)
     yield server
     code = server.stop()
     assert code == 0, f"serve exited with {code}:\n{server.logs()[-3000:]}"
@@ -100,3 +105,24 @@ def test_message_over_the_size_bound_is_refused(mtls_server):
     with pytest.raises(grpc.RpcError) as info:
         mtls_server.stub.Generate(too_large, timeout=60)
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
+
+
+def _https_context(certs: Path, client: str | None) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=str(certs / "ca.pem"))
+    if client is not None:
+        context.load_cert_chain(str(certs / f"{client}.pem"), str(certs / f"{client}.key"))
+    return context
+
+
+def test_http_port_speaks_the_same_mutual_tls(mtls_server, certs):
+    url = f"https://127.0.0.1:{mtls_server.http_port}"
+    body = json.dumps({"prompt": [1, 2, 3, 4], "max_tokens": 3}).encode()
+    request = urllib.request.Request(f"{url}/v1/completions", data=body)
+    with urllib.request.urlopen(request, context=_https_context(certs, "client"), timeout=60) as response:
+        assert json.loads(response.read())["usage"]["completion_tokens"] == 3
+    for client in (None, "stranger"):
+        with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
+            with urllib.request.urlopen(f"{url}/v1/models", context=_https_context(certs, client), timeout=10) as r:
+                r.read()
+    with pytest.raises((urllib.error.URLError, ConnectionError)):
+        urllib.request.urlopen(f"http://127.0.0.1:{mtls_server.http_port}/v1/models", timeout=10).read()
