@@ -240,10 +240,14 @@ class StepBuilder:
         waiting = self.scheduler.waiting
         manager = self.block_manager
         prefix_cache = manager.prefix_cache
+        isolated = self.scheduler.isolated_request_ids
         while waiting and self.num_tokens_left > 0:
             group = waiting[0]
             if group.max_num_running_seqs > num_free_slots:
                 break
+            if isolated and group.request_id in isolated and any(
+                    other.request_id in isolated for other in self.groups):
+                break  # one suspect of a worker crash per step (see Scheduler.isolated_request_ids)
             leader = group.seqs[0]
             limit = min(group.prefill_target(leader), len(leader.token_ids) - 1)
             num_queries, cached_blocks = prefix_cache.find_prefix(leader, limit)
