@@ -1,0 +1,1 @@
+"""Models pagedserve can serve by name, and the builders of small test models."""
