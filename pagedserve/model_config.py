@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pagedserve.gguf_config import is_gguf, read_gguf_config
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
@@ -43,7 +45,9 @@ def _as_id_list(value) -> list[int]:
 
 
 def load_model_info(path: str | Path) -> ModelInfo:
-    """Reads config.json (and generation_config.json for EOS ids when present)."""
+    """Reads config.json (and generation_config.json for EOS ids when present), or a GGUF header."""
+    if is_gguf(path):
+        return _from_gguf(path)
     folder = Path(path)
     config_path = folder / "config.json"
     if not config_path.is_file():
@@ -79,4 +83,25 @@ def load_model_info(path: str | Path) -> ModelInfo:
         eos_token_ids=eos_ids,
         torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
         sliding_window=int(sliding_window) if sliding_window else None,
+    )
+
+
+def _from_gguf(path: str | Path) -> ModelInfo:
+    """The same information from a GGUF file's metadata (see pagedserve.gguf_config)."""
+    gguf = read_gguf_config(path)
+    config = gguf.hf_config
+    return ModelInfo(
+        name=gguf.name,
+        path=Path(path),
+        architecture=config["architectures"][0],
+        vocab_size=int(config["vocab_size"]),
+        max_position_embeddings=int(config["max_position_embeddings"]),
+        num_layers=int(config["num_hidden_layers"]),
+        num_heads=int(config["num_attention_heads"]),
+        num_kv_heads=int(config["num_key_value_heads"]),
+        head_size=int(config["head_dim"]),
+        hidden_size=int(config["hidden_size"]),
+        eos_token_ids=list(gguf.eos_token_ids),
+        torch_dtype=config["torch_dtype"],
+        sliding_window=config.get("sliding_window"),
     )

@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedserve.gguf_config import is_gguf, read_gguf_config
 from pagedserve.model_config import SUPPORTED_ARCHITECTURES, ModelConfigError
 from pagedserve.worker.rotary import RopeConfig, RopeConfigError
 
@@ -58,6 +59,8 @@ class LlamaModelConfig:
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "LlamaModelConfig":
+        if is_gguf(folder):  # a .gguf file, or a folder holding one
+            return cls.from_hf_dict(read_gguf_config(folder).hf_config)
         path = Path(folder) / "config.json"
         if not path.is_file():
             raise ModelConfigError(f"{folder} has no config.json")
