@@ -70,11 +70,19 @@ def build_demo_model(folder: Path) -> Path:
 
 
 def resolve_model(model: str) -> Path:
-    """Maps `demo` to the built-in checkpoint and anything else to an existing folder."""
+    """Maps `demo` to the built-in checkpoint, `smollm2` to the cached real model, and anything else
+    to an existing checkpoint folder or GGUF model (a .gguf file or a folder holding one)."""
+    from pagedserve.gguf_config import is_gguf
+    from pagedserve.models.smollm2 import SMOLLM2_NAME, ensure_smollm2
+
     if model == DEMO_NAME:
         return ensure_demo_model()
+    if model == SMOLLM2_NAME:
+        return ensure_smollm2()
     path = Path(model).expanduser()
+    if is_gguf(path):
+        return path
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{model} is not a checkpoint folder with a config.json "
+        raise FileNotFoundError(f"{model} is not a checkpoint folder with a config.json nor a GGUF model "
                                 f"(use --model demo for the built-in model)")
     return path
