@@ -17,6 +17,9 @@ metadata (llama.cpp's key names) maps onto the Hugging Face config fields our re
     tokenizer.ggml.bos_token_id / eos, eot, eom ids  -> bos_token_id / eos_token_id
     tokenizer.chat_template                          -> the chat template
 
+llama.cpp writes Mistral checkpoints as `llama` (and ignores their sliding window, as we then do);
+`mistral` is accepted for files that name it.
+
 Everything is checked from the header alone, before any tensor is read: an unsupported architecture
 or tensor type raises `UnsupportedGGUFError`, a truncated or corrupt file `GGUFFormatError`.
 """

@@ -31,7 +31,7 @@ class GGUFBlocksError(ValueError):
     pass
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class GGUFBlocks:
     """Rows [out, in] of a GGUF tensor, undecoded: data is uint8 [rows, in / block_size * type_size]."""
 
@@ -93,7 +93,7 @@ class GGUFBlocks:
         return int(self.data.size)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Int4Groups:
     """weight = values * scale + min, one scale and min per group of 32 consecutive columns."""
 
@@ -108,7 +108,7 @@ class Int4Groups:
         return self.values.float() * scales + mins
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Int8Groups:
     """weight = values * scale, one scale per group of 32 consecutive columns."""
 

@@ -89,18 +89,18 @@ class GGUFCheckpoint:
     def read(self, piece: TensorSlice) -> GGUFBlocks:
         """The rows (dim 0) or columns (dim 1) a slice names, q/k rows back in Hugging Face order."""
         name = gguf_tensor_name(piece.checkpoint_name)
-        blocks = GGUFBlocks.of_tensor(self._tensors[name])
-        shape = blocks.shape if len(piece.checkpoint_shape) == 2 else (blocks.shape[0],)
+        tensor = self._tensors[name]
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # GGUF lists the fastest dim first
         if shape != piece.checkpoint_shape:
             raise CheckpointError(f"{name} has shape {list(shape)}, the model config implies "
                                   f"{list(piece.checkpoint_shape)}")
+        blocks = GGUFBlocks.of_tensor(tensor)
         if piece.dim == 1:
             return blocks.columns(piece.src_start, piece.length)
         if self._is_permuted(name):
-            rows = piece.src_start + unpermute_rows(piece.length, self._head_size)
             if piece.src_start % self._head_size:
                 raise CheckpointError(f"{name}: rows from {piece.src_start} do not start a head")
-            return blocks.take_rows(rows)
+            return blocks.take_rows(piece.src_start + unpermute_rows(piece.length, self._head_size))
         return blocks.rows(piece.src_start, piece.length)
 
     def _is_permuted(self, gguf_name: str) -> bool:

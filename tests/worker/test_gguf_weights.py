@@ -14,7 +14,8 @@ from plan_driver import DrivenSeq, PlanDriver
 from pagedserve.models.tiny_gguf import llama_cpp_permute, write_gguf
 from pagedserve.step_plan import SampleSpec
 from pagedserve.tiny_checkpoint import build_tiny_checkpoint
-from pagedserve.worker.gguf_weights import gguf_tensor_name, unpermute_rows
+from pagedserve.worker.gguf_blocks import to_int4_groups, to_int8_groups
+from pagedserve.worker.gguf_weights import GGUFCheckpoint, gguf_tensor_name, unpermute_rows
 from pagedserve.worker.loader import CheckpointError, load_weights
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.models.llama import LlamaForCausalLM
@@ -102,6 +103,26 @@ def test_greedy_tokens_and_logprobs_equal_transformers(name, gguf_model, hf_gguf
             expected_top = hf_logprobs[step].topk(NUM_LOGPROBS)
             assert sample.top_token_ids == expected_top.indices.tolist()
             assert sample.top_logprobs == pytest.approx(expected_top.values.tolist(), abs=1e-4)
+
+
+def test_slices_stay_available_as_blocks_for_quantized_layers(gguf_model):
+    """What a quantized layer would take instead of dequantized weights: this rank's blocks, q/k rows
+    already in Hugging Face order, unpacked to int4/int8 groups."""
+    path = gguf_model("llama-mixed")
+    model = _load(path)
+    checkpoint = GGUFCheckpoint(path)
+    params = dict(model.named_parameters())
+    unpack = {"Q4_0": to_int4_groups, "Q4_1": to_int4_groups, "Q8_0": to_int8_groups}
+    kinds = set()
+    for piece in model.checkpoint_slices():
+        blocks = checkpoint.read(piece)
+        if blocks.tensor_type not in unpack:
+            continue
+        kinds.add(blocks.tensor_type)
+        groups = unpack[blocks.tensor_type](blocks)
+        expected = params[piece.param_name].narrow(piece.dim, piece.dst_start, piece.length)
+        assert torch.equal(groups.dequantize(), expected), piece.checkpoint_name
+    assert kinds == {"Q4_0", "Q4_1", "Q8_0"}
 
 
 def test_half_precision_is_the_float32_load_rounded(gguf_model):
