@@ -53,7 +53,8 @@ def test_model_config_equals_the_checkpoints(architecture, checkpoints, tmp_path
     info, json_info = load_model_info(path), load_model_info(checkpoint)
     assert info.name == "model" and info.path == path
     for field in ("architecture", "vocab_size", "max_position_embeddings", "num_layers", "num_heads",
-                  "num_kv_heads", "head_size", "hidden_size", "eos_token_ids", "sliding_window"):
+                  "num_kv_heads", "head_size", "hidden_size", "eos_token_ids", "layer_sliding_windows", "tie_word_embeddings",
+                  "has_qkv_bias", "intermediate_size"):
         assert getattr(info, field) == getattr(json_info, field), field
     config = read_gguf_config(tmp_path)  # the folder holding it
     assert config.chat_template == TEMPLATE
