@@ -3,7 +3,8 @@
 ```
  InvalidParameter, undecodable request (bad UTF-8), scheduler INVALID_ARGUMENT  -> INVALID_ARGUMENT
  SchedulerBusy (waiting queue full)                                             -> RESOURCE_EXHAUSTED
- SchedulerUnavailable (unreachable, not ready, draining), scheduler abort,
+ SchedulerUnavailable (unreachable, not ready, draining, or lost mid-request and
+   no restarted scheduler ready within --scheduler-recovery-timeout), scheduler abort,
  this frontend draining (Draining) or cut at the end of its drain               -> UNAVAILABLE
  SchedulerTimeout, the client's deadline passed                                 -> DEADLINE_EXCEEDED
  anything else                                                                  -> INTERNAL
@@ -26,7 +27,7 @@ import structlog
 
 from pagedserve.frontend.completion_state import SchedulerAbortedCompletion
 from pagedserve.frontend.drain import Draining, InFlight
-from pagedserve.frontend.generation import Generation, Usage
+from pagedserve.frontend.generation import Generation, SchedulerRecovery, Usage
 from pagedserve.frontend.metrics import FrontendMetrics, RequestTimer
 from pagedserve.frontend.public_codec import finish_label, stream_message, whole_response
 from pagedserve.frontend.readiness import GENERATION_SERVICE, ReadinessMonitor
@@ -80,10 +81,13 @@ class GenerationServicer:
     """Implements Generate, GenerateStream, Tokenize and ModelInfo."""
 
     def __init__(self, tokenizer: Tokenizer, client: SchedulerClient, readiness: ReadinessMonitor,
-                 metrics: FrontendMetrics, in_flight: InFlight | None = None) -> None:
+                 metrics: FrontendMetrics, in_flight: InFlight | None = None,
+                 recovery: SchedulerRecovery | None = None) -> None:
+        """recovery: how requests ride out a scheduler restart (None: they fail with UNAVAILABLE)."""
         self._tokenizer = tokenizer
         self._client = client
         self._readiness = readiness
+        self._recovery = recovery
         self._metrics = metrics
         self.in_flight = in_flight if in_flight is not None else InFlight()
 
@@ -161,7 +165,8 @@ class GenerationServicer:
         validated = validate_request(request, self._tokenizer, limits)
         remaining = context.time_remaining()
         timeout = remaining if remaining is not None and remaining < NO_DEADLINE_S else None
-        generation = Generation(validated, self._client, self._tokenizer, timer, timeout=timeout)
+        generation = Generation(validated, self._client, self._tokenizer, timer, timeout=timeout,
+                                recovery=self._recovery, instance_id=info.instance_id)
         self.in_flight.enter(generation)
         context.add_callback(generation.cancel)
         return generation

@@ -262,7 +262,9 @@ class StepBuilder:
             prefix_cache.record(num_queries, len(cached_blocks))
             if not group.is_admitted_once:
                 group.is_admitted_once = True
-                group.num_cached_prompt_tokens = len(cached_blocks) * manager.block_size
+                # a continuation's leader may hit blocks past the prompt: those are not prompt tokens
+                group.num_cached_prompt_tokens = min(len(cached_blocks) * manager.block_size,
+                                                     group.num_prompt_tokens)
             waiting.pop(0)
             self._start_running(group)
             num_free_slots -= group.max_num_running_seqs
