@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-MODEL ?= demo
+MODEL ?= smollm2
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
 STAMP := $(VENV)/.installed

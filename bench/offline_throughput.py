@@ -36,7 +36,7 @@ import torch
 from tqdm import tqdm
 
 from machine_info import machine
-from output import print_table, save_report, timestamp
+from output import print_table, save_figure, save_report, timestamp
 from roofline import measure_matmul
 from pagedserve.serve_process import ServeProcess
 from step_recorder import StepRecorder
@@ -243,9 +243,7 @@ def plot(report: dict, path: Path) -> None:
     timeline.set_ylabel("model GFLOP/s (decode tokens)")
     timeline.set_title("pagedserve achieved FLOP/s vs measured matmul peak")
     timeline.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=90)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def main() -> None:

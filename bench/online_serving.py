@@ -31,7 +31,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from machine_info import machine
-from output import print_table, save_report, timestamp
+from output import print_table, save_figure, save_report, timestamp
 from pagedserve.serve_process import ServeProcess
 from http_stream_client import run_http_requests
 from overheads import cpu_seconds
@@ -172,9 +172,7 @@ def plot(report: dict, path: Path) -> None:
     itl.set_ylabel("gap between a decoding request's tokens (ms)")
     itl.set_title("4 x 1,500-token prompts arrive among 16 decodes")
     itl.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=90)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def main() -> None:

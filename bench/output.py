@@ -51,6 +51,15 @@ def markdown_table(headers: list[str], rows: list[list], float_format: str = ",.
     return "\n".join(lines)
 
 
+def save_figure(figure, path: Path) -> None:
+    """Writes a matplotlib figure as the PNG beside a report, and frees it."""
+    import matplotlib.pyplot as plt
+
+    figure.tight_layout()
+    figure.savefig(path, dpi=90)
+    plt.close(figure)
+
+
 def save_report(name: str, report: dict, plot: Callable[[dict, Path], None] | None = None) -> list[Path]:
     """Writes RESULTS_DIR/{name}.json, and {name}.png drawn by plot(report, path) when given;
     returns the paths written."""

@@ -34,7 +34,7 @@ from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.scheduler.scheduler_config import SchedulerConfig
 from pagedserve.step_plan import SeqSample, StepResult
-from output import print_table, save_report, timestamp
+from output import print_table, save_figure, save_report, timestamp
 from workload import RESULTS_DIR, ModelShape, build_model
 
 TINY_MODEL = ModelShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
@@ -254,9 +254,7 @@ def plot(report: dict, path: Path) -> None:
     right.set_xlabel("ms per step")
     right.set_title(f"In-process step at {step['num_seqs']} decodes, tiny model: {step['outside_forward_ms']:.2f} ms\n"
                     f"outside the forward ({step['forward_ms']:.2f} ms), by part", fontsize=10)
-    figure.tight_layout()
-    figure.savefig(path, dpi=90)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def main() -> None:

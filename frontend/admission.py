@@ -19,7 +19,7 @@ from __future__ import annotations
 import structlog
 
 from pagedserve.frontend.drain import Draining, InFlight
-from pagedserve.frontend.generation import Generation, Usage
+from pagedserve.frontend.generation import Generation, SchedulerRecovery, Usage
 from pagedserve.frontend.metrics import RequestTimer
 from pagedserve.frontend.public_codec import finish_label
 from pagedserve.frontend.readiness import ReadinessMonitor
@@ -32,11 +32,13 @@ log = structlog.get_logger()
 
 class Admission:
     def __init__(self, tokenizer: Tokenizer, client: SchedulerClient, readiness: ReadinessMonitor,
-                 in_flight: InFlight) -> None:
+                 in_flight: InFlight, recovery: SchedulerRecovery | None = None) -> None:
+        """recovery: how requests ride out a scheduler restart (None: they fail with UNAVAILABLE)."""
         self.tokenizer = tokenizer
         self.client = client
         self.readiness = readiness
         self.in_flight = in_flight
+        self.recovery = recovery
 
     @property
     def is_serving(self) -> bool:
@@ -51,8 +53,11 @@ class Admission:
         return ModelLimits(max_model_len=info.max_model_len, vocab_size=info.vocab_size or self.tokenizer.vocab_size)
 
     def start(self, request: ValidatedRequest, timer: RequestTimer, timeout: float | None = None) -> Generation:
-        """A Generation for the request, registered in flight (raises Draining once draining)."""
-        generation = Generation(request, self.client, self.tokenizer, timer, timeout=timeout)
+        """A Generation for the request, registered in flight (raises Draining once draining); it
+        goes to the scheduler instance of readiness's latest answer."""
+        info = self.readiness.info
+        generation = Generation(request, self.client, self.tokenizer, timer, timeout=timeout, recovery=self.recovery,
+                                instance_id=info.instance_id if info is not None else "")
         self.in_flight.enter(generation)
         return generation
 

@@ -17,6 +17,7 @@ from pagedserve.shared_options import (
 )
 
 DEFAULT_MAX_CONCURRENT_RPCS = 512
+DEFAULT_SCHEDULER_RECOVERY_TIMEOUT_S = 60.0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -32,6 +33,10 @@ class FrontendConfig:
         DEFAULT_MAX_CONCURRENT_RPCS, metavar="N", serve=True,
         help="calls served at once (health checks included); beyond it RESOURCE_EXHAUSTED; "
              "HTTP: prompts generating at once, beyond it 429")
+    scheduler_recovery_timeout: float = option(
+        DEFAULT_SCHEDULER_RECOVERY_TIMEOUT_S, metavar="S", serve=True,
+        help="when the scheduler dies mid-request: how long the request waits for a restarted scheduler, "
+             "then goes on from the tokens already streamed; past it, or with 0, it fails with UNAVAILABLE")
     transport: TransportConfig = nested(TransportConfig, title="public port transport")
     http: HttpConfig = nested(HttpConfig, title="OpenAI-compatible HTTP")
 
@@ -40,4 +45,5 @@ class FrontendConfig:
             value = getattr(self, name)
             require(value is None or 0 <= value <= 65535, name, f"must be a port number (0-65535), not {value}")
         require(self.shutdown_timeout >= 0, "shutdown_timeout", "must be >= 0")
+        require(self.scheduler_recovery_timeout >= 0, "scheduler_recovery_timeout", "must be >= 0 (0: no recovery)")
         require(self.max_concurrent_rpcs >= 1, "max_concurrent_rpcs", "must be >= 1")

@@ -11,24 +11,49 @@ Beam search completions arrive once, when the request ends, and are released tog
 order (the scheduler ranks beams best first). The run ends when every completion has finished;
 if the scheduler has not closed the stream by then (a stop string ended the last completion), the
 stream is cancelled, which releases the request in the scheduler.
+
+A scheduler that dies takes the request with it, but the frontend holds what is needed to go on:
+per index, the token ids the client has and whether that completion ended. When the stream breaks
+(SchedulerLost) the request is resubmitted as a continuation, so the client's stream goes on
+without a gap or a repeated token:
+
+```
+ stream breaks ──► same scheduler instance answers GetInfo? ── yes: it ended the stream itself:
+ (UNAVAILABLE,           │ no (unreachable, or restarted)        fail with its UNAVAILABLE
+  CANCELLED by peer)     ▼
+                  wait for a ready scheduler of another instance (--scheduler-recovery-timeout)
+                         │ none in time: UNAVAILABLE            │ ready
+                         ▼                                      ▼
+                  resubmit: prompt + Continuation per index (generated token ids, finished?)
+                  beam search: the bare request again (nothing was streamed yet)
+```
+
+Logprobs of tokens already streamed are not recomputed; usage keeps the original prompt's count.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import grpc
 import structlog
 
 from pagedserve.frontend.completion_state import CompletionState, CompletionUpdate
 from pagedserve.frontend.detokenizer import Decoder
 from pagedserve.frontend.metrics import RequestTimer
-from pagedserve.frontend.scheduler_client import SchedulerClient, SchedulerError, SubmitStream
+from pagedserve.frontend.readiness import ReadinessMonitor
+from pagedserve.frontend.scheduler_client import (
+    SchedulerBusy, SchedulerClient, SchedulerError, SchedulerLost, SchedulerUnavailable, SubmitCancelled,
+    SubmitStream,
+)
 from pagedserve.frontend.validation import ValidatedRequest
-from pagedserve.request_types import CompletionDelta, Request, RequestOutput
+from pagedserve.request_types import CompletionDelta, Continuation, Request, RequestOutput
 
 log = structlog.get_logger()
+BUSY_RETRY_S = 0.5  # a resubmission the new scheduler's full queue refused is tried again after this
 
 
 class SchedulerProtocolError(SchedulerError):
@@ -42,6 +67,15 @@ class Usage:
     cached_prompt_tokens: int
 
 
+@dataclass(frozen=True, slots=True)
+class SchedulerRecovery:
+    """How a request rides out the loss of its scheduler: `readiness` tells a restarted scheduler
+    from the one that ran the request; `timeout_s` bounds each wait (0: no recovery)."""
+
+    readiness: ReadinessMonitor
+    timeout_s: float
+
+
 @dataclass(slots=True)
 class GenerationUpdate:
     completions: list[CompletionUpdate]  # at most one per index, in index order
@@ -52,11 +86,16 @@ class Generation:
     """One request in flight. Iterate `run()` in the handler thread; `cancel()` from any thread."""
 
     def __init__(self, request: ValidatedRequest, client: SchedulerClient, decoder: Decoder,
-                 timer: RequestTimer, timeout: float | None = None) -> None:
+                 timer: RequestTimer, timeout: float | None = None, *,
+                 recovery: SchedulerRecovery | None = None, instance_id: str = "") -> None:
+        """instance_id: the scheduler instance the request goes to (readiness's latest answer)."""
         self.request = request
         self._client = client
         self._timer = timer
-        self._timeout = timeout
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._recovery = recovery
+        self._instance_id = instance_id
+        self.num_resumes = 0
         params = request.params
         self._is_beam_search = params.is_beam_search
         self._states = [CompletionState(i, params, decoder) for i in range(params.num_completions)]
@@ -65,11 +104,14 @@ class Generation:
         self._cached_prompt_tokens = 0
         self._stream: SubmitStream | None = None
         self._lock = threading.Lock()
-        self._is_cancelled = False
+        self._cancelled = threading.Event()
+        self._is_accepted = False
+        self._has_output_since_submit = False
+        self._busy_since: float | None = None  # a resubmission refused for a full queue since then
 
     @property
     def is_cancelled(self) -> bool:
-        return self._is_cancelled
+        return self._cancelled.is_set()
 
     @property
     def states(self) -> list[CompletionState]:
@@ -78,25 +120,40 @@ class Generation:
     def cancel(self) -> None:
         """Aborts the request in the scheduler by closing its stream (safe to call at any time)."""
         with self._lock:
-            self._is_cancelled = True
+            self._cancelled.set()
             stream = self._stream
         if stream is not None:
             stream.cancel()
 
     def run(self) -> Iterator[GenerationUpdate]:
-        request = Request(request_id=self.request.request_id,
-                          prompt_token_ids=self.request.prompt_token_ids, sampling=self.request.params)
-        stream = self._client.submit(request, timeout=self._timeout)
+        """Updates until every completion has finished; resubmits the request as a continuation
+        when its scheduler is lost and another one is ready in time."""
+        while True:
+            try:
+                yield from self._run_once()
+                return
+            except SchedulerLost as lost:
+                self._await_new_scheduler(lost, broke_at=time.monotonic())
+            except SchedulerBusy:
+                if not self.num_resumes or self._has_output_since_submit:
+                    raise
+                self._await_queue_room()
+
+    def _run_once(self) -> Iterator[GenerationUpdate]:
+        """One Submit stream: a fresh request, or the continuation of one whose scheduler was lost."""
+        stream = self._client.submit(self._scheduler_request(), timeout=self._time_left())
         with self._lock:
             self._stream = stream
-            if self._is_cancelled:
+            if self._cancelled.is_set():
                 stream.cancel()
+        self._has_output_since_submit = False
         is_stream_closed = False
-        is_accepted = False
         try:
             for output in stream:
-                if not is_accepted:
-                    is_accepted = True
+                self._has_output_since_submit = True
+                self._busy_since = None
+                if not self._is_accepted:
+                    self._is_accepted = True
                     self._timer.on_accepted(output.prompt_tokens or self._prompt_tokens)
                 updates = self._apply(output)
                 self._timer.on_tokens(sum(len(update.token_ids) for update in updates))
@@ -115,6 +172,67 @@ class Generation:
         finally:
             if not is_stream_closed:
                 stream.cancel()
+
+    def _scheduler_request(self) -> Request:
+        request = Request(request_id=self.request.request_id,
+                          prompt_token_ids=self.request.prompt_token_ids, sampling=self.request.params)
+        if self.num_resumes:
+            request.continuations = self.continuations()
+        return request
+
+    def continuations(self) -> list[Continuation]:
+        """What the client has of each completion, for a resubmission: the indices that have tokens
+        or have finished (the others start from the prompt). Beam search starts over: none."""
+        if self._is_beam_search:
+            return []
+        return [Continuation(index=state.index, token_ids=list(state.token_ids), is_finished=state.is_finished,
+                             cumulative_logprob=state.cumulative_logprob)
+                for state in self._states if state.token_ids or state.is_finished]
+
+    def _await_new_scheduler(self, lost: SchedulerLost, broke_at: float) -> None:
+        """Returns once another scheduler instance is ready to take the continuation; raises when
+        the stream ended for good (the scheduler that ran it is alive, no recovery, time's up)."""
+        recovery = self._recovery
+        if recovery is None or recovery.timeout_s <= 0 or self._cancelled.is_set():
+            raise lost
+        answer = recovery.readiness.answer_after(broke_at)
+        if answer is not None and answer.instance_id == self._instance_id:
+            raise lost  # the scheduler that ran it is up: it ended the stream itself
+        log.warning("scheduler_lost", error=str(lost), num_resumes=self.num_resumes,
+                    num_tokens=[len(state.token_ids) for state in self._states],
+                    recovery_timeout=recovery.timeout_s)
+        timeout = recovery.timeout_s
+        time_left = self._time_left()
+        info = recovery.readiness.wait_for_new_scheduler(
+            self._instance_id, timeout if time_left is None else min(timeout, time_left), self._cancelled.is_set)
+        if self._cancelled.is_set():
+            raise SubmitCancelled("cancelled while waiting for the scheduler to come back", grpc.StatusCode.CANCELLED)
+        if info is None:
+            raise SchedulerUnavailable(f"the scheduler was lost and none was ready again within "
+                                       f"{timeout:g}s (--scheduler-recovery-timeout); {lost}")
+        self._instance_id = info.instance_id
+        self.num_resumes += 1
+        self._beam_deltas.clear()
+        log.info("request_resuming", num_resumes=self.num_resumes, seconds_lost=round(time.monotonic() - broke_at, 3),
+                 num_tokens=[len(state.token_ids) for state in self._states],
+                 starts_over=self._is_beam_search)
+
+    def _await_queue_room(self) -> None:
+        """Every frontend resubmits at once: a continuation the new scheduler's full queue refused
+        is tried again every BUSY_RETRY_S, for up to the recovery timeout from the first refusal."""
+        now = time.monotonic()
+        if self._busy_since is None:
+            self._busy_since = now
+        if now - self._busy_since + BUSY_RETRY_S > self._recovery.timeout_s:
+            raise SchedulerBusy("the restarted scheduler's queue stayed full: the request could not be resumed",
+                                grpc.StatusCode.RESOURCE_EXHAUSTED)
+        if self._cancelled.wait(BUSY_RETRY_S):
+            raise SubmitCancelled("cancelled while waiting for room in the scheduler's queue",
+                                  grpc.StatusCode.CANCELLED)
+
+    def _time_left(self) -> float | None:
+        """Seconds to the client's deadline (None: no deadline)."""
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
 
     def _apply(self, output: RequestOutput) -> list[CompletionUpdate]:
         if output.prompt_tokens:

@@ -4,11 +4,19 @@ Health service `""` is SERVING while the process is up; `pagedserve.v1.Generatio
 while the scheduler answers GetInfo with is_ready (every worker registered and loaded), and
 NOT_SERVING otherwise. The latest SchedulerInfo also gives the model limits requests are validated
 against.
+
+It also serves the requests whose Submit stream broke (generation.py): `answer_after()` asks
+whether the scheduler that ran them is still there (same instance_id: it ended them itself), and
+`wait_for_new_scheduler()` waits until another instance is ready, polling every
+RECOVERY_POLL_INTERVAL_S while anyone waits. One GetInfo at a time serves every caller, however
+many requests broke at once.
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import structlog
@@ -18,6 +26,7 @@ from pagedserve.frontend.scheduler_client import SchedulerClient, SchedulerError
 
 GENERATION_SERVICE = "pagedserve.v1.Generation"
 DEFAULT_POLL_INTERVAL_S = 1.0
+RECOVERY_POLL_INTERVAL_S = 0.2  # while a request waits for a restarted scheduler
 GET_INFO_TIMEOUT_S = 2.0
 
 log = structlog.get_logger()
@@ -34,6 +43,12 @@ class ReadinessMonitor:
         self._info: SchedulerInfo | None = None
         self._last_error = "the scheduler has not been asked yet"
         self._lock = threading.Lock()
+        self._answered = threading.Condition(self._lock)  # notified after every GetInfo
+        self._asking = threading.Lock()  # one GetInfo at a time
+        self._last_asked_at = float("-inf")  # when the latest GetInfo was sent (monotonic)
+        self._last_answer: SchedulerInfo | None = None  # its answer; None: unreachable
+        self._num_waiting = 0  # requests waiting for a new scheduler
+        self._wake = threading.Event()  # polls now (a waiter arrived, or stop)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._is_shutting_down = False
@@ -68,17 +83,54 @@ class ReadinessMonitor:
         with self._lock:
             self._is_shutting_down = True
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=self._poll_interval_s + GET_INFO_TIMEOUT_S + 1.0)
         self._health.enter_graceful_shutdown()
 
     def refresh(self) -> SchedulerInfo | None:
         """Asks the scheduler now and updates the health status; returns the answer or None."""
+        with self._asking:
+            return self._ask()
+
+    def answer_after(self, moment: float) -> SchedulerInfo | None:
+        """The scheduler's answer to a GetInfo sent at or after `moment` (time.monotonic()), or None
+        when it was unreachable; shares a GetInfo with the callers that queued behind it."""
+        with self._asking:
+            if self._last_asked_at >= moment:
+                return self._last_answer
+            return self._ask()
+
+    def wait_for_new_scheduler(self, gone_instance_id: str, timeout: float,
+                               is_cancelled: Callable[[], bool]) -> SchedulerInfo | None:
+        """Waits up to `timeout` seconds for a ready scheduler other than instance
+        `gone_instance_id` (a restarted one); None when none came, or when is_cancelled()."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            self._num_waiting += 1
+        self._wake.set()
+        try:
+            with self._lock:
+                while True:
+                    info = self._info
+                    if info is not None and info.is_ready and info.instance_id != gone_instance_id:
+                        return info
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0 or is_cancelled() or self._stop.is_set():
+                        return None
+                    self._answered.wait(min(remaining, RECOVERY_POLL_INTERVAL_S))
+        finally:
+            with self._lock:
+                self._num_waiting -= 1
+
+    def _ask(self) -> SchedulerInfo | None:
+        asked_at = time.monotonic()
         try:
             info = self._client.get_info(timeout=GET_INFO_TIMEOUT_S)
             error = "" if info.is_ready else "the scheduler is not ready (workers loading or lost, or it is draining)"
         except SchedulerError as exc:
             info, error = None, f"the scheduler at {self._client.address} is unreachable: {exc}"
+        self._last_asked_at, self._last_answer = asked_at, info
         with self._lock:
             was_ready = self._info is not None and self._info.is_ready
             if info is not None:
@@ -87,6 +139,7 @@ class ReadinessMonitor:
                 self._info = replace(self._info, is_ready=False)  # last known limits, not ready
             is_ready = self._info is not None and self._info.is_ready
             self._last_error = error
+            self._answered.notify_all()
         if is_ready != was_ready:
             log.info("scheduler_readiness_changed", is_ready=is_ready, reason=error or "ready")
         with self._lock:
@@ -108,5 +161,10 @@ class ReadinessMonitor:
             raise SchedulerUnavailable(self._last_error)
 
     def _poll(self) -> None:
-        while not self._stop.wait(self._poll_interval_s):
-            self.refresh()
+        while not self._stop.is_set():
+            with self._lock:
+                interval = RECOVERY_POLL_INTERVAL_S if self._num_waiting else self._poll_interval_s
+            self._wake.wait(interval)
+            self._wake.clear()
+            if not self._stop.is_set():
+                self.refresh()

@@ -5,6 +5,9 @@ Transport failures become exceptions the servicer maps to public status codes:
 ```
  scheduler status / failure             exception              public status
  UNAVAILABLE, connection refused/lost   SchedulerUnavailable   UNAVAILABLE
+ a Submit stream broken by the peer     SchedulerLost          UNAVAILABLE, unless resumed
+   (UNAVAILABLE, or CANCELLED that the    (a SchedulerUnavailable; generation.py resubmits the
+   frontend did not ask for)              request when another scheduler instance is ready)
  RESOURCE_EXHAUSTED (queue full)        SchedulerBusy          RESOURCE_EXHAUSTED
  INVALID_ARGUMENT                       SchedulerRejected      INVALID_ARGUMENT
  DEADLINE_EXCEEDED                      SchedulerTimeout       DEADLINE_EXCEEDED
@@ -39,6 +42,11 @@ class SchedulerError(RuntimeError):
 
 class SchedulerUnavailable(SchedulerError):
     """The scheduler cannot be reached, is not ready, or is draining."""
+
+
+class SchedulerLost(SchedulerUnavailable):
+    """A Submit stream broke before its last message, and the frontend did not cancel it: the
+    scheduler may have died (or ended the stream itself with UNAVAILABLE)."""
 
 
 class SchedulerBusy(SchedulerError):
@@ -85,6 +93,7 @@ class SchedulerInfo:
     tensor_parallel_size: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    instance_id: str  # new at every scheduler start
 
 
 class SubmitStream:
@@ -110,6 +119,10 @@ class SubmitStream:
         except grpc.RpcError as exc:
             if self.is_cancelled:
                 raise SubmitCancelled("the Submit stream was cancelled", grpc.StatusCode.CANCELLED) from exc
+            code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                details = exc.details() if hasattr(exc, "details") else str(exc)
+                raise SchedulerLost(f"scheduler: {details or code.name}", grpc.StatusCode.UNAVAILABLE) from exc
             raise error_from_rpc(exc) from exc
 
 

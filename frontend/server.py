@@ -8,7 +8,8 @@ HTTP API, and Prometheus metrics.
    │   (transport.py)          server reflection           both services listed
    ├─ uvicorn thread           host:http_port (0: none)   /v1/completions, /v1/chat/completions … (http_server.py)
    │                           same TLS settings
-   ├─ ReadinessMonitor thread  polls the scheduler's GetInfo (readiness.py)
+   ├─ ReadinessMonitor thread  polls the scheduler's GetInfo (readiness.py); requests whose
+   │                           scheduler died wait on it for a restart, then resume (generation.py)
    └─ /metrics HTTP            host:metrics_port, when a metrics port is given
 ```
 
@@ -33,6 +34,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 from pagedserve.frontend.admission import Admission
 from pagedserve.frontend.drain import InFlight
 from pagedserve.frontend.frontend_config import FrontendConfig
+from pagedserve.frontend.generation import SchedulerRecovery
 from pagedserve.frontend.metrics import FrontendMetrics
 from pagedserve.frontend.readiness import DEFAULT_POLL_INTERVAL_S, GENERATION_SERVICE, ReadinessMonitor
 from pagedserve.frontend.reflection import enable_reflection
@@ -111,7 +113,8 @@ def serve_frontend(config: FrontendConfig, *, health_poll_interval_s: float = DE
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     readiness = ReadinessMonitor(client, health_servicer, poll_interval_s=health_poll_interval_s)
     in_flight = InFlight()
-    servicer = GenerationServicer(tokenizer, client, readiness, metrics, in_flight)
+    recovery = SchedulerRecovery(readiness, config.scheduler_recovery_timeout)
+    servicer = GenerationServicer(tokenizer, client, readiness, metrics, in_flight, recovery)
 
     # Each streaming call holds a worker thread; beyond max_concurrent_rpcs calls get RESOURCE_EXHAUSTED
     # (so no queue of calls grows without bound under overload).
@@ -146,7 +149,7 @@ def serve_frontend(config: FrontendConfig, *, health_poll_interval_s: float = DE
 
         try:
             http_server = start_http_server(
-                Admission(tokenizer, client, readiness, in_flight), metrics, config.http, host=host,
+                Admission(tokenizer, client, readiness, in_flight, recovery), metrics, config.http, host=host,
                 model_path=config.model_path, transport=transport,
                 max_concurrent_requests=config.max_concurrent_rpcs, grace_s=CUT_GRACE_S)
         except HttpStartError as exc:
@@ -179,7 +182,9 @@ def run_frontend(config: FrontendConfig) -> int:
         tls = "mutual" if transport.is_mutual_tls else "on" if transport.is_tls else "off"
         process_log.info("frontend_serving", address=f"{config.host}:{frontend.port}",
                          http_port=frontend.http_port, scheduler=config.scheduler_address,
-                         metrics_port=frontend.metrics_port, model=config.model_path, tls=tls)
+                         metrics_port=frontend.metrics_port,
+                         scheduler_recovery_timeout=config.scheduler_recovery_timeout,
+                         model=config.model_path, tls=tls)
         while not stop_requested.wait(0.5):
             pass
         process_log.info("frontend_draining", num_in_flight=len(frontend.in_flight),

@@ -3,7 +3,8 @@
 ```
  InvalidParameter, undecodable request (bad UTF-8), scheduler INVALID_ARGUMENT  -> INVALID_ARGUMENT
  SchedulerBusy (waiting queue full)                                             -> RESOURCE_EXHAUSTED
- SchedulerUnavailable (unreachable, not ready, draining), scheduler abort,
+ SchedulerUnavailable (unreachable, not ready, draining, or lost mid-request and
+   no restarted scheduler ready within --scheduler-recovery-timeout), scheduler abort,
  this frontend draining (Draining) or cut at the end of its drain               -> UNAVAILABLE
  SchedulerTimeout, the client's deadline passed                                 -> DEADLINE_EXCEEDED
  anything else                                                                  -> INTERNAL
@@ -26,7 +27,7 @@ import structlog
 
 from pagedserve.frontend.admission import Admission
 from pagedserve.frontend.drain import InFlight
-from pagedserve.frontend.generation import Generation
+from pagedserve.frontend.generation import Generation, SchedulerRecovery
 from pagedserve.frontend.metrics import FrontendMetrics, RequestTimer
 from pagedserve.frontend.public_codec import stream_message, whole_response
 from pagedserve.frontend.readiness import GENERATION_SERVICE, ReadinessMonitor
@@ -72,12 +73,14 @@ class GenerationServicer:
     """Implements Generate, GenerateStream, Tokenize and ModelInfo."""
 
     def __init__(self, tokenizer: Tokenizer, client: SchedulerClient, readiness: ReadinessMonitor,
-                 metrics: FrontendMetrics, in_flight: InFlight | None = None) -> None:
+                 metrics: FrontendMetrics, in_flight: InFlight | None = None,
+                 recovery: SchedulerRecovery | None = None) -> None:
+        """recovery: how requests ride out a scheduler restart (None: they fail with UNAVAILABLE)."""
         self._tokenizer = tokenizer
         self._client = client
         self._metrics = metrics
         self.in_flight = in_flight if in_flight is not None else InFlight()
-        self._admission = Admission(tokenizer, client, readiness, self.in_flight)
+        self._admission = Admission(tokenizer, client, readiness, self.in_flight, recovery)
 
     def Generate(self, request, context) -> generation_pb2.GenerateResponse:
         timer = self._metrics.start_request(PROTOCOL)

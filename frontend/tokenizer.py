@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedserve.gguf_config import GGUFError, is_gguf, read_gguf_config
 from pagedserve.model_config import ModelConfigError, load_model_info
 
 
@@ -52,7 +53,7 @@ class Tokenizer:
 
     @property
     def chat_template(self) -> str | None:
-        """The checkpoint's own chat template (tokenizer_config.json), or None."""
+        """The checkpoint's own chat template (tokenizer_config.json, or a GGUF file's metadata), or None."""
         template = getattr(self._hf, "chat_template", None)
         return template if isinstance(template, str) and template else None
 
@@ -73,6 +74,13 @@ class Tokenizer:
         part of a multi-byte character decodes to U+FFFD."""
         return self._hf.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text for chat `messages` ({"role", "content"} dicts) under the model's template."""
+        if not self.chat_template:
+            raise TokenizerLoadError("the model has no chat template")
+        return self._hf.apply_chat_template(list(messages), tokenize=False,
+                                            add_generation_prompt=add_generation_prompt)
+
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of `token_ids`, special tokens skipped; ids the tokenizer does not know decode to ''."""
         return self._hf.decode(list(token_ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
@@ -80,7 +88,10 @@ class Tokenizer:
 
 def load_tokenizer(model_path: str | Path) -> Tokenizer:
     """Loads the tokenizer of a checkpoint folder; EOS ids also come from config.json and
-    generation_config.json when the folder is a supported checkpoint."""
+    generation_config.json when the folder is a supported checkpoint. A GGUF model (a .gguf file or
+    a folder holding one) carries its tokenizer, EOS ids and chat template in its metadata."""
+    if is_gguf(model_path):
+        return _load_gguf_tokenizer(model_path)
     folder = Path(model_path)
     if not folder.is_dir():
         raise TokenizerLoadError(f"{folder} is not a folder")
@@ -97,3 +108,14 @@ def load_tokenizer(model_path: str | Path) -> Tokenizer:
         except (ModelConfigError, KeyError, ValueError):
             extra_eos = []
     return Tokenizer(hf_tokenizer, extra_eos_token_ids=extra_eos)
+
+
+def _load_gguf_tokenizer(model_path: str | Path) -> Tokenizer:
+    from pagedserve.frontend.gguf_tokenizer import load_gguf_tokenizer
+
+    try:
+        eos_ids = read_gguf_config(model_path).eos_token_ids  # first: refuses a broken file clearly
+        hf_tokenizer = load_gguf_tokenizer(model_path)
+    except (GGUFError, OSError, ValueError, KeyError) as exc:
+        raise TokenizerLoadError(f"cannot load a tokenizer from {model_path}: {exc}") from exc
+    return Tokenizer(hf_tokenizer, extra_eos_token_ids=eos_ids)

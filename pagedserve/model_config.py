@@ -24,8 +24,10 @@ RoPE keys (rope_parameters, or rope_scaling + rope_theta) are the worker's alone
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+from pagedserve.gguf_config import is_gguf, read_gguf_config
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # transformers' defaults for keys a config.json may leave out
@@ -79,7 +81,9 @@ def _read_json(path: Path) -> dict:
 
 
 def load_model_info(path: str | Path) -> ModelInfo:
-    """Reads config.json (and generation_config.json for EOS ids when present)."""
+    """Reads config.json (and generation_config.json for EOS ids when present), or a GGUF header."""
+    if is_gguf(path):
+        return _from_gguf(path)
     folder = Path(path)
     config_path = folder / "config.json"
     if not config_path.is_file():
@@ -148,3 +152,10 @@ def _family_options(architecture: str, config: dict, num_layers: int) -> dict:
     ]
     windows = tuple(int(window) if kind == "sliding_attention" else None for kind in layer_types)
     return {"has_qkv_bias": True, "layer_sliding_windows": windows if any(windows) else ()}
+
+
+def _from_gguf(path: str | Path) -> ModelInfo:
+    """The same information from a GGUF file's metadata (see pagedserve.gguf_config)."""
+    gguf = read_gguf_config(path)
+    info = model_info_from_dict(gguf.hf_config, generation_config={"eos_token_id": list(gguf.eos_token_ids)})
+    return replace(info, name=gguf.name, path=Path(path))

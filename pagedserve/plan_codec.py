@@ -10,7 +10,7 @@ from __future__ import annotations
 from itertools import chain
 
 from pagedserve.internal import step_pb2
-from pagedserve.step_plan import SampleSpec, ScheduledSeq, SeqSample, StepPlan, StepResult
+from pagedserve.step_plan import SampleSpec, ScheduledSeq, SeqFailure, SeqSample, StepPlan, StepResult
 
 
 def _pairs_to_proto(pairs: list[tuple[int, int]], out: step_pb2.BlockPair) -> None:
@@ -147,6 +147,8 @@ def result_to_proto(result: StepResult) -> step_pb2.StepResult:
         msg.num_beam.extend([len(sample.beam_token_ids) for sample in samples])
         msg.beam_token_ids.extend(list(chain.from_iterable(sample.beam_token_ids for sample in samples)))
         msg.beam_logprobs.extend(list(chain.from_iterable(sample.beam_logprobs for sample in samples)))
+    msg.failed_seq_ids.extend([failure.seq_id for failure in result.failures])
+    msg.failure_messages.extend([failure.message for failure in result.failures])
     return msg
 
 
@@ -171,8 +173,9 @@ def result_from_proto(msg: step_pb2.StepResult) -> StepResult:
         sample.top_token_ids, sample.top_logprobs = ids, logprobs
     for sample, ids, logprobs in zip(samples, beam_ids, beam_logprobs):
         sample.beam_token_ids, sample.beam_logprobs = ids, logprobs
+    failures = [SeqFailure(seq_id, message) for seq_id, message in zip(msg.failed_seq_ids, msg.failure_messages)]
     return StepResult(step_id=msg.step_id, samples=samples, forward_seconds=msg.forward_seconds,
-                      epoch=msg.epoch)
+                      epoch=msg.epoch, failures=failures)
 
 
 def encode_plan(plan: StepPlan) -> bytes:

@@ -1,6 +1,10 @@
 """The request types the frontend and the scheduler exchange (no torch, no protobuf): a Request
 in, RequestOutputs back (one per step that changed it), each holding CompletionDeltas.
 scheduler_codec.py converts them to and from the internal protobuf at the process edge.
+
+A Request resubmitted after its scheduler was lost carries Continuations: per output index, the
+tokens already generated (and streamed to the client). The new scheduler computes prompt +
+generated tokens again and goes on from there, counting the generated tokens as outputs.
 """
 
 from __future__ import annotations
@@ -18,11 +22,22 @@ class FinishReason(enum.Enum):
 
 
 @dataclass(slots=True)
+class Continuation:
+    """What one completion (output index) of a resubmitted request already has."""
+
+    index: int
+    token_ids: list[int]  # generated so far: outputs, not prompt
+    is_finished: bool = False  # it ended already (stop, length, stop string): not resumed
+    cumulative_logprob: float = 0.0  # of token_ids, so the resumed completion reports the total
+
+
+@dataclass(slots=True)
 class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     eos_token_ids: list[int] = field(default_factory=list)
+    continuations: list[Continuation] = field(default_factory=list)  # empty: a fresh start
 
 
 @dataclass(slots=True)

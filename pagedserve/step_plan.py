@@ -84,8 +84,17 @@ class SeqSample:
 
 
 @dataclass(slots=True)
+class SeqFailure:
+    """A sequence the worker could not sample for: its request fails, the others go on."""
+
+    seq_id: int
+    message: str
+
+
+@dataclass(slots=True)
 class StepResult:
     step_id: int
     samples: list[SeqSample] = field(default_factory=list)
     forward_seconds: float = 0.0
     epoch: int = 0
+    failures: list[SeqFailure] = field(default_factory=list)

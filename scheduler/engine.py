@@ -31,13 +31,14 @@ from typing import Callable
 from pagedserve.log import get_logger
 from pagedserve.request_types import Request, RequestOutput
 from pagedserve.scheduler.admission import Admission
-from pagedserve.scheduler.errors import SchedulerConfigError
+from pagedserve.scheduler.errors import RequestFailed, SchedulerConfigError
 from pagedserve.scheduler.scheduler_config import SchedulerConfig
 from pagedserve.scheduler.worker_link import WorkerLink, WorkerLost
 
 Sink = Callable[[RequestOutput | Exception], None]
 Dispatch = Callable[[list[tuple[Sink, RequestOutput | Exception]]], None]
 MAX_RECENT_STEPS = 256
+MAX_CRASHES_IN_FLIGHT = 2  # a request in flight during this many consecutive worker crashes fails
 
 
 class EngineUnavailable(RuntimeError):
@@ -86,6 +87,8 @@ class Engine:
         self._dispatch: Dispatch = dispatch or _call_each
         self._held: list[tuple[Sink, RequestOutput | Exception]] = []  # outputs of the last step
         self._recovery_deadline: float | None = None
+        self._in_flight_ids: list[str] = []  # requests of the step the workers are computing
+        self._crash_counts: dict[str, int] = {}  # consecutive worker crashes each was in flight for
         self.admission = Admission(config.max_waiting_requests, config.max_waiting_tokens)
         self._thread = threading.Thread(target=self._run, name="step-loop", daemon=True)
         self._log = get_logger(component="engine")
@@ -153,6 +156,7 @@ class Engine:
 
     def _abort(self, request_id: str) -> None:
         self._sinks.pop(request_id, None)
+        self._forgive(request_id)
         self.admission.release(request_id)
         if self.scheduler is not None:
             self.scheduler.abort_request(request_id)
@@ -233,10 +237,17 @@ class Engine:
         now = time.monotonic()
         queue_seconds = [seconds for group in scheduled.groups
                          if (seconds := self.admission.release(group.request_id, now)) is not None]
+        self._in_flight_ids = [group.request_id for group in scheduled.groups]
         self.link.publish(scheduled.plan)
         self._hand_over()
         result = self.link.wait_result(scheduled.plan)
         self._hold(self.scheduler.process_result(scheduled, result))
+        for failure in self.scheduler.pop_failures():
+            self._fail_request(failure.request_id, failure.message)
+        if self._crash_counts:  # they survived a step: their crash streak ends
+            for request_id in self._in_flight_ids:
+                self._forgive(request_id)
+        self._in_flight_ids = []
         record = self._record(scheduled, time.perf_counter() - started)
         record.forward_seconds = result.forward_seconds
         record.queue_seconds = queue_seconds
@@ -254,7 +265,39 @@ class Engine:
                 continue
             if output.is_finished:
                 del self._sinks[output.request_id]
+                self._forgive(output.request_id)
             self._held.append((sink, output))
+
+    def _fail_request(self, request_id: str, message: str) -> None:
+        """One request fails (INTERNAL to its caller); the scheduler has already dropped it."""
+        self._log.error("request_failed", request_id=request_id, error=message)
+        self.admission.release(request_id)
+        self._forgive(request_id)
+        sink = self._sinks.pop(request_id, None)
+        if sink is not None:
+            self._held.append((sink, RequestFailed(message)))
+
+    def _forgive(self, request_id: str) -> None:
+        if self._crash_counts.pop(request_id, None) is not None and self.scheduler is not None:
+            self.scheduler.isolated_request_ids.discard(request_id)
+
+    def _quarantine_step_requests(self) -> None:
+        """The workers crashed while computing a step: each request in it counts one more crash
+        and is replayed in steps with no other such suspect (Scheduler.isolated_request_ids), so
+        a crash after that has one suspect; one at MAX_CRASHES_IN_FLIGHT is failed instead of
+        replayed, and a request that crashes the workers cannot put them in a restart loop."""
+        for request_id in self._in_flight_ids:
+            count = self._crash_counts.get(request_id, 0) + 1
+            if count < MAX_CRASHES_IN_FLIGHT:
+                self._crash_counts[request_id] = count
+                if self.scheduler is not None:
+                    self.scheduler.isolated_request_ids.add(request_id)
+                continue
+            if self.scheduler is not None:
+                self.scheduler.abort_request(request_id)
+            self._fail_request(request_id, f"in flight during {count} consecutive worker crashes; "
+                                           "not replayed again")
+        self._in_flight_ids = []
 
     def _hand_over(self) -> None:
         if self._held:
@@ -270,6 +313,7 @@ class Engine:
 
     def _lose_workers(self, reason: str) -> None:
         self._log.error("workers_lost", reason=reason)
+        self._quarantine_step_requests()
         self._hand_over()  # tokens already computed go out now, not after the recovery
         self.state.is_ready = False
         self.link.forget_ranks()

@@ -6,6 +6,8 @@ Callers map them to transport errors: `RequestRejected` is the client's fault (I
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from pagedserve.config_flags import ConfigError
 
 
@@ -24,6 +26,19 @@ class RequestRejected(SchedulerError, ValueError):
         super().__init__(f"request {request_id!r} rejected: {reason}")
         self.request_id = request_id
         self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFailure:
+    """A request dropped because its step could not be handled; only it fails."""
+
+    request_id: str
+    message: str
+
+
+class RequestFailed(SchedulerError, RuntimeError):
+    """Given to a failed request's caller (INTERNAL): its sampling or output handling raised, or
+    it was in flight whenever the workers crashed, too often to be replayed."""
 
 
 class NoFreeBlocks(SchedulerError, RuntimeError):

@@ -30,30 +30,45 @@ class OutputProcessor:
         self.scheduler = scheduler
 
     def process(self, step: ScheduledStep, result: StepResult) -> list[RequestOutput]:
+        """Outputs of the step's groups. A group whose sampling failed on the worker, or whose
+        output handling raises here, fails alone (Scheduler.fail_group); the others go on."""
         samples = {sample.seq_id: sample for sample in result.samples}
+        worker_failures = {failure.seq_id: failure.message for failure in result.failures}
+        failed: dict[SequenceGroup, str] = {}
         deltas_of: dict[SequenceGroup, list[CompletionDelta]] = {}
         beam_samples: dict[SequenceGroup, list[SeqSample]] = {}
         running = GroupStatus.RUNNING
         for group, seq in step.sampled:
-            if group.status is not running or seq.finish_reason is not None:
-                continue  # aborted or finished by the frontend while the step ran
+            if group.status is not running or seq.finish_reason is not None or group in failed:
+                continue  # aborted or finished by the frontend while the step ran, or failed
+            if seq.seq_id in worker_failures:
+                failed[group] = worker_failures[seq.seq_id]
+                continue
             sample = samples.get(seq.seq_id)
             if sample is None:
                 raise StepOrderError(f"step {result.step_id}: no sample for sequence {seq.seq_id}")
             if group.beam is not None:
                 beam_samples.setdefault(group, []).append(sample)
                 continue
-            delta = self._append(group, seq, sample)
-            deltas = deltas_of.get(group)
-            if deltas is None:
-                deltas_of[group] = [delta]
-            else:
-                deltas.append(delta)
+            try:
+                delta = self._append(group, seq, sample)
+            except Exception as exc:
+                failed[group] = f"handling the sampled token failed: {type(exc).__name__}: {exc}"
+                continue
+            deltas_of.setdefault(group, []).append(delta)
+        for group, message in failed.items():
+            deltas_of.pop(group, None)
+            beam_samples.pop(group, None)
+            self.scheduler.fail_group(group, message)
         for group in step.groups:
             if group.fork_at is not None and group.status is running:
                 self.scheduler.block_manager.fork_if_ready(group)
         for group, group_samples in beam_samples.items():
-            deltas = self._advance_beams(group, group_samples)
+            try:
+                deltas = self._advance_beams(group, group_samples)
+            except Exception as exc:
+                self.scheduler.fail_group(group, f"beam search step failed: {type(exc).__name__}: {exc}")
+                continue
             if deltas:
                 deltas_of[group] = deltas
         outputs = []

@@ -9,13 +9,24 @@ every sequence at full length, sharing only the prompt's full blocks that are co
                              floor((prompt - 1) / block_size)  n > 1 (the last prompt token is
                                                                        computed per sample)
     worst case           S + m * (B - S)   for m = n or beam_width sequences (B for m = 1)
+
+A continuation (the request resubmitted after its scheduler was lost) starts each listed output
+index from its generated tokens instead of the bare prompt, and leaves out the indices that
+finished already:
+
+    sequence of index i   token_ids = prompt + generated_i   num_prompt_tokens = len(prompt)
+
+so max_tokens, min_tokens and stop token ids count the generated tokens, penalties see them as
+outputs, and the next token's position (which keys seeded sampling with the output index) is the
+one it had before. The group computes the sequences' common prefix once, then forks (as after a
+preemption by recomputation). The worst case above still bounds it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from pagedserve.request_types import Request
+from pagedserve.request_types import Continuation, Request
 from pagedserve.sampling_params import InvalidParameter
 from pagedserve.scheduler.beam_search import BeamSearchState
 from pagedserve.scheduler.errors import RequestRejected
@@ -66,13 +77,52 @@ def build_group(request: Request, config: SchedulerConfig, *, arrival_index: int
     if not sampling.ignore_eos:
         stop_token_ids |= frozenset(request.eos_token_ids)
     prompt = list(request.prompt_token_ids)
+    continuations = _continuations_by_index(request)
     num_initial_seqs = 1 if sampling.is_beam_search else sampling.n
-    seqs = [Sequence(seq_id=next_seq_id(), output_index=index, token_ids=list(prompt),
-                     num_prompt_tokens=num_prompt_tokens) for index in range(num_initial_seqs)]
+    seqs = []
+    for index in range(num_initial_seqs):
+        continuation = continuations.get(index)
+        if continuation is None:
+            seqs.append(Sequence(seq_id=next_seq_id(), output_index=index, token_ids=list(prompt),
+                                 num_prompt_tokens=num_prompt_tokens))
+        elif not continuation.is_finished:
+            seqs.append(Sequence(seq_id=next_seq_id(), output_index=index,
+                                 token_ids=prompt + continuation.token_ids, num_prompt_tokens=num_prompt_tokens,
+                                 cumulative_logprob=continuation.cumulative_logprob))
     group = SequenceGroup(request=request, arrival_index=arrival_index, seqs=seqs,
                           stop_token_ids=stop_token_ids, max_output_tokens=sampling.max_tokens)
+    group.num_completions_done = num_initial_seqs - len(seqs)
     if sampling.is_beam_search:
         group.beam = BeamSearchState(beam_width=sampling.beam_width, length_penalty=sampling.length_penalty,
                                      max_new_tokens=sampling.max_tokens, stop_token_ids=stop_token_ids)
     group.plan_shared_prefix()
     return group
+
+
+def _continuations_by_index(request: Request) -> dict[int, Continuation]:
+    """The request's continuations by output index; raises RequestRejected when they could not
+    come from a run of this request (beam search, an index out of range or repeated, more tokens
+    than max_tokens allows, nothing left to continue)."""
+    if not request.continuations:
+        return {}
+    request_id = request.request_id
+    sampling = request.sampling
+    if sampling.is_beam_search:
+        raise RequestRejected(request_id, "beam search requests start over: they take no continuations")
+    by_index: dict[int, Continuation] = {}
+    for continuation in request.continuations:
+        index = continuation.index
+        if not 0 <= index < sampling.n:
+            raise RequestRejected(request_id, f"continuation index {index} is outside the request's "
+                                              f"{sampling.n} completions")
+        if index in by_index:
+            raise RequestRejected(request_id, f"continuation index {index} is given twice")
+        if len(continuation.token_ids) > sampling.max_tokens or (
+                not continuation.is_finished and len(continuation.token_ids) == sampling.max_tokens):
+            raise RequestRejected(request_id, f"continuation {index} has {len(continuation.token_ids)} tokens: "
+                                              f"more than an unfinished completion of max_tokens "
+                                              f"({sampling.max_tokens}) can have")
+        by_index[index] = continuation
+    if len(by_index) == sampling.n and all(c.is_finished for c in by_index.values()):
+        raise RequestRejected(request_id, "every completion has finished: nothing to continue")
+    return by_index

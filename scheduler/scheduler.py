@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pagedserve.request_types import CompletionDelta, FinishReason, Request, RequestOutput
 from pagedserve.scheduler.block_manager import BlockManager
-from pagedserve.scheduler.errors import RequestRejected, StepOrderError
+from pagedserve.scheduler.errors import RequestFailure, RequestRejected, StepOrderError
 from pagedserve.scheduler.invariants import check_scheduler_invariants
 from pagedserve.scheduler.output_processor import OutputProcessor
 from pagedserve.scheduler.request_intake import build_group
@@ -33,6 +33,10 @@ class Scheduler:
         self._groups: dict[str, SequenceGroup] = {}
         self._outputs = OutputProcessor(self)
         self._pending_outputs: list[RequestOutput] = []
+        self._failures: list[RequestFailure] = []
+        # Requests that were in flight when the workers crashed: at most one of them joins a
+        # step, so a request that crashes the workers again does not take the others with it.
+        self.isolated_request_ids: set[str] = set()
         self._in_flight: ScheduledStep | None = None
         self._next_seq_id = 0
         self._next_arrival = 0
@@ -63,6 +67,18 @@ class Scheduler:
         self.finish_group(group)
         self._pending_outputs = [out for out in self._pending_outputs if out.request_id != request_id]
         return True
+
+    def fail_group(self, group: SequenceGroup, message: str) -> None:
+        """Drops a request whose step could not be handled (its sampling or output processing
+        raised): its blocks are freed now and pop_failures() reports it, once."""
+        if self._groups.get(group.request_id) is not group:
+            return
+        self.abort_request(group.request_id)
+        self._failures.append(RequestFailure(group.request_id, message))
+
+    def pop_failures(self) -> list[RequestFailure]:
+        failures, self._failures = self._failures, []
+        return failures
 
     def finish_completion(self, request_id: str, index: int) -> bool:
         """Ends one completion (a stop string matched in the frontend) and frees its blocks.

@@ -7,6 +7,11 @@ engine, which frees its blocks before the next step: a client that cancels, a de
 passes (the frontend forwards it as the Submit deadline), and a frontend that dies (its TCP
 connection closes; server keepalive pings find one whose host vanished) all end that way.
 
+A Submit that carries continuations is a request resubmitted by a frontend after the scheduler
+that ran it was lost: each completion goes on from the tokens the client already has
+(request_intake.py). GetInfo's instance_id, new at every start, lets a frontend whose streams
+broke tell a restarted scheduler (resubmit) from this one ending them on purpose (a final status).
+
 Drain (SIGTERM/SIGINT):
 
     draining ── GetInfo says not ready (frontends turn NOT_SERVING), new Submits: UNAVAILABLE
@@ -21,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+import uuid
 from dataclasses import replace
 
 import grpc
@@ -57,6 +63,14 @@ def _status_for(exc: Exception) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+def _continued(request: Request) -> dict:
+    """Log fields of a resubmitted request: the tokens it continues from, per index."""
+    if not request.continuations:
+        return {}
+    return {"continued_tokens": {c.index: len(c.token_ids) for c in request.continuations},
+            "num_finished_before": sum(c.is_finished for c in request.continuations)}
+
+
 def _close_reason(context) -> str:
     remaining = context.time_remaining()
     return "deadline_exceeded" if remaining is not None and remaining <= 0 else "stream_closed"
@@ -71,6 +85,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.metrics = metrics or SchedulerMetrics()
         self.is_draining = False
         self.num_open_streams = 0  # Submit streams not yet ended (event loop only: no lock)
+        self.instance_id = uuid.uuid4().hex  # GetInfo's: a restart is a new instance
         self._log = structlog.get_logger()
 
     async def drain(self, timeout: float) -> int:
@@ -101,7 +116,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         except Exception as exc:
             await self._refuse(context, log, exc)
         log.info("request_submitted", prompt_tokens=len(internal.prompt_token_ids),
-                 max_tokens=internal.sampling.max_tokens, num_completions=internal.sampling.num_completions)
+                 max_tokens=internal.sampling.max_tokens, num_completions=internal.sampling.num_completions,
+                 **_continued(internal))
         self.num_open_streams += 1
         is_finished = is_started = False
         finish_reasons: dict[int, str] = {}
@@ -146,6 +162,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             tensor_parallel_size=self.tensor_parallel_size,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            instance_id=self.instance_id,
         )
 
     async def GetStats(self, request, context):

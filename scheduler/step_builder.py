@@ -240,10 +240,14 @@ class StepBuilder:
         waiting = self.scheduler.waiting
         manager = self.block_manager
         prefix_cache = manager.prefix_cache
+        isolated = self.scheduler.isolated_request_ids
         while waiting and self.num_tokens_left > 0:
             group = waiting[0]
             if group.max_num_running_seqs > num_free_slots:
                 break
+            if isolated and group.request_id in isolated and any(
+                    other.request_id in isolated for other in self.groups):
+                break  # one suspect of a worker crash per step (see Scheduler.isolated_request_ids)
             leader = group.seqs[0]
             limit = min(group.prefill_target(leader), len(leader.token_ids) - 1)
             num_queries, cached_blocks = prefix_cache.find_prefix(leader, limit)
@@ -258,7 +262,9 @@ class StepBuilder:
             prefix_cache.record(num_queries, len(cached_blocks))
             if not group.is_admitted_once:
                 group.is_admitted_once = True
-                group.num_cached_prompt_tokens = len(cached_blocks) * manager.block_size
+                # a continuation's leader may hit blocks past the prompt: those are not prompt tokens
+                group.num_cached_prompt_tokens = min(len(cached_blocks) * manager.block_size,
+                                                     group.num_prompt_tokens)
             waiting.pop(0)
             self._start_running(group)
             num_free_slots -= group.max_num_running_seqs

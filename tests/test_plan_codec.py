@@ -5,7 +5,7 @@ from __future__ import annotations
 from pagedserve.internal import step_pb2
 from pagedserve.plan_codec import (encode_plan, encode_result, plan_from_proto, plan_to_proto,
                                    result_from_proto, result_to_proto)
-from pagedserve.step_plan import SampleSpec, ScheduledSeq, SeqSample, StepPlan, StepResult
+from pagedserve.step_plan import SampleSpec, ScheduledSeq, SeqFailure, SeqSample, StepPlan, StepResult
 
 
 def _plan() -> StepPlan:
@@ -53,7 +53,7 @@ def test_result_round_trip() -> None:
                   top_logprobs=[-0.5, -1.5]),
         SeqSample(seq_id=9, token_id=1, logprob=-2.0, beam_token_ids=[1, 2],
                   beam_logprobs=[-2.0, -3.0]),
-    ])
+    ], failures=[SeqFailure(seq_id=5, message="sampling failed: ValueError: bad")])
     assert result_from_proto(result_to_proto(result)) == result
     message = step_pb2.WorkerMessage.FromString(encode_result(result))
     assert result_from_proto(message.step_result) == result

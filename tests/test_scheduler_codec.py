@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from pagedserve.internal import scheduler_pb2
-from pagedserve.request_types import CompletionDelta, FinishReason, Request, RequestOutput, TokenLogprob
+from pagedserve.request_types import (
+    CompletionDelta, Continuation, FinishReason, Request, RequestOutput, TokenLogprob,
+)
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler_codec import output_from_proto, output_to_proto, request_from_proto, request_to_proto
 
@@ -41,3 +43,13 @@ def test_output_round_trip() -> None:
     )
     msg = scheduler_pb2.SubmitResponse.FromString(output_to_proto(output).SerializeToString())
     assert output_from_proto("r-1", msg) == output
+
+
+def test_continuations_round_trip() -> None:
+    request = _request(seed=5)
+    request.continuations = [Continuation(index=0, token_ids=[4, 5, 6], cumulative_logprob=-1.25),
+                             Continuation(index=2, token_ids=[9], is_finished=True, cumulative_logprob=-0.5),
+                             Continuation(index=1, token_ids=[])]
+    msg = scheduler_pb2.SubmitRequest.FromString(request_to_proto(request).SerializeToString())
+    assert [c.index for c in msg.continuations] == [0, 2, 1]
+    assert request_from_proto(msg, eos_token_ids=[2]) == request

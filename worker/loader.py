@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from pagedserve.gguf_config import is_gguf
 from pagedserve.worker.parallel_layers import TensorSlice, VocabParallelEmbedding
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -86,6 +87,10 @@ def load_weights(model: torch.nn.Module, folder: str | Path) -> int:
 
     `model` provides checkpoint_slices() and is_ignorable_checkpoint_tensor(name).
     """
+    if is_gguf(folder):  # a .gguf file, or a folder holding one: see pagedserve.worker.gguf_weights
+        from pagedserve.worker.gguf_weights import load_gguf_weights
+
+        return load_gguf_weights(model, folder)
     slices = model.checkpoint_slices()
     files = checkpoint_files(folder)
     _check(slices, files, model.is_ignorable_checkpoint_tensor)

@@ -176,7 +176,7 @@ class ModelRunner:
                 torch.cuda.synchronize(self.device)
             result.forward_seconds = time.perf_counter() - started
             if self.sampler is not None and logits is not None:
-                result.samples = self.sampler.sample(logits, inputs.sample_specs, inputs.sample_seq_ids,
-                                                     inputs.sample_positions)
+                result.samples, result.failures = self.sampler.sample_isolating_failures(
+                    logits, inputs.sample_specs, inputs.sample_seq_ids, inputs.sample_positions)
         return result
 

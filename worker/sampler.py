@@ -25,7 +25,7 @@ import struct
 import numpy as np
 import torch
 
-from pagedserve.step_plan import SampleSpec, SeqSample
+from pagedserve.step_plan import SampleSpec, SeqFailure, SeqSample
 
 
 class SamplerError(ValueError):
@@ -146,6 +146,23 @@ class Sampler:
                 generator.manual_seed(derive_seed(spec.seed, spec.output_index, position))
                 noise[row].exponential_(generator=generator)
         return (probs / noise).argmax(dim=-1)  # [rows]
+
+    def sample_isolating_failures(self, logits: torch.Tensor, specs: list[SampleSpec], seq_ids: list[int],
+                                  positions: list[int]) -> tuple[list[SeqSample], list[SeqFailure]]:
+        """sample(), but a row whose sampling raises fails alone: the batch is sampled again row
+        by row (rows are independent, so the others get the same tokens) and each failing row
+        becomes a SeqFailure for the scheduler to fail its request with."""
+        try:
+            return self.sample(logits, specs, seq_ids, positions), []
+        except Exception:
+            pass
+        samples, failures = [], []
+        for row, (spec, seq_id, position) in enumerate(zip(specs, seq_ids, positions)):
+            try:
+                samples += self.sample(logits[row:row + 1], [spec], [seq_id], [position])
+            except Exception as exc:
+                failures.append(SeqFailure(seq_id, f"sampling failed: {type(exc).__name__}: {exc}"))
+        return samples, failures
 
     def sample(self, logits: torch.Tensor, specs: list[SampleSpec], seq_ids: list[int],
                positions: list[int]) -> list[SeqSample]:

@@ -129,7 +129,7 @@ class Ready(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("epoch", "step_id", "forward_seconds", "seq_ids", "token_ids", "logprobs", "num_top", "top_token_ids", "top_logprobs", "num_beam", "beam_token_ids", "beam_logprobs")
+    __slots__ = ("epoch", "step_id", "forward_seconds", "seq_ids", "token_ids", "logprobs", "num_top", "top_token_ids", "top_logprobs", "num_beam", "beam_token_ids", "beam_logprobs", "failed_seq_ids", "failure_messages")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +142,8 @@ class StepResult(_message.Message):
     NUM_BEAM_FIELD_NUMBER: _ClassVar[int]
     BEAM_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BEAM_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_MESSAGES_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     step_id: int
     forward_seconds: float
@@ -154,7 +156,9 @@ class StepResult(_message.Message):
     num_beam: _containers.RepeatedScalarFieldContainer[int]
     beam_token_ids: _containers.RepeatedScalarFieldContainer[int]
     beam_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, epoch: _Optional[int] = ..., step_id: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., num_top: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., num_beam: _Optional[_Iterable[int]] = ..., beam_token_ids: _Optional[_Iterable[int]] = ..., beam_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    failed_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    failure_messages: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, epoch: _Optional[int] = ..., step_id: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., num_top: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., num_beam: _Optional[_Iterable[int]] = ..., beam_token_ids: _Optional[_Iterable[int]] = ..., beam_logprobs: _Optional[_Iterable[float]] = ..., failed_seq_ids: _Optional[_Iterable[int]] = ..., failure_messages: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("rank", "epoch")

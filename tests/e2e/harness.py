@@ -34,6 +34,19 @@ def text_request(prompt: str, **params) -> generation_pb2.GenerateRequest:
                                           params=generation_pb2.SamplingParams(**params))
 
 
+def stream_tokens(server, prompt: list[int], received: list[int], errors: list[Exception], *,
+                  max_tokens: int, timeout: float = 240) -> None:
+    """Streams one greedy request (EOS ignored) into received; an error goes to errors (for
+    threads, whose test thread reports it)."""
+    try:
+        for message in server.stub.GenerateStream(
+                token_request(prompt, max_tokens=max_tokens, ignore_eos=True), timeout=timeout):
+            for completion in message.completions:
+                received.extend(completion.token_ids)
+    except Exception as exc:
+        errors.append(exc)
+
+
 def parse_log_events(text: str) -> list[dict]:
     """JSON objects of a log several processes wrote to: one per line, except where a process
     left its line unterminated (it exited mid-line) and another's follows on the same line."""

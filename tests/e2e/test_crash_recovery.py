@@ -10,20 +10,10 @@ import time
 from grpc_health.v1 import health_pb2
 
 from tests.e2e.conftest import start_server
-from tests.e2e.harness import token_request, wait_for
+from tests.e2e.harness import stream_tokens, token_request, wait_for
 
 PROMPTS = [[7 + i, 40, 41, 42 + 3 * i] * (2 + i) for i in range(4)]
 MAX_TOKENS = 300
-
-
-def _stream(server, prompt, received: list[int], errors: list[Exception]) -> None:
-    try:
-        for message in server.stub.GenerateStream(
-                token_request(prompt, max_tokens=MAX_TOKENS, ignore_eos=True), timeout=240):
-            for completion in message.completions:
-                received.extend(completion.token_ids)
-    except Exception as exc:  # reported by the test thread
-        errors.append(exc)
 
 
 def test_killed_worker_is_restarted_and_streams_complete(llama_checkpoint, tmp_path_factory):
@@ -36,7 +26,8 @@ def test_killed_worker_is_restarted_and_streams_complete(llama_checkpoint, tmp_p
         old_worker = server.child_pids()["worker-0"]
         received: list[list[int]] = [[] for _ in PROMPTS]
         errors: list[Exception] = []
-        threads = [threading.Thread(target=_stream, args=(server, p, r, errors))
+        threads = [threading.Thread(target=stream_tokens, args=(server, p, r, errors),
+                                kwargs={"max_tokens": MAX_TOKENS})
                    for p, r in zip(PROMPTS, received)]
         for thread in threads:
             thread.start()

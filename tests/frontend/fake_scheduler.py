@@ -3,12 +3,16 @@
 It serves the real pagedserve.internal.Scheduler protocol over real gRPC; each Submit emits, per
 completion index, the token ids of `tokens_by_index` one step at a time, honouring max_tokens,
 stop_token_ids, FinishCompletion and cancellation, and records what the frontend asked for.
+A Submit with continuations goes on from each continued index's position in its script (finished
+indices stay finished). Each FakeScheduler is one scheduler instance (GetInfo's instance_id): a
+new FakeSchedulerServer on the same port is a restarted scheduler.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+import uuid
 from concurrent import futures
 
 import grpc
@@ -19,6 +23,7 @@ from pagedserve.internal import scheduler_pb2, scheduler_pb2_grpc
 class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self) -> None:
         self.lock = threading.Lock()
+        self.instance_id = uuid.uuid4().hex
         self.reset()
 
     def reset(self) -> None:
@@ -28,8 +33,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.tokens_by_index: dict[int, list[int]] = {0: [40, 41, 42, 43, 44, 45, 46, 47]}
         self.step_delay_s = 0.0
         self.reject_code: grpc.StatusCode | None = None
-        self.fail_after_steps: int | None = None  # abort the Submit stream with fail_code after this many messages
-        self.fail_code = grpc.StatusCode.UNAVAILABLE
+        self.abort_after_messages: int | None = None  # ends each stream with UNAVAILABLE after this many
         self.cached_prompt_tokens = 0
         self.submits: list[scheduler_pb2.SubmitRequest] = []
         self.finish_requests: list[tuple[str, int]] = []
@@ -70,7 +74,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         return scheduler_pb2.SchedulerInfo(
             is_ready=self.is_ready, model_name="fake-model", max_model_len=self.max_model_len,
             vocab_size=self.vocab_size, block_size=16, num_kv_blocks=100, num_cpu_blocks=10,
-            tensor_parallel_size=1, max_num_seqs=8, max_num_batched_tokens=256)
+            tensor_parallel_size=1, max_num_seqs=8, max_num_batched_tokens=256, instance_id=self.instance_id)
 
     def GetStats(self, request, context):
         return scheduler_pb2.SchedulerStats(num_running=len(self.submits), is_pool_consistent=True)
@@ -81,14 +85,18 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         num_completions = max(sampling.n, 1)
         positions = {i: 0 for i in range(num_completions)}
         finished: set[int] = set()
+        for continuation in request.continuations:
+            positions[continuation.index] = len(continuation.token_ids)
+            if continuation.is_finished:
+                finished.add(continuation.index)
         first = True
         num_sent = 0
         while len(finished) < num_completions and context.is_active():
-            if self.fail_after_steps is not None and num_sent >= self.fail_after_steps:
-                context.abort(self.fail_code, "the fake scheduler failed mid-stream")
-            num_sent += 1
             if self.step_delay_s:
                 time.sleep(self.step_delay_s)
+            if self.abort_after_messages is not None and num_sent >= self.abort_after_messages:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "ended by the fake scheduler")
+            num_sent += 1
             msg = scheduler_pb2.SubmitResponse()
             if first:
                 msg.prompt_tokens = len(request.prompt_token_ids)

@@ -97,14 +97,14 @@ def test_scheduler_refusals_before_the_first_token_are_http_statuses(client, fak
 
 def test_a_failure_after_the_stream_began_is_an_sse_error_frame(client, fake, tokenizer, model_name):
     (script,) = _script(fake, tokenizer, SCRIPT)
-    fake.fail_after_steps = 3
+    fake.abort_after_messages = 3
     stream = client.completions.create(model=model_name, prompt="Hello", max_tokens=30, stream=True)
     received = []
     with pytest.raises(openai.APIError) as raised:
         for chunk in stream:
             received.append(chunk.choices[0].text)
     assert "".join(received) == tokenizer.decode(script[:3])
-    assert "failed mid-stream" in raised.value.message and raised.value.body["type"] == "service_unavailable"
+    assert "ended by the fake scheduler" in raised.value.message and raised.value.body["type"] == "service_unavailable"
 
 
 def test_chat_without_a_template_is_400(client, model_name):

@@ -9,9 +9,10 @@ import time
 from pagedserve.request_types import Request
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler.engine import Engine, EngineUnavailable
-from pagedserve.scheduler.errors import RequestRejected
+from pagedserve.scheduler.errors import RequestFailed, RequestRejected
 from pagedserve.scheduler.scheduler_config import SchedulerConfig
 from pagedserve.scheduler.worker_link import PoolSize, WorkerLost
+from pagedserve.step_plan import SeqFailure
 from tests.scheduler.scheduler_harness import EOS_TOKEN_ID, digest_worker
 
 NUM_BLOCKS = 64
@@ -160,3 +161,80 @@ def test_rejected_request_gets_its_error_through_dispatch():
     (error,) = collector.items
     assert isinstance(error, RequestRejected), error
     assert ("dispatch", 1) in events
+
+
+class PoisonLink(FakeLink):
+    """A worker whose sampling fails for one request's sequences (poison_sampling), or that
+    crashes whenever a plan holds the poison request (poison_crash); the engine recovers."""
+
+    def __init__(self, events: list, poison_id: str, mode: str) -> None:
+        super().__init__(events)
+        self.poison_id = poison_id
+        self.mode = mode
+        self.poison_seq_ids: set[int] = set()
+        self.num_crashes = 0
+
+    def wait_result(self, plan, poll_seconds: float = 0.5):
+        is_poisoned = any(seq.seq_id in self.poison_seq_ids for seq in plan.seqs)
+        if self.mode == "crash" and is_poisoned:
+            self.num_crashes += 1
+            self.worker = digest_worker(SchedulerConfig(num_gpu_blocks=NUM_BLOCKS, num_cpu_blocks=0,
+                                                        block_size=BLOCK_SIZE, max_model_len=256))
+            raise WorkerLost("rank 0 died computing the poison request")
+        result = super().wait_result(plan, poll_seconds)
+        if self.mode == "sampling" and is_poisoned:
+            failed = {sample.seq_id for sample in result.samples} & self.poison_seq_ids
+            result.samples = [sample for sample in result.samples if sample.seq_id not in failed]
+            result.failures = [SeqFailure(seq_id, "sampling failed: boom") for seq_id in sorted(failed)]
+        return result
+
+
+def _run_with_poison(mode: str) -> tuple[dict[str, Collector], PoisonLink, dict[str, list[int]]]:
+    """Three innocent requests and a poison one, submitted together; returns the sinks, the link
+    and the innocent requests' tokens from an undisturbed run."""
+    undisturbed = {f"ok{i}": _run_alone(_request(f"ok{i}", 5 + i, 8))[0].tokens for i in range(3)}
+    events: list = []
+    config = SchedulerConfig(block_size=BLOCK_SIZE, max_model_len=256, max_num_seqs=8, num_gpu_blocks=NUM_BLOCKS,
+                             worker_recovery_timeout=10.0)
+    link = PoisonLink(events, "poison", mode)
+    engine = Engine(config, link)
+    engine.start()
+    try:
+        while not engine.state.is_ready:
+            time.sleep(0.01)
+        collectors = {name: Collector() for name in [*undisturbed, "poison"]}
+        gate = threading.Event()
+        engine._post(gate.wait)
+        for name, collector in collectors.items():
+            engine.submit(_request(name, 7 if name == "poison" else 5 + int(name[-1]), 8), collector)
+        # the poison request's sequence ids, as the scheduler numbers them (on the loop thread)
+        engine._post(lambda: link.poison_seq_ids.update(
+            seq.seq_id for seq in engine.scheduler.group_of("poison").seqs))
+        gate.set()
+        for collector in collectors.values():
+            assert collector.done.wait(10)
+        stats = engine.call(lambda: engine.scheduler.stats())
+        engine.call(lambda: engine.scheduler.check_invariants())
+    finally:
+        engine.stop()
+    assert stats.gpu.num_used == 0 and stats.num_running == stats.num_waiting == 0
+    return collectors, link, undisturbed
+
+
+def test_a_request_whose_sampling_fails_fails_alone():
+    collectors, link, undisturbed = _run_with_poison("sampling")
+    (failure,) = [item for item in collectors["poison"].items if isinstance(item, Exception)]
+    assert isinstance(failure, RequestFailed) and "boom" in str(failure)
+    for name, tokens in undisturbed.items():
+        assert collectors[name].tokens == tokens, name
+        assert not any(isinstance(item, Exception) for item in collectors[name].items)
+    assert link.epoch == 1, "a sampling failure is not a worker loss"
+
+
+def test_a_request_that_crashes_the_workers_twice_is_failed_not_replayed():
+    collectors, link, undisturbed = _run_with_poison("crash")
+    failure = collectors["poison"].items[-1]
+    assert isinstance(failure, RequestFailed) and "2 consecutive worker crashes" in str(failure)
+    assert link.num_crashes == 2
+    for name, tokens in undisturbed.items():
+        assert collectors[name].tokens == tokens, name

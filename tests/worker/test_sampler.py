@@ -188,6 +188,15 @@ def test_beam_candidates_and_logprobs_never_exceed_the_vocabulary():
     assert len(samples[0].top_token_ids) == VOCAB
 
 
+def test_a_failing_row_fails_alone_and_the_others_keep_their_tokens():
+    logits = _logits(3, seed=11)
+    specs = [SampleSpec(temperature=0.7, seed=5), SampleSpec(temperature=1.0, top_p=0.0), SampleSpec()]
+    samples, failures = Sampler(seed=0).sample_isolating_failures(logits, specs, [10, 11, 12], [4, 4, 4])
+    assert [failure.seq_id for failure in failures] == [11] and "top_p" in failures[0].message
+    alone = [_sample(logits[row:row + 1], [specs[row]], [4])[0] for row in (0, 2)]
+    assert [(s.seq_id, s.token_id) for s in samples] == [(10, alone[0].token_id), (12, alone[1].token_id)]
+
+
 def test_invalid_spec_is_rejected():
     with pytest.raises(SamplerError, match="top_p"):
         _sample(_logits(1), [SampleSpec(temperature=1.0, top_p=0.0)])

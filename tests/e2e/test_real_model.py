@@ -1,0 +1,34 @@
+"""The real model end to end: `pagedserve serve --model smollm2` takes the frontend's tokenizer, the
+scheduler's model info and the worker's weights from one GGUF file, and answers a chat question.
+
+The client applies the model's chat template itself (its tokenizer from the resolved model) and
+sends the prompt as text, as a user of the gRPC API would."""
+
+from __future__ import annotations
+
+from pagedserve.models.resolve import resolve_model
+from pagedserve.frontend.tokenizer import load_tokenizer
+from pagedserve.v1 import generation_pb2
+from tests.e2e.harness import ServeProcess, text_request
+
+QUESTION = "What is the capital of France?"
+
+
+def test_smollm2_answers_a_chat_question(tmp_path):
+    tokenizer = load_tokenizer(resolve_model("smollm2"))  # fetched once and cached, as serve does
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}])
+    server = ServeProcess("smollm2", tmp_path / "serve.log", ["--num-kv-blocks", "512"])
+    try:
+        server.wait_ready()
+        info = server.stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=10)
+        assert (info.model_name, info.vocab_size, info.max_model_len) == ("SmolLM2-135M-Instruct.Q4_1", 49152, 8192)
+        assert list(info.eos_token_ids) == list(tokenizer.eos_token_ids)
+        tokens = server.stub.Tokenize(generation_pb2.TokenizeRequest(text=prompt), timeout=10).token_ids
+        assert list(tokens) == tokenizer.encode(prompt)
+        response = server.stub.Generate(text_request(prompt, max_tokens=20), timeout=120)
+        completion = response.completions[0]
+        assert "Paris" in completion.text, completion.text
+        assert completion.finish_reason == generation_pb2.FINISH_REASON_STOP
+        assert response.usage.prompt_tokens == len(tokens)
+    finally:
+        assert server.stop() == 0, server.logs()[-3000:]

@@ -1,0 +1,65 @@
+"""Tiny GGUF models written by the tests (pagedserve.models.tiny_gguf) and transformers' view of them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedserve.models.tiny_gguf import MIXED_TYPES, write_gguf
+from pagedserve.models.tiny_checkpoint import build_tiny_checkpoint
+from pagedserve.models.tiny_tokenizer import build_tokenizer
+
+VOCAB_SIZE = 512
+SIZES = dict(vocab_size=VOCAB_SIZE, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+             intermediate_size=128, max_position_embeddings=512)
+GGUF_FILE = "model.gguf"
+CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+
+GGUF_MODELS = {
+    # every tensor type the loader must decode, Llama's q/k permutation, GQA, an untied LM head
+    "llama-mixed": (dict(architecture="llama", tie_word_embeddings=False, seed=31), MIXED_TYPES),
+    # QKV bias (1-D, F32), tied embeddings, no permutation
+    "qwen2-tied": (dict(architecture="qwen2", tie_word_embeddings=True, seed=32),
+                   {"token_embd": "Q8_0", "attn": "Q5_1", "ffn": "Q5_0"}),
+}
+
+
+@pytest.fixture(scope="session")
+def gguf_model(tmp_path_factory):
+    """name -> folder holding model.gguf (and nothing else), built on first use."""
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            options, tensor_types = GGUF_MODELS[name]
+            checkpoint = tmp_path_factory.mktemp(f"{name}-checkpoint")
+            build_tokenizer(checkpoint, vocab_size=VOCAB_SIZE)
+            build_tiny_checkpoint(checkpoint, **SIZES, **options)
+            folder = tmp_path_factory.mktemp(name)
+            write_gguf(checkpoint, folder / GGUF_FILE, tensor_types=tensor_types, chat_template=CHAT_TEMPLATE)
+            built[name] = folder
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_model(gguf_model):
+    """name -> transformers' model loaded from the GGUF (its own dequantizing loader), float32."""
+    models = {}
+
+    def get(name: str):
+        if name not in models:
+            from transformers import AutoModelForCausalLM
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+            model = AutoModelForCausalLM.from_pretrained(gguf_model(name), gguf_file=GGUF_FILE,
+                                                         dtype=torch.float32).eval()
+            model.generation_config.eos_token_id = None  # always the asked number of tokens
+            models[name] = model
+        return models[name]
+
+    return get
