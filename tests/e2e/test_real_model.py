@@ -1,10 +1,13 @@
 """The real model end to end: `pagedserve serve --model smollm2` takes the frontend's tokenizer, the
 scheduler's model info and the worker's weights from one GGUF file, and answers a chat question.
 
-The client applies the model's chat template itself (its tokenizer from the resolved model) and
-sends the prompt as text, as a user of the gRPC API would."""
+The gRPC client applies the model's chat template itself (its tokenizer from the resolved model)
+and sends the prompt as text, as a user of the gRPC API would; over the OpenAI-compatible HTTP API
+the server applies it, and the official `openai` client gets the same answer."""
 
 from __future__ import annotations
+
+from openai import OpenAI
 
 from pagedserve.models.resolve import resolve_model
 from pagedserve.frontend.tokenizer import load_tokenizer
@@ -17,7 +20,7 @@ QUESTION = "What is the capital of France?"
 def test_smollm2_answers_a_chat_question(tmp_path):
     tokenizer = load_tokenizer(resolve_model("smollm2"))  # fetched once and cached, as serve does
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}])
-    server = ServeProcess("smollm2", tmp_path / "serve.log", ["--num-kv-blocks", "512"])
+    server = ServeProcess("smollm2", tmp_path / "serve.log", ["--num-kv-blocks", "512"], http_port=True)
     try:
         server.wait_ready()
         info = server.stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=10)
@@ -30,5 +33,12 @@ def test_smollm2_answers_a_chat_question(tmp_path):
         assert "Paris" in completion.text, completion.text
         assert completion.finish_reason == generation_pb2.FINISH_REASON_STOP
         assert response.usage.prompt_tokens == len(tokens)
+
+        client = OpenAI(base_url=server.http_url + "/v1", api_key="-", max_retries=0, timeout=120)
+        chat = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": QUESTION}],
+                                              max_tokens=20, temperature=0)
+        assert chat.choices[0].message.content == completion.text
+        assert chat.choices[0].finish_reason == "stop"
+        assert chat.usage.prompt_tokens == len(tokens)
     finally:
         assert server.stop() == 0, server.logs()[-3000:]
