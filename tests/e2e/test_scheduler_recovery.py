@@ -57,7 +57,7 @@ class RecoveringFrontend(Frontend):
     def __init__(self, checkpoint, scheduler_port: int, log_dir) -> None:
         self.port = free_port()
         self.process = Process("frontend-recovering", [
-            "frontend", "--model", str(checkpoint), "--port", str(self.port),
+            "frontend", "--model", str(checkpoint), "--port", str(self.port), "--http-port", "0",
             "--scheduler-address", f"127.0.0.1:{scheduler_port}",
             "--scheduler-recovery-timeout", str(RECOVERY_TIMEOUT_S)], log_dir)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
