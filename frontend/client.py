@@ -1,4 +1,4 @@
-"""`pagedserve generate [--address HOST:PORT] PROMPT`: streams a completion's text to the terminal."""
+"""`pagedserve generate [--address HOST:PORT] [--chat] PROMPT`: streams a completion's text to the terminal."""
 
 from __future__ import annotations
 
@@ -27,11 +27,17 @@ class GenerateOptions:
     max_tokens: int = option(64, metavar="N", help="tokens to generate at most (0: the server's default)")
     temperature: float = option(0.0, help="sampling temperature (0: greedy)")
     seed: int | None = option(None, help="seed of the sampling, for a repeatable completion")
+    chat: bool = option(False, help="send the prompt as a user's chat message: the server applies the "
+                                    "model's chat template and the answer is the assistant's reply")
 
     def request(self) -> generation_pb2.GenerateRequest:
         params = generation_pb2.SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature)
         if self.seed is not None:
             params.seed = self.seed
+        if self.chat:
+            messages = generation_pb2.ChatMessages(
+                messages=[generation_pb2.ChatMessage(role="user", content=self.prompt)])
+            return generation_pb2.GenerateRequest(messages=messages, params=params)
         return generation_pb2.GenerateRequest(prompt=self.prompt, params=params)
 
 

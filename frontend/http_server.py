@@ -28,7 +28,7 @@ import uvicorn
 
 from pagedserve.models.resolve import served_model_name
 from pagedserve.frontend.admission import Admission
-from pagedserve.frontend.chat_template import ChatTemplate, read_chat_template
+from pagedserve.frontend.chat_template import ChatTemplate
 from pagedserve.frontend.http_app import build_app
 from pagedserve.frontend.http_config import HttpConfig
 from pagedserve.frontend.metrics import FrontendMetrics
@@ -61,15 +61,10 @@ class HttpServer:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-def start_http_server(admission: Admission, metrics: FrontendMetrics, config: HttpConfig, *, host: str,
-                      model_path: str | Path, transport: TransportConfig, max_concurrent_requests: int,
-                      grace_s: float) -> HttpServer:
+def start_http_server(admission: Admission, metrics: FrontendMetrics, config: HttpConfig,
+                      chat_template: ChatTemplate, *, host: str, model_path: str | Path,
+                      transport: TransportConfig, max_concurrent_requests: int, grace_s: float) -> HttpServer:
     """Binds host:config.port and serves the OpenAI-compatible API; returns once it accepts."""
-    try:
-        template = read_chat_template(config.chat_template_file) if config.chat_template_file else None
-    except ValueError as exc:
-        raise HttpStartError(str(exc)) from exc
-    chat_template = ChatTemplate(admission.tokenizer, template)
     executor = ThreadPoolExecutor(max_workers=max_concurrent_requests + EXTRA_THREADS, thread_name_prefix="http-gen")
     serving = OpenAIServing(admission, metrics, chat_template, config.served_model_name or served_model_name(model_path),
                             executor, ConcurrencyLimit(max_concurrent_requests))

@@ -32,6 +32,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
 from pagedserve.frontend.admission import Admission
+from pagedserve.frontend.chat_template import ChatTemplate, ChatTemplateError, read_chat_template
 from pagedserve.frontend.drain import InFlight
 from pagedserve.frontend.frontend_config import FrontendConfig
 from pagedserve.frontend.generation import SchedulerRecovery
@@ -105,7 +106,9 @@ def serve_frontend(config: FrontendConfig, *, health_poll_interval_s: float = DE
     try:
         tokenizer = load_tokenizer(config.model_path)
         credentials = transport.server_credentials()
-    except (TokenizerLoadError, TransportConfigError) as exc:
+        template_file = config.http.chat_template_file
+        chat = ChatTemplate(tokenizer, read_chat_template(template_file) if template_file else None)
+    except (TokenizerLoadError, TransportConfigError, ChatTemplateError) as exc:
         raise FrontendStartError(str(exc)) from exc
     client = SchedulerClient(config.scheduler_address,
                              frontend_id=frontend_id or f"{socket.gethostname()}:{os.getpid()}")
@@ -114,7 +117,7 @@ def serve_frontend(config: FrontendConfig, *, health_poll_interval_s: float = DE
     readiness = ReadinessMonitor(client, health_servicer, poll_interval_s=health_poll_interval_s)
     in_flight = InFlight()
     recovery = SchedulerRecovery(readiness, config.scheduler_recovery_timeout)
-    servicer = GenerationServicer(tokenizer, client, readiness, metrics, in_flight, recovery)
+    servicer = GenerationServicer(tokenizer, client, readiness, metrics, in_flight, recovery, chat)
 
     # Each streaming call holds a worker thread; beyond max_concurrent_rpcs calls get RESOURCE_EXHAUSTED
     # (so no queue of calls grows without bound under overload).
@@ -149,7 +152,7 @@ def serve_frontend(config: FrontendConfig, *, health_poll_interval_s: float = DE
 
         try:
             http_server = start_http_server(
-                Admission(tokenizer, client, readiness, in_flight, recovery), metrics, config.http, host=host,
+                Admission(tokenizer, client, readiness, in_flight, recovery), metrics, config.http, chat, host=host,
                 model_path=config.model_path, transport=transport,
                 max_concurrent_requests=config.max_concurrent_rpcs, grace_s=CUT_GRACE_S)
         except HttpStartError as exc:

@@ -35,6 +35,7 @@ from pagedserve.frontend.request_decoding import UndecodableRequest, lenient_des
 from pagedserve.frontend.request_errors import ErrorKind, classify
 from pagedserve.frontend.scheduler_client import SchedulerClient, SchedulerError, SubmitCancelled
 from pagedserve.frontend.tokenizer import Tokenizer
+from pagedserve.frontend.chat_template import ChatTemplate
 from pagedserve.frontend.validation import validate_request
 from pagedserve.v1 import generation_pb2
 
@@ -74,9 +75,11 @@ class GenerationServicer:
 
     def __init__(self, tokenizer: Tokenizer, client: SchedulerClient, readiness: ReadinessMonitor,
                  metrics: FrontendMetrics, in_flight: InFlight | None = None,
-                 recovery: SchedulerRecovery | None = None) -> None:
-        """recovery: how requests ride out a scheduler restart (None: they fail with UNAVAILABLE)."""
+                 recovery: SchedulerRecovery | None = None, chat: ChatTemplate | None = None) -> None:
+        """recovery: how requests ride out a scheduler restart (None: they fail with UNAVAILABLE);
+        chat: renders `messages` prompts (None: such requests are INVALID_ARGUMENT)."""
         self._tokenizer = tokenizer
+        self._chat = chat
         self._client = client
         self._metrics = metrics
         self.in_flight = in_flight if in_flight is not None else InFlight()
@@ -150,7 +153,7 @@ class GenerationServicer:
         limits = self._admission.limits()
         if not request.request_id:
             request.request_id = _metadata_request_id(context)
-        validated = validate_request(request, self._tokenizer, limits)
+        validated = validate_request(request, self._tokenizer, limits, self._chat)
         remaining = context.time_remaining()
         timeout = remaining if remaining is not None and remaining < NO_DEADLINE_S else None
         generation = self._admission.start(validated, timer, timeout=timeout)

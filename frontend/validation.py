@@ -21,6 +21,10 @@ class Encoder(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
 
+class ChatEncoder(Protocol):
+    def encode(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]: ...
+
+
 @dataclass(frozen=True, slots=True)
 class ModelLimits:
     max_model_len: int
@@ -58,12 +62,14 @@ def sampling_params_from_proto(msg: generation_pb2.SamplingParams) -> SamplingPa
     )
 
 
-def validate_request(msg: generation_pb2.GenerateRequest, encoder: Encoder, limits: ModelLimits) -> ValidatedRequest:
-    """Checks every field and tokenizes a text prompt; raises InvalidParameter naming the field."""
+def validate_request(msg: generation_pb2.GenerateRequest, encoder: Encoder, limits: ModelLimits,
+                     chat: ChatEncoder | None = None) -> ValidatedRequest:
+    """Checks every field and tokenizes a text prompt (or renders chat messages with `chat`);
+    raises InvalidParameter naming the field."""
     request_id = request_id_or_new(msg.request_id)
     params = sampling_params_from_proto(msg.params)
     params.validate(vocab_size=limits.vocab_size)
-    prompt_field, prompt_token_ids = _prompt(msg, encoder, limits.vocab_size)
+    prompt_field, prompt_token_ids = _prompt(msg, encoder, limits.vocab_size, chat)
     defaulted = " (max_tokens 0 means 16)" if msg.params.max_tokens == 0 else ""
     return validate_lengths(ValidatedRequest(request_id, prompt_token_ids, params), limits, prompt_field,
                             max_tokens_field="max_tokens", max_tokens_note=defaulted)
@@ -110,11 +116,14 @@ def request_id_or_new(client_id: str) -> str:
     return client_id
 
 
-def _prompt(msg: generation_pb2.GenerateRequest, encoder: Encoder, vocab_size: int) -> tuple[str, list[int]]:
+def _prompt(msg: generation_pb2.GenerateRequest, encoder: Encoder, vocab_size: int,
+            chat: ChatEncoder | None) -> tuple[str, list[int]]:
     """(field name, prompt token ids) of whichever prompt field is set."""
     which = msg.WhichOneof("input")
     if which is None:
-        raise InvalidParameter("prompt", "set exactly one of prompt or prompt_token_ids")
+        raise InvalidParameter("prompt", "set exactly one of prompt, prompt_token_ids or messages")
+    if which == "messages":
+        return "messages", _chat_prompt(msg.messages, chat)
     if which == "prompt":
         if not msg.prompt:
             raise InvalidParameter("prompt", "must not be empty")
@@ -127,3 +136,18 @@ def _prompt(msg: generation_pb2.GenerateRequest, encoder: Encoder, vocab_size: i
         raise InvalidParameter("prompt_token_ids", "must not be empty")
     check_token_ids("prompt_token_ids", token_ids, vocab_size)
     return "prompt_token_ids", token_ids
+
+
+def _chat_prompt(msg: generation_pb2.ChatMessages, chat: ChatEncoder | None) -> list[int]:
+    if not msg.messages:
+        raise InvalidParameter("messages", "must not be empty")
+    for index, message in enumerate(msg.messages):
+        if not message.role:
+            raise InvalidParameter("messages", f"message {index} has no role")
+    if chat is None:
+        raise InvalidParameter("messages", "this frontend renders no chat messages")
+    add_generation_prompt = msg.add_generation_prompt if msg.HasField("add_generation_prompt") else True
+    token_ids = chat.encode([{"role": m.role, "content": m.content} for m in msg.messages], add_generation_prompt)
+    if not token_ids:
+        raise InvalidParameter("messages", "render to no tokens")
+    return token_ids

@@ -1,11 +1,16 @@
 """The real model end to end: `pagedserve serve --model smollm2` takes the frontend's tokenizer, the
 scheduler's model info and the worker's weights from one GGUF file, and answers a chat question.
 
-The gRPC client applies the model's chat template itself (its tokenizer from the resolved model)
-and sends the prompt as text, as a user of the gRPC API would; over the OpenAI-compatible HTTP API
-the server applies it, and the official `openai` client gets the same answer."""
+A gRPC client that applies the model's chat template itself (its tokenizer from the resolved model)
+and sends the prompt as text, one that sends chat messages for the server to render, the
+`pagedserve generate --chat` console script, and the official `openai` client over the
+OpenAI-compatible HTTP API all get the same answer."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
 
 from openai import OpenAI
 
@@ -33,6 +38,19 @@ def test_smollm2_answers_a_chat_question(tmp_path):
         assert "Paris" in completion.text, completion.text
         assert completion.finish_reason == generation_pb2.FINISH_REASON_STOP
         assert response.usage.prompt_tokens == len(tokens)
+
+        messages = generation_pb2.ChatMessages(messages=[generation_pb2.ChatMessage(role="user", content=QUESTION)])
+        rendered = server.stub.Generate(generation_pb2.GenerateRequest(
+            messages=messages, params=generation_pb2.SamplingParams(max_tokens=20)), timeout=120)
+        assert rendered.completions[0].text == completion.text
+        assert rendered.usage.prompt_tokens == len(tokens)
+
+        cli = Path(sys.executable).with_name("pagedserve")
+        command = [str(cli)] if cli.exists() else [sys.executable, "-m", "pagedserve.cli"]
+        result = subprocess.run([*command, "generate", "--address", server.address, "--chat", QUESTION],
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert "Paris" in result.stdout and result.stdout.strip().startswith(completion.text.strip()), result.stdout
 
         client = OpenAI(base_url=server.http_url + "/v1", api_key="-", max_retries=0, timeout=120)
         chat = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": QUESTION}],

@@ -113,3 +113,31 @@ def test_length_error_says_how_much_fits():
         validate_request(_request(ids=[5] * 50, max_tokens=20), CharEncoder(), LIMITS)
     with pytest.raises(InvalidParameter, match=r"max_tokens 0 means 16"):
         validate_request(_request(ids=[5] * 50), CharEncoder(), LIMITS)
+
+
+class WordChat:
+    """Renders messages as 'role: content' lines, one token per character."""
+
+    def encode(self, messages, add_generation_prompt=True):
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant:" if add_generation_prompt else "")
+        return [ord(c) % 100 for c in text]
+
+
+def test_chat_messages_are_rendered_by_the_chat_template():
+    messages = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")])
+    validated = validate_request(pb.GenerateRequest(messages=messages), CharEncoder(), LIMITS, WordChat())
+    assert validated.prompt_token_ids == WordChat().encode([{"role": "user", "content": "hi"}])
+    messages.add_generation_prompt = False
+    continued = validate_request(pb.GenerateRequest(messages=messages), CharEncoder(), LIMITS, WordChat())
+    assert len(continued.prompt_token_ids) == len(validated.prompt_token_ids) - len("assistant:")
+
+
+@pytest.mark.parametrize("messages, chat, message", [
+    (pb.ChatMessages(), WordChat(), "must not be empty"),
+    (pb.ChatMessages(messages=[pb.ChatMessage(content="hi")]), WordChat(), "no role"),
+    (pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")]), None, "no chat messages"),
+])
+def test_bad_chat_messages_are_named(messages, chat, message):
+    with pytest.raises(InvalidParameter, match=message) as info:
+        validate_request(pb.GenerateRequest(messages=messages), CharEncoder(), LIMITS, chat)
+    assert info.value.field_name == "messages"
