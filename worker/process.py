@@ -1,12 +1,16 @@
 """The worker process: subscribes to step plans, runs them on its model shard, answers (rank 0).
 
-    SUB  <- SchedulerMessage: InitCache (allocate KV blocks for an epoch), StepPlan, Shutdown
-    PUSH -> WorkerMessage:    Register (every second until the first InitCache), Ready,
-                              Heartbeat (every second, from a thread), StepResult (rank 0 only),
+    SUB  <- SchedulerMessage: InitCache (allocate KV blocks for an epoch), StepPlan,
+                              Shutdown (for this process's pid, or for every worker)
+    PUSH -> WorkerMessage:    Register (every second from a thread, for as long as it lives: the
+                              heartbeat), Ready, StepResult (rank 0 only),
                               WorkerError (then the process exits)
 
 Step plans are numbered within an epoch; a worker that sees a gap stops and says so, since its KV
-cache would no longer match the scheduler's block tables.
+cache would no longer match the scheduler's block tables. A worker outlives its scheduler: the
+sockets reconnect when a restarted scheduler binds the same addresses, the new scheduler learns
+the rank from its repeated registration, and its InitCache starts a new epoch (the KV tensors are
+kept when the pool size is unchanged: the new block tables start empty).
 
 Tensor parallelism: the ranks of one replica form a torch.distributed process group (NCCL on CUDA,
 gloo on CPU) at --dist-init-address, with --dist-timeout bounding every collective. Every rank
@@ -129,14 +133,10 @@ def run_worker(config: WorkerConfig) -> int:
         num_cpu_blocks=num_cpu_blocks, device=device, pid=os.getpid())).SerializeToString()
 
     def heartbeat() -> None:
-        """Registers until the scheduler has answered (it may start later or miss the first),
-        then heartbeats."""
+        """Registers every second: the scheduler may start later, miss the first, or restart;
+        to one that knows this rank the registration is its heartbeat."""
         while not stop.wait(HEARTBEAT_SECONDS):
-            if state["epoch"] == 0:
-                pusher.send(register)
-            else:
-                pusher.send(step_pb2.WorkerMessage(heartbeat=step_pb2.Heartbeat(
-                    rank=config.rank, epoch=state["epoch"])))
+            pusher.send(register)
 
     pusher.send(register)
     threading.Thread(target=heartbeat, name="heartbeat", daemon=True).start()
@@ -147,18 +147,18 @@ def run_worker(config: WorkerConfig) -> int:
     except WorkerStopped as exc:
         log.info("worker_stopping", reason=str(exc))
         pusher.send(step_pb2.WorkerMessage(error=step_pb2.WorkerError(
-            rank=config.rank, message=str(exc))))
+            rank=config.rank, message=str(exc), pid=os.getpid())))
         return 0
     except CollectiveError as exc:
         log.error("tensor_parallel_group_broken", error=str(exc))
         pusher.send(step_pb2.WorkerMessage(error=step_pb2.WorkerError(
-            rank=config.rank,
+            rank=config.rank, pid=os.getpid(),
             message=f"its tensor-parallel group broke (another rank died or stalled): {exc}")))
         return 1
     except Exception as exc:  # reported to the scheduler, then the process exits non-zero
         log.exception("worker_failed")
         pusher.send(step_pb2.WorkerMessage(error=step_pb2.WorkerError(
-            rank=config.rank, message=f"{type(exc).__name__}: {exc}")))
+            rank=config.rank, message=f"{type(exc).__name__}: {exc}", pid=os.getpid())))
         return 1
     finally:  # bounded (the socket linger): a second signal must not cut it short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -176,12 +176,17 @@ def _serve_plans(config, runner, sub, pusher, state, log) -> int:
         message.ParseFromString(sub.recv())
         kind = message.WhichOneof("kind")
         if kind == "shutdown":
+            if message.shutdown.pids and os.getpid() not in message.shutdown.pids:
+                continue  # meant for the processes this one replaces
             log.info("shutdown", reason=message.shutdown.reason)
             return 0
         if kind == "init_cache":
             init = message.init_cache
             if init.epoch != state["epoch"]:
-                runner.init_cache(init.num_gpu_blocks, init.num_cpu_blocks)
+                sizes = (init.num_gpu_blocks, init.num_cpu_blocks)
+                if runner.cache is None or (runner.cache.num_gpu_blocks, runner.cache.num_cpu_blocks) != sizes:
+                    runner.cache = None  # the old pool goes before the new one is allocated
+                    runner.init_cache(*sizes)
                 state["epoch"] = init.epoch
                 last_step_id = None
                 log.info("kv_cache_ready", epoch=init.epoch, num_gpu_blocks=init.num_gpu_blocks,
