@@ -34,6 +34,7 @@ from pagedserve.internal import step_pb2
 from pagedserve.log import configure_logging
 from pagedserve.plan_codec import encode_result, plan_from_proto
 from pagedserve.worker import resident_memory
+from pagedserve.worker.memory_budget import exceeds_available, plan_memory
 from pagedserve.worker.tensor_parallel import CollectiveError
 from pagedserve.worker.worker_config import WorkerConfig
 
@@ -116,9 +117,14 @@ def run_worker(config: WorkerConfig) -> int:
              num_weight_bytes=runner.num_weight_bytes,
              num_checkpoint_bytes_read=runner.num_checkpoint_bytes_read,
              num_rss_bytes=resident_memory.status_bytes("VmRSS")["VmRSS"], **grown)
-    capacity = runner.profile_num_blocks(kv_cache_memory_gib=config.kv_cache_memory_gib)
-    num_cpu_blocks = runner.num_blocks_for_bytes(int(config.swap_space_gib * 2**30))
-    log.info("kv_capacity", num_gpu_blocks=capacity, num_cpu_blocks=num_cpu_blocks)
+    budget = plan_memory(runner, device_type="cuda" if device.startswith("cuda") else "cpu",
+                         num_ranks=config.world_size, kv_cache_memory_gib=config.kv_cache_memory_gib,
+                         swap_space_gib=config.swap_space_gib)
+    log.info("memory_budget", **budget.log_fields())
+    if exceeds_available(budget):
+        log.warning("memory_budget_exceeds_available", reason="other processes use the host's memory; "
+                    "the KV pool or swap space may be paged out or killed for lack of memory")
+    capacity, num_cpu_blocks = budget.num_gpu_blocks, budget.num_cpu_blocks
 
     context = zmq.Context.instance()
     sub = context.socket(zmq.SUB)
