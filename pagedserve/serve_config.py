@@ -29,6 +29,7 @@ from pagedserve.models.resolve import resolve_model
 from pagedserve.restart_policy import DEFAULT_MAX_RESTARTS, DEFAULT_RESET_AFTER_S, RestartPolicy
 from pagedserve.scheduler.scheduler_config import SchedulerConfig
 from pagedserve.scheduler.server_config import SchedulerServerConfig
+from pagedserve.serve_preflight import Deployment
 from pagedserve.shared_options import DEFAULT_HOST
 from pagedserve.worker.worker_config import WorkerConfig
 
@@ -132,6 +133,14 @@ class ServeConfig:
     @property
     def public_address(self) -> str:
         return f"{self.frontend.host}:{self.frontend.port}"
+
+    def deployment(self) -> Deployment:
+        """The flags serve checks against the model and the host before starting anything."""
+        worker = self.workers[0]
+        return Deployment(tensor_parallel_size=worker.world_size, device=worker.device, dtype=worker.dtype,
+                          block_size=worker.block_size, max_model_len=self.scheduler.engine.max_model_len,
+                          num_kv_blocks=self.scheduler.engine.num_gpu_blocks,
+                          kv_cache_memory_gib=worker.kv_cache_memory_gib, swap_space_gib=worker.swap_space_gib)
 
     @property
     def scheduler_address(self) -> str:

@@ -4,6 +4,9 @@
            ├─ worker rank 0 … TP-1 (each subscribes to the plans)
            └─ frontend             (public gRPC on --host:--port)
 
+Before starting anything, serve checks the model against the flags and the host
+(pagedserve.serve_preflight): a model that cannot run so is a message and exit code 2.
+
 SIGINT/SIGTERM stops the frontend first (no new requests), then the scheduler (which tells the
 workers to exit), then whatever worker is left.
 
@@ -40,10 +43,12 @@ import threading
 import time
 
 from pagedserve.log import configure_logging
+from pagedserve.model_config import load_model_info
 from pagedserve.parent_death import child_env
 from pagedserve.replica_probe import ReplicaProbe
 from pagedserve.restart_policy import RestartBudget
 from pagedserve.serve_config import ServeConfig
+from pagedserve.serve_preflight import check_deployment
 
 STOP_TIMEOUT_SECONDS = 10.0  # frontend and scheduler get their drain plus this; workers this alone
 CONFIG_ERROR_EXIT = 2  # what `pagedserve` exits with on a usage or configuration error
@@ -226,6 +231,9 @@ class Supervisor:
 
 
 def run_serve(config: ServeConfig) -> int:
+    """Checks the deployment (a PreflightError is a ValueError: `pagedserve` prints it and exits
+    2), then serves until a signal."""
+    check_deployment(load_model_info(config.model), config.deployment())
     supervisor = Supervisor(config)
 
     def on_signal(signum, frame) -> None:
