@@ -1,4 +1,6 @@
-"""A worker killed mid-stream under `serve` is restarted and the streams complete unchanged."""
+"""Crashes under `serve`: a worker killed mid-stream is restarted and the streams complete unchanged;
+an idle worker killed again and again costs one restart each time, with back-off; a killed
+scheduler is restarted and the workers serve it without a restart of their own."""
 
 from __future__ import annotations
 
