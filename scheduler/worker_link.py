@@ -19,12 +19,14 @@ while a step is awaited, so a dead rank cannot leave the loop waiting for rank 0
 registers again under a new pid. `forget_ranks` then publishes a Shutdown naming the pids of the
 replica's processes, so the survivors, whose process group is broken, exit, while a rank already
 started to replace the lost one (it may be subscribed by then) stays; the dismissed pids are
-ignored from then on. The replica is ready again once every rank has registered anew (a new
-epoch).
+ignored for DISMISSED_SECONDS (longer than a rank takes to leave a collective whose peer died,
+and short enough that a pid the system reuses later is not refused). The replica is ready again
+once every rank has registered anew (a new epoch).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -37,6 +39,7 @@ from pagedserve.step_plan import StepPlan, StepResult
 
 INIT_RESEND_SECONDS = 0.2
 CLOSE_LINGER_MS = 500  # lets the last Shutdown reach the workers
+DISMISSED_SECONDS = 120.0  # registrations of a process told to exit are ignored this long
 
 
 class WorkerLost(RuntimeError):
@@ -68,7 +71,7 @@ class WorkerLink:
     heartbeat_timeout: float = 10.0
     ranks: dict[int, RankState] = field(default_factory=dict)
     epoch: int = field(default_factory=lambda: time.time_ns() // 1_000_000)  # see the module docstring
-    dismissed_pids: set[int] = field(default_factory=set)  # processes told to exit
+    dismissed_pids: dict[int, float] = field(default_factory=dict)  # told to exit -> when
 
     def __post_init__(self) -> None:
         self._context = zmq.Context.instance()
@@ -124,7 +127,7 @@ class WorkerLink:
                              f"the scheduler expects {self.world_size}")
         if not 0 <= reg.rank < self.world_size:
             raise WorkerLost(f"rank {reg.rank} is outside world size {self.world_size}")
-        if reg.pid in self.dismissed_pids:
+        if now - self.dismissed_pids.get(reg.pid, -math.inf) < DISMISSED_SECONDS:
             return  # told to exit, not yet gone
         known = self.ranks.get(reg.rank)
         if known is not None and known.pid == reg.pid:
@@ -225,9 +228,11 @@ class WorkerLink:
         """Tells the processes of the lost replica to exit (by pid: a rank that replaces one of
         them stays) and waits for fresh registrations."""
         pids = sorted(state.pid for state in self.ranks.values())
+        now = time.monotonic()
+        self.dismissed_pids = {pid: at for pid, at in self.dismissed_pids.items() if now - at < DISMISSED_SECONDS}
         if pids:
             self.shutdown_workers(reason, pids)
-            self.dismissed_pids.update(pids)
+            self.dismissed_pids.update(dict.fromkeys(pids, now))
         self.ranks.clear()
 
     def close(self) -> None:

@@ -147,3 +147,18 @@ def test_epochs_do_not_repeat_across_scheduler_restarts():
     second = _link()
     assert second.epoch + 1 > first_epoch  # the next InitCache is new to a worker that outlived `first`
     second.close()
+
+
+def test_a_pid_dismissed_long_ago_may_register_again(link):
+    """Pids are reused: a process dismissed minutes ago is no reason to refuse a new one."""
+    link.dismissed_pids = {4001: time.monotonic() - 1000.0, 4002: time.monotonic()}
+    recent = FakeRank(link, 0, pid=4002)
+    recent.register()
+    time.sleep(0.1)
+    link.drain()
+    assert not link.ranks
+    reused = FakeRank(link, 0, pid=4001)
+    _register_until_known(link, reused)
+    assert link.ranks[0].pid == 4001
+    for rank in (recent, reused):
+        rank.close()
