@@ -3,20 +3,22 @@ cancelled at random moments, then the accounting.
 
     python bench/soak.py [--requests 10000] [--concurrency 32] [--cancel-fraction 0.2]
                          [--model demo] [--seed 0] [--num-kv-blocks 2048] [--swap-space 1]
-                         [--max-waiting-requests N] [--serve-args FLAG …]
+                         [--memory-defaults] [--max-waiting-requests N] [--serve-args FLAG …]
 
 Starts `serve` on free local ports and sends streaming requests from a thread pool: prompts of
 1 to --max-prompt random token ids, 1 to --max-tokens output tokens, greedy or seeded sampling,
 n of 1 or 2. A cancelled request is cut after a random number of stream messages (zero: before
 its first). Reported: requests completed, cancelled and failed (any other outcome: expected 0),
-resident memory of every process at start (after a warm-up), at each tenth of the run and at the
-end, and the block pool once the scheduler is idle (expected whole: nothing used, free + cached =
-total, consistent reference counts). A table goes to stdout, JSON to bench/results/. The exit
+resident memory of every process (serve itself and its children) at start (after a warm-up), at
+each tenth of the run and at the end, and the block pool once the scheduler is idle (expected
+whole: nothing used, free + cached = total, consistent reference counts). A table goes to stdout, JSON to bench/results/. The exit
 status is 1 when a request failed or the pool is not whole.
 
 The pool is 2048 blocks by default, which keeps the worker's memory small; --num-kv-blocks 0 uses
-the memory-derived size (131072 blocks of the demo model on a 2-core host, 5.4 GiB resident in the
-worker). The pool size does not change the speed: 300 requests took 4-7 s with either.
+the memory-derived size (on a CPU device 10 % of the host's memory, at most 2 GiB: 65536 blocks of
+the demo model on a 24 GiB host). --memory-defaults passes neither --num-kv-blocks nor
+--swap-space, so the run shows what `serve` takes with its defaults (README, "Memory"). The pool
+size does not change the speed: 300 requests took 4-7 s with either.
 """
 
 from __future__ import annotations
@@ -133,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--num-kv-blocks", type=int, default=2048, help="0: the memory-derived size")
     parser.add_argument("--swap-space", type=float, default=1.0, metavar="GIB")
+    parser.add_argument("--memory-defaults", action="store_true",
+                        help="serve's own pool and swap sizes (ignores --num-kv-blocks and --swap-space)")
     parser.add_argument("--max-waiting-requests", type=int, default=4096)
     parser.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[],
                         help="further `serve` flags (last on the command line)")
@@ -140,8 +144,9 @@ def main(argv: list[str] | None = None) -> int:
 
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     stamp = timestamp()
-    serve_args = ["--max-waiting-requests", str(args.max_waiting_requests), "--swap-space", str(args.swap_space),
-                  *(["--num-kv-blocks", str(args.num_kv_blocks)] if args.num_kv_blocks else []), *args.serve_args]
+    memory_args = [] if args.memory_defaults else [
+        "--swap-space", str(args.swap_space), *(["--num-kv-blocks", str(args.num_kv_blocks)] if args.num_kv_blocks else [])]
+    serve_args = ["--max-waiting-requests", str(args.max_waiting_requests), *memory_args, *args.serve_args]
     serve = ServeProcess(args.model, RESULTS_DIR / f"soak-{stamp}.log", serve_args, ready_timeout=600)
     try:
         serve.wait_ready()
@@ -152,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                                                             "cancel_fraction": 0.0}), info.vocab_size,
                                      first_index=args.requests):
             run_one(serve.stub, request, Outcomes())  # warm-up, not counted
-        pids = serve.child_pids()
+        pids = {"serve": serve.proc.pid, **serve.child_pids()}
         memory = {"start": resident_mib(pids)}
         started = time.monotonic()
         milestones = {len(requests) * k // 10 for k in range(1, 10)}

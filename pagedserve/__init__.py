@@ -5,6 +5,10 @@ folder (frontend/, scheduler/, worker/, with kernels/ for the worker) and import
 
   cli.py, supervisor.py   the `pagedserve` command; `serve` starts and stops every process
   serve_config.py         serve's options and the configs (and so the argv) of its children
+  serve_preflight.py      what serve checks before starting: model splits, lengths, memory
+  restart_policy.py       serve's back-off and restart budgets; replica_probe.py: is it serving
+  parent_death.py         children of serve exit with it (PR_SET_PDEATHSIG)
+  host_memory.py          the host's memory and the CPU defaults of KV pool and swap space
   config_flags.py         config dataclass fields -> CLI flags, parsed args -> configs -> argv
   shared_options.py       flags several processes share; grpc_options.py: gRPC limits, keepalive
   serve_process.py        `serve` as a child process tree (tests, benchmarks, embedding)

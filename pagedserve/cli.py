@@ -120,6 +120,9 @@ def build_parser(commands: Sequence[str] | None = None) -> argparse.ArgumentPars
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pagedserve.parent_death import die_with_parent
+
+    die_with_parent()  # a child of `serve` exits with it
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser([argv[0]] if argv and argv[0] in COMMANDS else None)
     args = parser.parse_args(argv)

@@ -7,7 +7,8 @@ configs from those flags plus what `serve` decides itself:
 
     scheduler  --port (--scheduler-port, else a free port), --plan-address/--result-address
                (free local ports), --metrics-port (--scheduler-metrics-port, else --metrics-port + 1),
-               --worker-recovery-timeout 120 when --max-worker-restarts > 0
+               --worker-recovery-timeout 120 when --max-worker-restarts > 0 (longer than the
+               longest restart back-off, 30 s, plus a model load)
     worker r   --rank r, the same plan/result addresses, --dist-init-address (a free local port),
                --num-threads threads_per_rank(N) unless OMP_NUM_THREADS is set
     frontend   --scheduler-address 127.0.0.1:PORT
@@ -25,8 +26,10 @@ from dataclasses import dataclass, field
 from pagedserve.config_flags import add_flags, from_args, option, require, to_argv
 from pagedserve.frontend.frontend_config import FrontendConfig
 from pagedserve.models.resolve import resolve_model
+from pagedserve.restart_policy import DEFAULT_MAX_RESTARTS, DEFAULT_RESET_AFTER_S, RestartPolicy
 from pagedserve.scheduler.scheduler_config import SchedulerConfig
 from pagedserve.scheduler.server_config import SchedulerServerConfig
+from pagedserve.serve_preflight import Deployment
 from pagedserve.shared_options import DEFAULT_HOST
 from pagedserve.worker.worker_config import WorkerConfig
 
@@ -56,9 +59,17 @@ class ServeOptions:
     """The options of `serve` itself (the processes' options it takes are their configs')."""
 
     max_worker_restarts: int = option(
-        3, metavar="N", serve=True,
-        help="restart the workers this many times when one dies, resuming the requests in flight "
-             "(0: a dead worker leaves the replica unready)")
+        DEFAULT_MAX_RESTARTS, metavar="N", serve=True,
+        help="restart the workers this many times in a row when one dies, resuming the requests in "
+             "flight, after a back-off of 1 s doubling up to 30 s (0: a dead worker leaves the "
+             "replica unready)")
+    max_scheduler_restarts: int = option(
+        DEFAULT_MAX_RESTARTS, metavar="N", serve=True,
+        help="restart the scheduler this many times in a row when it dies, on the same ports "
+             "(0: a dead scheduler stops serve)")
+    restart_reset_after_s: float = option(
+        DEFAULT_RESET_AFTER_S, flag="--restart-reset-after", metavar="SECONDS", serve=True,
+        help="the restart budgets and back-off start over once the replica has been ready this long")
     scheduler_port: int | None = option(None, metavar="P", serve=True,
                                         help="internal scheduler gRPC port on 127.0.0.1 (default: a free port)")
     scheduler_metrics_port: int | None = option(
@@ -66,6 +77,8 @@ class ServeOptions:
 
     def __post_init__(self) -> None:
         require(self.max_worker_restarts >= 0, "max_worker_restarts", "must be >= 0")
+        require(self.max_scheduler_restarts >= 0, "max_scheduler_restarts", "must be >= 0")
+        require(self.restart_reset_after_s >= 0, "restart_reset_after_s", "must be >= 0")
         for name in ("scheduler_port", "scheduler_metrics_port"):
             value = getattr(self, name)
             require(value is None or 0 <= value <= 65535, name, f"must be a port number (0-65535), not {value}")
@@ -121,9 +134,24 @@ class ServeConfig:
     def public_address(self) -> str:
         return f"{self.frontend.host}:{self.frontend.port}"
 
+    def deployment(self) -> Deployment:
+        """The flags serve checks against the model and the host before starting anything."""
+        worker = self.workers[0]
+        return Deployment(tensor_parallel_size=worker.world_size, device=worker.device, dtype=worker.dtype,
+                          block_size=worker.block_size, max_model_len=self.scheduler.engine.max_model_len,
+                          num_kv_blocks=self.scheduler.engine.num_gpu_blocks,
+                          kv_cache_memory_gib=worker.kv_cache_memory_gib, swap_space_gib=worker.swap_space_gib)
+
     @property
-    def max_worker_restarts(self) -> int:
-        return self.options.max_worker_restarts
+    def scheduler_address(self) -> str:
+        """Where serve asks the scheduler whether the replica is ready."""
+        return f"127.0.0.1:{self.scheduler.port}"
+
+    def restart_policy(self, group: str) -> RestartPolicy:
+        """How the "workers" or the "scheduler" are started again after a crash."""
+        max_restarts = {"workers": self.options.max_worker_restarts,
+                        "scheduler": self.options.max_scheduler_restarts}[group]
+        return RestartPolicy(max_restarts=max_restarts, reset_after_s=self.options.restart_reset_after_s)
 
     @property
     def shutdown_timeout(self) -> float:

@@ -16,6 +16,10 @@ reset: every block is dropped and each unfinished request waits to be computed a
 tokens it holds; when the ranks register again the streams continue where they were. Requests
 still waiting when the timeout passes, or all of them at once without recovery, fail UNAVAILABLE.
 
+`on_step` runs after every step (and with no record when a new Scheduler starts); `on_idle` at
+most every IDLE_REPORT_SECONDS while no step runs, workers ready or not, so what the gauges show
+follows an abort, a finish or a reset within a second even when no further step comes.
+
 Nothing but the loop thread touches the Scheduler, so it needs no locks.
 """
 
@@ -39,6 +43,7 @@ Sink = Callable[[RequestOutput | Exception], None]
 Dispatch = Callable[[list[tuple[Sink, RequestOutput | Exception]]], None]
 MAX_RECENT_STEPS = 256
 MAX_CRASHES_IN_FLIGHT = 2  # a request in flight during this many consecutive worker crashes fails
+IDLE_REPORT_SECONDS = 0.25
 
 
 class EngineUnavailable(RuntimeError):
@@ -69,7 +74,8 @@ class EngineState:
 class Engine:
     def __init__(self, config: SchedulerConfig, link: WorkerLink,
                  on_step: Callable[["Engine", StepRecord | None], None] | None = None,
-                 dispatch: Dispatch | None = None) -> None:
+                 dispatch: Dispatch | None = None,
+                 on_idle: Callable[["Engine"], None] | None = None) -> None:
         """config.num_gpu_blocks caps the pool the workers offer (None: all of it); its
         max_model_len must be known. dispatch: runs a batch of (sink, item) pairs; by default each
         sink is called in turn on the loop thread."""
@@ -80,6 +86,8 @@ class Engine:
         self.state = EngineState()
         self.scheduler = None
         self._on_step = on_step
+        self._on_idle = on_idle
+        self._next_idle_report = 0.0
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._stopping = threading.Event()
@@ -174,10 +182,12 @@ class Engine:
             try:
                 if not self.state.is_ready:
                     self._start_workers()
+                    self._report_idle()
                     continue
                 self._apply_commands()
                 if not self._step():
                     self._hand_over()
+                    self._report_idle()
                     self.link.drain()
                     self.link.check_alive()
                     self._wakeup.wait(0.05)
@@ -215,6 +225,12 @@ class Engine:
                        num_cpu_blocks=pool.num_cpu_blocks, world_size=self.link.world_size)
         if is_new_scheduler and self._on_step is not None:
             self._on_step(self, None)  # counters restart with a new scheduler
+
+    def _report_idle(self) -> None:
+        now = time.monotonic()
+        if self._on_idle is not None and now >= self._next_idle_report:
+            self._next_idle_report = now + IDLE_REPORT_SECONDS
+            self._on_idle(self)
 
     def _give_up_recovery(self, reason: str) -> None:
         self._log.error("recovery_abandoned", reason=reason, num_requests=len(self._sinks))

@@ -1,5 +1,6 @@
 """The scheduler's Prometheus metrics (README, "Metrics": the names marked * are pinned), refreshed
-after every step."""
+after every step and, between steps, a few times a second (scheduler/engine.py, on_idle), so the
+gauges are true within a second of any change."""
 
 from __future__ import annotations
 
@@ -61,6 +62,12 @@ class SchedulerMetrics:
             self.step_seconds.observe(step_seconds)
         for seconds in queue_seconds:
             self.queue_time.observe(seconds)
+
+    def clear_gauges(self, num_blocks_total: int) -> None:
+        """No scheduler (workers not ready): nothing runs, waits or holds a block."""
+        for gauge in (self.requests_running, self.requests_waiting, self.requests_swapped, self.kv_blocks_used):
+            gauge.set(0)
+        self.kv_blocks_total.set(num_blocks_total)
 
     def _advance(self, counter, key: str, total: int) -> None:
         """Counters follow the scheduler's running totals (which restart with a new pool)."""

@@ -225,14 +225,22 @@ async def _serve(config: SchedulerServerConfig, engine_config: SchedulerConfig, 
         metrics.serve(config.metrics_port, config.metrics_host)
 
     def on_step(engine: Engine, record) -> None:
-        if record is None:
+        if record is None:  # a new scheduler: its pool size is known, its totals start at 0
             metrics.reset_totals()
+            metrics.update(engine.scheduler.stats(), None)
             return
         metrics.update(engine.scheduler.stats(), record.seconds, record.queue_seconds)
 
+    def on_idle(engine: Engine) -> None:
+        if engine.scheduler is None:  # workers not ready yet, or recovery abandoned
+            metrics.clear_gauges(engine.state.num_gpu_blocks)
+        else:
+            metrics.update(engine.scheduler.stats(), None)
+
     link = WorkerLink(config.plan_address, config.result_address, config.tensor_parallel_size,
                       heartbeat_timeout=config.heartbeat_timeout)
-    engine = Engine(engine_config, link, on_step=on_step, dispatch=loop_dispatch(asyncio.get_running_loop()))
+    engine = Engine(engine_config, link, on_step=on_step, dispatch=loop_dispatch(asyncio.get_running_loop()),
+                    on_idle=on_idle)
     engine.start()
     server = grpc.aio.server(options=INTERNAL_SERVER_OPTIONS)
     servicer = SchedulerServicer(engine, model, config.tensor_parallel_size, metrics)

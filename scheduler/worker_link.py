@@ -1,24 +1,32 @@
 """The scheduler's side of the ZeroMQ link to the workers.
 
     scheduler PUB  --SchedulerMessage (InitCache | StepPlan | Shutdown)-->  SUB  every rank
-    scheduler PULL <--WorkerMessage (Register | Ready | Heartbeat | StepResult | WorkerError)--  PUSH
+    scheduler PULL <--WorkerMessage (Register | Ready | StepResult | WorkerError)--  PUSH
 
-Start-up: every rank registers its KV capacity (and repeats it every second until it sees an
-InitCache); once all ranks of the replica have registered, the pool size is the minimum (or the
+Start-up: every rank registers its KV capacity and repeats it every second for as long as it
+lives (the registration is also its heartbeat, and a scheduler that restarted learns its ranks
+from it); once all ranks of the replica have registered, the pool size is the minimum (or the
 operator's override, if smaller) and InitCache is re-published until every rank answers Ready for
 that epoch (this also rides out ZeroMQ's slow-joiner loss of the first published messages).
+Epochs start from the link's start time in milliseconds, so they never repeat across scheduler
+restarts: a worker that outlived a scheduler sees the new one's first epoch as new, and takes
+its step numbers afresh.
 
 The tensor-parallel ranks are one replica: a step is one plan published to all, and only rank 0
 answers. The replica is lost (WorkerLost) when any rank reports an error (a failed collective
 means a peer died or stalled), stops sending messages for heartbeat_timeout (checked on a clock
 while a step is awaited, so a dead rank cannot leave the loop waiting for rank 0 forever), or
-registers again under a new pid. `forget_ranks` then publishes Shutdown so the surviving ranks,
-whose process group is broken, exit; the replica is ready again once every rank has registered
-anew (a new epoch).
+registers again under a new pid. `forget_ranks` then publishes a Shutdown naming the pids of the
+replica's processes, so the survivors, whose process group is broken, exit, while a rank already
+started to replace the lost one (it may be subscribed by then) stays; the dismissed pids are
+ignored for DISMISSED_SECONDS (longer than a rank takes to leave a collective whose peer died,
+and short enough that a pid the system reuses later is not refused). The replica is ready again
+once every rank has registered anew (a new epoch).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -31,6 +39,7 @@ from pagedserve.step_plan import StepPlan, StepResult
 
 INIT_RESEND_SECONDS = 0.2
 CLOSE_LINGER_MS = 500  # lets the last Shutdown reach the workers
+DISMISSED_SECONDS = 120.0  # registrations of a process told to exit are ignored this long
 
 
 class WorkerLost(RuntimeError):
@@ -61,7 +70,8 @@ class WorkerLink:
     world_size: int
     heartbeat_timeout: float = 10.0
     ranks: dict[int, RankState] = field(default_factory=dict)
-    epoch: int = 0
+    epoch: int = field(default_factory=lambda: time.time_ns() // 1_000_000)  # see the module docstring
+    dismissed_pids: dict[int, float] = field(default_factory=dict)  # told to exit -> when
 
     def __post_init__(self) -> None:
         self._context = zmq.Context.instance()
@@ -92,16 +102,17 @@ class WorkerLink:
         if kind == "register":
             self._note_register(message.register, now)
             return None
-        rank = {"ready": lambda: message.ready.rank, "heartbeat": lambda: message.heartbeat.rank,
-                "error": lambda: message.error.rank, "step_result": lambda: 0}[kind]()
+        rank = {"ready": lambda: message.ready.rank, "error": lambda: message.error.rank,
+                "step_result": lambda: 0}[kind]()
         state = self.ranks.get(rank)
+        if kind == "error" and (state is None or message.error.pid not in (0, state.pid)):
+            # a rank of a replica already given up on, reporting late
+            get_logger(component="worker_link").info(
+                "late_worker_error", rank=rank, pid=message.error.pid, message=message.error.message)
+            return None
         if state is not None:
             state.last_seen = now
         if kind == "error":
-            if state is None:  # a rank of a replica already given up on, reporting late
-                get_logger(component="worker_link").info(
-                    "late_worker_error", rank=rank, message=message.error.message)
-                return None
             raise WorkerLost(f"worker rank {rank} (pid {state.pid}) failed: "
                              f"{message.error.message}; {self.last_heard()}")
         if kind == "ready" and state is not None:
@@ -116,9 +127,11 @@ class WorkerLink:
                              f"the scheduler expects {self.world_size}")
         if not 0 <= reg.rank < self.world_size:
             raise WorkerLost(f"rank {reg.rank} is outside world size {self.world_size}")
+        if now - self.dismissed_pids.get(reg.pid, -math.inf) < DISMISSED_SECONDS:
+            return  # told to exit, not yet gone
         known = self.ranks.get(reg.rank)
         if known is not None and known.pid == reg.pid:
-            known.last_seen = now  # a repeated registration (sent until InitCache arrives)
+            known.last_seen = now  # the registration repeated every second: a heartbeat
             return
         if known is not None and known.ready_epoch == self.epoch:
             raise WorkerLost(f"worker rank {reg.rank} registered again as pid {reg.pid}: "
@@ -199,21 +212,27 @@ class WorkerLink:
                 return result
 
     def drain(self) -> None:
-        """Reads whatever is queued (heartbeats) without blocking."""
+        """Reads whatever is queued (registrations repeated as heartbeats) without blocking."""
         while True:
             message = self._receive(0)
             if message is None:
                 return
             self._note(message)
 
-    def shutdown_workers(self, reason: str) -> None:
-        message = step_pb2.SchedulerMessage(shutdown=step_pb2.Shutdown(reason=reason))
+    def shutdown_workers(self, reason: str, pids: list[int] | None = None) -> None:
+        """Tells the worker processes `pids` to exit; every worker when pids is None."""
+        message = step_pb2.SchedulerMessage(shutdown=step_pb2.Shutdown(reason=reason, pids=pids or []))
         self._pub.send(message.SerializeToString())
 
     def forget_ranks(self, reason: str = "the scheduler gave up on this replica's ranks") -> None:
-        """Tells every rank of the lost replica to exit and waits for fresh registrations."""
-        if self.ranks:
-            self.shutdown_workers(reason)
+        """Tells the processes of the lost replica to exit (by pid: a rank that replaces one of
+        them stays) and waits for fresh registrations."""
+        pids = sorted(state.pid for state in self.ranks.values())
+        now = time.monotonic()
+        self.dismissed_pids = {pid: at for pid, at in self.dismissed_pids.items() if now - at < DISMISSED_SECONDS}
+        if pids:
+            self.shutdown_workers(reason, pids)
+            self.dismissed_pids.update(dict.fromkeys(pids, now))
         self.ranks.clear()
 
     def close(self) -> None:

@@ -1,8 +1,8 @@
 """pagedserve.worker: one process per GPU (tensor-parallel rank) with its model shard and KV cache;
 rank 0 samples and answers.
 
-process.py (ZeroMQ loop: register, InitCache, StepPlan -> StepResult; resident_memory.py: memory
-in the logs) -> model_runner.py (one step: block operations, forward, logits, sampling):
+process.py (ZeroMQ loop: register, InitCache, StepPlan -> StepResult; memory_budget.py: weights,
+KV pool, swap and headroom; resident_memory.py: memory in the logs) -> model_runner.py (one step: block operations, forward, logits, sampling):
   model_input.py      a step's scheduled sequences -> flat tensors and attention metadata
   models/llama.py     the Llama family (models/llama_config.py: its config.json parameters), built
                       from parallel_layers.py, attention.py (paged attention through kernels/),

@@ -11,8 +11,10 @@ swap-out can be reused by a swap-in or a copy of the same step:
 
 Capacity: on CUDA the device pool takes what is left of
 gpu_memory_utilization x total memory after the weights and the peak activations of a profiling
-forward; on CPU it takes min(25% of available RAM, 4 GiB) so a shared host keeps room for other
-processes. Swap space (and an explicit KV budget) is converted to blocks by `blocks_for_bytes`.
+forward; on CPU it takes 10 % of the host's total memory after the weights, at least 256 MiB and
+at most 2 GiB, split between the ranks (pagedserve.host_memory, which says why), so a shared host
+keeps room for other processes and the size is the same on every start. Swap space (and an
+explicit KV budget) is converted to blocks by `blocks_for_bytes`.
 """
 
 from __future__ import annotations
@@ -21,11 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.host_memory import cpu_kv_pool_bytes, total_memory
 from pagedserve.kernels import ops
 
 GIB = 1 << 30
-CPU_KV_MEMORY_FRACTION = 0.25
-CPU_KV_MEMORY_CAP_BYTES = 4 * GIB
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -59,20 +60,6 @@ class CacheShape:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_size * element_size
 
 
-def available_host_memory() -> int:
-    """MemAvailable from /proc/meminfo, falling back to free pages where that file is absent."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
-
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 def blocks_for_bytes(num_bytes: int, shape: CacheShape) -> int:
     """Whole blocks fitting in num_bytes (swap space, an explicit KV budget)."""
     if num_bytes < 0:
@@ -80,11 +67,12 @@ def blocks_for_bytes(num_bytes: int, shape: CacheShape) -> int:
     return num_bytes // shape.bytes_per_block
 
 
-def cpu_device_blocks(shape: CacheShape, available_bytes: int | None = None) -> int:
-    """Device pool size when the device is the CPU: min(25% of available RAM, 4 GiB) in blocks."""
-    available = available_host_memory() if available_bytes is None else available_bytes
-    budget = min(int(available * CPU_KV_MEMORY_FRACTION), CPU_KV_MEMORY_CAP_BYTES)
-    return budget // shape.bytes_per_block
+def cpu_device_blocks(shape: CacheShape, num_weight_bytes: int, num_ranks: int = 1,
+                      total_bytes: int | None = None) -> int:
+    """Device pool size in blocks when the device is the CPU, for a rank holding num_weight_bytes
+    of weights in a replica of num_ranks: pagedserve.host_memory.cpu_kv_pool_bytes."""
+    total = total_memory() if total_bytes is None else total_bytes
+    return cpu_kv_pool_bytes(total, num_weight_bytes * num_ranks, num_ranks) // shape.bytes_per_block
 
 
 def cuda_device_blocks(shape: CacheShape, device: torch.device, gpu_memory_utilization: float) -> int:

@@ -117,7 +117,7 @@ class ModelRunner:
 
         kv_cache_memory_gib, when given, is the budget itself. Otherwise, on CUDA, one forward of
         max_num_batched_tokens tokens over max_num_seqs sequences (sampling included) against a
-        one-block scratch cache measures the peak memory first; on CPU a share of available RAM.
+        one-block scratch cache measures the peak memory first; on CPU a share of the host's memory.
         """
         shape = self.cache_shape
         if kv_cache_memory_gib is not None:
@@ -125,7 +125,7 @@ class ModelRunner:
                 raise ValueError(f"kv_cache_memory_gib must be positive, not {kv_cache_memory_gib}")
             return blocks_for_bytes(int(kv_cache_memory_gib * GIB), shape)
         if self.device.type != "cuda":
-            return cpu_device_blocks(shape)
+            return cpu_device_blocks(shape, self.num_weight_bytes, self.world_size)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         self._profile_forward(shape, max_num_batched_tokens, max_num_seqs)

@@ -1,12 +1,16 @@
 """The worker process: subscribes to step plans, runs them on its model shard, answers (rank 0).
 
-    SUB  <- SchedulerMessage: InitCache (allocate KV blocks for an epoch), StepPlan, Shutdown
-    PUSH -> WorkerMessage:    Register (every second until the first InitCache), Ready,
-                              Heartbeat (every second, from a thread), StepResult (rank 0 only),
+    SUB  <- SchedulerMessage: InitCache (allocate KV blocks for an epoch), StepPlan,
+                              Shutdown (for this process's pid, or for every worker)
+    PUSH -> WorkerMessage:    Register (every second from a thread, for as long as it lives: the
+                              heartbeat), Ready, StepResult (rank 0 only),
                               WorkerError (then the process exits)
 
 Step plans are numbered within an epoch; a worker that sees a gap stops and says so, since its KV
-cache would no longer match the scheduler's block tables.
+cache would no longer match the scheduler's block tables. A worker outlives its scheduler: the
+sockets reconnect when a restarted scheduler binds the same addresses, the new scheduler learns
+the rank from its repeated registration, and its InitCache starts a new epoch (the KV tensors are
+kept when the pool size is unchanged: the new block tables start empty).
 
 Tensor parallelism: the ranks of one replica form a torch.distributed process group (NCCL on CUDA,
 gloo on CPU) at --dist-init-address, with --dist-timeout bounding every collective. Every rank
@@ -30,6 +34,7 @@ from pagedserve.internal import step_pb2
 from pagedserve.log import configure_logging
 from pagedserve.plan_codec import encode_result, plan_from_proto
 from pagedserve.worker import resident_memory
+from pagedserve.worker.memory_budget import exceeds_available, plan_memory
 from pagedserve.worker.tensor_parallel import CollectiveError
 from pagedserve.worker.worker_config import WorkerConfig
 
@@ -112,9 +117,14 @@ def run_worker(config: WorkerConfig) -> int:
              num_weight_bytes=runner.num_weight_bytes,
              num_checkpoint_bytes_read=runner.num_checkpoint_bytes_read,
              num_rss_bytes=resident_memory.status_bytes("VmRSS")["VmRSS"], **grown)
-    capacity = runner.profile_num_blocks(kv_cache_memory_gib=config.kv_cache_memory_gib)
-    num_cpu_blocks = runner.num_blocks_for_bytes(int(config.swap_space_gib * 2**30))
-    log.info("kv_capacity", num_gpu_blocks=capacity, num_cpu_blocks=num_cpu_blocks)
+    budget = plan_memory(runner, device_type="cuda" if device.startswith("cuda") else "cpu",
+                         num_ranks=config.world_size, kv_cache_memory_gib=config.kv_cache_memory_gib,
+                         swap_space_gib=config.swap_space_gib)
+    log.info("memory_budget", **budget.log_fields())
+    if exceeds_available(budget):
+        log.warning("memory_budget_exceeds_available", reason="other processes use the host's memory; "
+                    "the KV pool or swap space may be paged out or killed for lack of memory")
+    capacity, num_cpu_blocks = budget.num_gpu_blocks, budget.num_cpu_blocks
 
     context = zmq.Context.instance()
     sub = context.socket(zmq.SUB)
@@ -129,14 +139,10 @@ def run_worker(config: WorkerConfig) -> int:
         num_cpu_blocks=num_cpu_blocks, device=device, pid=os.getpid())).SerializeToString()
 
     def heartbeat() -> None:
-        """Registers until the scheduler has answered (it may start later or miss the first),
-        then heartbeats."""
+        """Registers every second: the scheduler may start later, miss the first, or restart;
+        to one that knows this rank the registration is its heartbeat."""
         while not stop.wait(HEARTBEAT_SECONDS):
-            if state["epoch"] == 0:
-                pusher.send(register)
-            else:
-                pusher.send(step_pb2.WorkerMessage(heartbeat=step_pb2.Heartbeat(
-                    rank=config.rank, epoch=state["epoch"])))
+            pusher.send(register)
 
     pusher.send(register)
     threading.Thread(target=heartbeat, name="heartbeat", daemon=True).start()
@@ -147,18 +153,18 @@ def run_worker(config: WorkerConfig) -> int:
     except WorkerStopped as exc:
         log.info("worker_stopping", reason=str(exc))
         pusher.send(step_pb2.WorkerMessage(error=step_pb2.WorkerError(
-            rank=config.rank, message=str(exc))))
+            rank=config.rank, message=str(exc), pid=os.getpid())))
         return 0
     except CollectiveError as exc:
         log.error("tensor_parallel_group_broken", error=str(exc))
         pusher.send(step_pb2.WorkerMessage(error=step_pb2.WorkerError(
-            rank=config.rank,
+            rank=config.rank, pid=os.getpid(),
             message=f"its tensor-parallel group broke (another rank died or stalled): {exc}")))
         return 1
     except Exception as exc:  # reported to the scheduler, then the process exits non-zero
         log.exception("worker_failed")
         pusher.send(step_pb2.WorkerMessage(error=step_pb2.WorkerError(
-            rank=config.rank, message=f"{type(exc).__name__}: {exc}")))
+            rank=config.rank, message=f"{type(exc).__name__}: {exc}", pid=os.getpid())))
         return 1
     finally:  # bounded (the socket linger): a second signal must not cut it short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -176,12 +182,17 @@ def _serve_plans(config, runner, sub, pusher, state, log) -> int:
         message.ParseFromString(sub.recv())
         kind = message.WhichOneof("kind")
         if kind == "shutdown":
+            if message.shutdown.pids and os.getpid() not in message.shutdown.pids:
+                continue  # meant for the processes this one replaces
             log.info("shutdown", reason=message.shutdown.reason)
             return 0
         if kind == "init_cache":
             init = message.init_cache
             if init.epoch != state["epoch"]:
-                runner.init_cache(init.num_gpu_blocks, init.num_cpu_blocks)
+                sizes = (init.num_gpu_blocks, init.num_cpu_blocks)
+                if runner.cache is None or (runner.cache.num_gpu_blocks, runner.cache.num_cpu_blocks) != sizes:
+                    runner.cache = None  # the old pool goes before the new one is allocated
+                    runner.init_cache(*sizes)
                 state["epoch"] = init.epoch
                 last_step_id = None
                 log.info("kv_cache_ready", epoch=init.epoch, num_gpu_blocks=init.num_gpu_blocks,

@@ -35,8 +35,10 @@ class WorkerConfig:
     device: str = option("auto", choices=DEVICES, serve=True, help="where the model runs (auto: cuda if present)")
     dtype: str = option("auto", choices=DTYPES, serve=True,
                         help="weights and KV cache (auto: the checkpoint's dtype on CUDA, float32 on CPU)")
-    swap_space_gib: float = option(4.0, flag="--swap-space", metavar="GIB", serve=True,
-                                   help="CPU swap space per rank for preempted KV blocks")
+    swap_space_gib: float | None = option(
+        None, flag="--swap-space", metavar="GIB", serve=True,
+        help="CPU swap space per rank for preempted KV blocks (default: 4 on CUDA; 0 on a CPU device, "
+             "where preempted requests are recomputed)")
     kv_cache_memory_gib: float | None = option(
         None, flag="--kv-cache-memory", metavar="GIB", serve=True,
         help="memory for the KV pool per rank (default: derived from the device)")
@@ -49,6 +51,6 @@ class WorkerConfig:
         require(self.block_size > 0, "block_size", "must be positive")
         require(self.device in DEVICES, "device", f"must be one of {', '.join(DEVICES)}")
         require(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")
-        require(self.swap_space_gib >= 0, "swap_space_gib", "must be >= 0")
+        require(self.swap_space_gib is None or self.swap_space_gib >= 0, "swap_space_gib", "must be >= 0")
         require(self.kv_cache_memory_gib is None or self.kv_cache_memory_gib > 0, "kv_cache_memory_gib",
                 "must be positive")

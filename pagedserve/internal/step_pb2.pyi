@@ -89,10 +89,12 @@ class InitCache(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ...) -> None: ...
 
 class Shutdown(_message.Message):
-    __slots__ = ("reason",)
+    __slots__ = ("reason", "pids")
     REASON_FIELD_NUMBER: _ClassVar[int]
+    PIDS_FIELD_NUMBER: _ClassVar[int]
     reason: str
-    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+    pids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, reason: _Optional[str] = ..., pids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SchedulerMessage(_message.Message):
     __slots__ = ("init_cache", "step_plan", "shutdown")
@@ -160,32 +162,24 @@ class StepResult(_message.Message):
     failure_messages: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, epoch: _Optional[int] = ..., step_id: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., num_top: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., num_beam: _Optional[_Iterable[int]] = ..., beam_token_ids: _Optional[_Iterable[int]] = ..., beam_logprobs: _Optional[_Iterable[float]] = ..., failed_seq_ids: _Optional[_Iterable[int]] = ..., failure_messages: _Optional[_Iterable[str]] = ...) -> None: ...
 
-class Heartbeat(_message.Message):
-    __slots__ = ("rank", "epoch")
-    RANK_FIELD_NUMBER: _ClassVar[int]
-    EPOCH_FIELD_NUMBER: _ClassVar[int]
-    rank: int
-    epoch: int
-    def __init__(self, rank: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
-
 class WorkerError(_message.Message):
-    __slots__ = ("rank", "message")
+    __slots__ = ("rank", "message", "pid")
     RANK_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
     rank: int
     message: str
-    def __init__(self, rank: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    pid: int
+    def __init__(self, rank: _Optional[int] = ..., message: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
-    __slots__ = ("register", "ready", "step_result", "error", "heartbeat")
+    __slots__ = ("register", "ready", "step_result", "error")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     STEP_RESULT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
-    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     register: Register
     ready: Ready
     step_result: StepResult
     error: WorkerError
-    heartbeat: Heartbeat
-    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., ready: _Optional[_Union[Ready, _Mapping]] = ..., step_result: _Optional[_Union[StepResult, _Mapping]] = ..., error: _Optional[_Union[WorkerError, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., ready: _Optional[_Union[Ready, _Mapping]] = ..., step_result: _Optional[_Union[StepResult, _Mapping]] = ..., error: _Optional[_Union[WorkerError, _Mapping]] = ...) -> None: ...

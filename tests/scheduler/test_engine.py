@@ -238,3 +238,33 @@ def test_a_request_that_crashes_the_workers_twice_is_failed_not_replayed():
     assert link.num_crashes == 2
     for name, tokens in undisturbed.items():
         assert collectors[name].tokens == tokens, name
+
+
+def test_idle_reports_follow_an_abort_without_another_step():
+    """The gauges' source: once a request is aborted and nothing else runs, on_idle reports a
+    scheduler with nothing running and no block used, although no step follows the abort."""
+    reports: list[tuple[int, int]] = []
+
+    def on_idle(engine: Engine) -> None:
+        stats = engine.scheduler.stats()
+        reports.append((stats.num_running, stats.gpu.num_used))
+
+    config = SchedulerConfig(block_size=BLOCK_SIZE, max_model_len=256, max_num_seqs=8, num_gpu_blocks=NUM_BLOCKS)
+    engine = Engine(config, FakeLink([]), on_idle=on_idle)
+    engine.start()
+    try:
+        collector = Collector()
+        engine.submit(_request("long", 6, 200), collector)
+        deadline = time.monotonic() + 5
+        while len(collector.tokens) < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        engine.abort("long")
+        engine.call(lambda: None)  # the abort has been applied
+        applied = len(reports)
+        deadline = time.monotonic() + 1.0
+        while not reports[applied:] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert reports[applied:] and reports[-1] == (0, 0), reports[-3:]
+    finally:
+        engine.stop()

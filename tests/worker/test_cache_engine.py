@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedserve.host_memory import CPU_KV_MAX_BYTES, CPU_KV_MIN_BYTES
 from pagedserve.worker.cache_engine import (
-    CPU_KV_MEMORY_CAP_BYTES,
     GIB,
     CacheConfigError,
     CacheEngine,
@@ -80,7 +80,11 @@ def test_out_of_range_block_ids_are_rejected():
 def test_sizing_rules():
     assert SHAPE.bytes_per_block == 2 * 3 * 4 * 2 * 8 * 4
     assert blocks_for_bytes(SHAPE.bytes_per_block * 5 + 1, SHAPE) == 5
-    assert cpu_device_blocks(SHAPE, available_bytes=8 * SHAPE.bytes_per_block * 4) == 8  # 25% of available
-    assert cpu_device_blocks(SHAPE, available_bytes=1000 * GIB) == CPU_KV_MEMORY_CAP_BYTES // SHAPE.bytes_per_block
+    # 10 % of the host's total memory after the weights, within [256 MiB, 2 GiB], split between ranks
+    assert cpu_device_blocks(SHAPE, 4 * GIB, total_bytes=24 * GIB) == 2 * GIB // SHAPE.bytes_per_block
+    assert cpu_device_blocks(SHAPE, 0, total_bytes=1000 * GIB) == CPU_KV_MAX_BYTES // SHAPE.bytes_per_block
+    assert cpu_device_blocks(SHAPE, 0, total_bytes=1 * GIB) == CPU_KV_MIN_BYTES // SHAPE.bytes_per_block
+    assert cpu_device_blocks(SHAPE, GIB, total_bytes=11 * GIB) == GIB // SHAPE.bytes_per_block
+    assert cpu_device_blocks(SHAPE, GIB, num_ranks=2, total_bytes=12 * GIB) == GIB // 2 // SHAPE.bytes_per_block
     with pytest.raises(CacheConfigError):
         CacheShape(num_layers=0, block_size=4, num_kv_heads=2, head_size=8, dtype=torch.float32)

@@ -1,0 +1,164 @@
+"""The scheduler's ZeroMQ link against worker sockets driven by the test: a rank that replaces a
+lost one is not told to exit, processes told to exit are ignored afterwards, and epochs do not
+repeat across scheduler restarts."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+
+from pagedserve.internal import step_pb2
+from pagedserve.scheduler.worker_link import WorkerLink, WorkerLost
+from pagedserve.serve_config import free_port
+
+
+class FakeRank:
+    """One worker rank's sockets: SUB for the scheduler's messages, PUSH for its own."""
+
+    def __init__(self, link: WorkerLink, rank: int, pid: int) -> None:
+        self.rank = rank
+        self.pid = pid
+        context = zmq.Context.instance()
+        self.sub = context.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.setsockopt(zmq.LINGER, 0)
+        self.sub.connect(link.plan_address)
+        self.push = context.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.LINGER, 0)
+        self.push.connect(link.result_address)
+
+    def register(self) -> None:
+        self.push.send(step_pb2.WorkerMessage(register=step_pb2.Register(
+            rank=self.rank, world_size=1, num_gpu_blocks=32, num_cpu_blocks=0, device="cpu",
+            pid=self.pid)).SerializeToString())
+
+    def received(self, timeout: float = 0.5) -> list[step_pb2.SchedulerMessage]:
+        messages = []
+        deadline = time.monotonic() + timeout
+        while self.sub.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+            message = step_pb2.SchedulerMessage()
+            message.ParseFromString(self.sub.recv())
+            messages.append(message)
+        return messages
+
+    def answer_init(self, link: WorkerLink) -> None:
+        """Answers every InitCache with Ready until the link reports the pool size."""
+        for message in self.received(0.05):
+            if message.WhichOneof("kind") == "init_cache":
+                self.push.send(step_pb2.WorkerMessage(ready=step_pb2.Ready(
+                    rank=self.rank, epoch=message.init_cache.epoch)).SerializeToString())
+
+    def close(self) -> None:
+        self.sub.close(0)
+        self.push.close(0)
+
+
+def _link() -> WorkerLink:
+    return WorkerLink(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", world_size=1)
+
+
+def _register_until_known(link: WorkerLink, rank: FakeRank, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not link.all_registered():
+        assert time.monotonic() < deadline, "the registration did not arrive"
+        rank.register()
+        link.poll_registration(0.1)
+
+
+def _init(link: WorkerLink, rank: FakeRank) -> None:
+    """Runs init_cache while the fake rank answers from a thread of its own."""
+    import threading
+
+    stop = threading.Event()
+
+    def answer() -> None:
+        while not stop.is_set():
+            rank.answer_init(link)
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        link.init_cache(None, time.monotonic() + 10)
+    finally:
+        stop.set()
+        thread.join()
+
+
+@pytest.fixture
+def link():
+    link = _link()
+    yield link
+    link.close()
+
+
+def test_a_replacement_rank_is_not_told_to_exit(link):
+    old = FakeRank(link, 0, pid=1001)
+    _register_until_known(link, old)
+    _init(link, old)
+    new = FakeRank(link, 0, pid=1002)
+    time.sleep(0.2)  # the new SUB is subscribed, as a restarted worker is before it registers
+    new.register()
+    with pytest.raises(WorkerLost, match="registered again as pid 1002"):
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            link.drain()
+            time.sleep(0.01)
+    link.forget_ranks()
+    (shutdown,) = [m.shutdown for m in new.received() if m.WhichOneof("kind") == "shutdown"]
+    assert list(shutdown.pids) == [1001]  # the new rank (1002) ignores it; the old one would exit
+
+    old.register()  # the dismissed process, not yet gone, is not taken back
+    link.drain()
+    time.sleep(0.1)
+    link.drain()
+    assert not link.ranks
+    _register_until_known(link, new)
+    assert link.ranks[0].pid == 1002
+    for rank in (old, new):
+        rank.close()
+
+
+def test_a_late_error_of_a_replaced_process_is_ignored(link):
+    rank = FakeRank(link, 0, pid=2002)
+    _register_until_known(link, rank)
+    rank.push.send(step_pb2.WorkerMessage(error=step_pb2.WorkerError(
+        rank=0, message="stopped by SIGTERM", pid=2001)).SerializeToString())
+    time.sleep(0.1)
+    link.drain()  # no WorkerLost: pid 2001 is not the rank registered now
+    rank.push.send(step_pb2.WorkerMessage(error=step_pb2.WorkerError(
+        rank=0, message="boom", pid=2002)).SerializeToString())
+    time.sleep(0.1)
+    with pytest.raises(WorkerLost, match="boom"):
+        link.drain()
+    rank.close()
+
+
+def test_epochs_do_not_repeat_across_scheduler_restarts():
+    first = _link()
+    rank = FakeRank(first, 0, pid=3001)
+    _register_until_known(first, rank)
+    _init(first, rank)
+    first_epoch = first.epoch
+    first.close()
+    rank.close()
+    time.sleep(0.01)
+    second = _link()
+    assert second.epoch + 1 > first_epoch  # the next InitCache is new to a worker that outlived `first`
+    second.close()
+
+
+def test_a_pid_dismissed_long_ago_may_register_again(link):
+    """Pids are reused: a process dismissed minutes ago is no reason to refuse a new one."""
+    link.dismissed_pids = {4001: time.monotonic() - 1000.0, 4002: time.monotonic()}
+    recent = FakeRank(link, 0, pid=4002)
+    recent.register()
+    time.sleep(0.1)
+    link.drain()
+    assert not link.ranks
+    reused = FakeRank(link, 0, pid=4001)
+    _register_until_known(link, reused)
+    assert link.ranks[0].pid == 4001
+    for rank in (recent, reused):
+        rank.close()
