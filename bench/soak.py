@@ -3,7 +3,8 @@ cancelled at random moments, then the accounting.
 
     python bench/soak.py [--requests 10000] [--concurrency 32] [--cancel-fraction 0.2]
                          [--model demo] [--seed 0] [--num-kv-blocks 2048] [--swap-space 1]
-                         [--memory-defaults] [--max-waiting-requests N] [--serve-args FLAG …]
+                         [--memory-defaults] [--max-waiting-requests N] [--kill ROLE@FRACTION …]
+                         [--serve-args FLAG …]
 
 Starts `serve` on free local ports and sends streaming requests from a thread pool: prompts of
 1 to --max-prompt random token ids, 1 to --max-tokens output tokens, greedy or seeded sampling,
@@ -19,12 +20,19 @@ the memory-derived size (on a CPU device 10 % of the host's memory, at most 2 Gi
 the demo model on a 24 GiB host). --memory-defaults passes neither --num-kv-blocks nor
 --swap-space, so the run shows what `serve` takes with its defaults (README, "Memory"). The pool
 size does not change the speed: 300 requests took 4-7 s with either.
+
+--kill worker-0@0.3 --kill scheduler@0.6 SIGKILLs that child of serve once that share of the
+requests is done: serve restarts it, the scheduler replays its requests for restarted workers and
+the frontend resubmits them to a restarted scheduler, so the run must still end with no failed
+request and a whole pool.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import signal
 import sys
 import threading
 import time
@@ -138,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-defaults", action="store_true",
                         help="serve's own pool and swap sizes (ignores --num-kv-blocks and --swap-space)")
     parser.add_argument("--max-waiting-requests", type=int, default=4096)
+    parser.add_argument("--kill", action="append", default=[], metavar="ROLE@FRACTION",
+                        help="SIGKILL serve's child ROLE (scheduler, worker-0, …) once FRACTION of the "
+                             "requests are done (repeatable)")
     parser.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[],
                         help="further `serve` flags (last on the command line)")
     args = parser.parse_args(argv)
@@ -161,11 +172,22 @@ def main(argv: list[str] | None = None) -> int:
         memory = {"start": resident_mib(pids)}
         started = time.monotonic()
         milestones = {len(requests) * k // 10 for k in range(1, 10)}
+        kills = sorted((max(1, int(float(fraction) * len(requests))), role)
+                       for role, fraction in (spec.split("@") for spec in args.kill))
+        killed = []
         with ThreadPoolExecutor(args.concurrency) as pool:
             futures = [pool.submit(run_one, serve.stub, request, outcomes) for request in requests]
             for done, future in enumerate(futures, 1):
                 future.result()
+                while kills and done >= kills[0][0]:
+                    _, role = kills.pop(0)
+                    pid = serve.child_pids()[role]
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append({"role": role, "pid": pid, "after_requests": done,
+                                   "seconds": round(time.monotonic() - started, 1)})
+                    print(f"  killed {role} (pid {pid}) after {done} requests", flush=True)
                 if done in milestones:
+                    pids = {"serve": serve.proc.pid, **serve.child_pids()}
                     memory[f"{done}"] = resident_mib(pids)
                     print(f"  {done:>6} requests  {time.monotonic() - started:7.1f}s  "
                           + "  ".join(f"{role} {m['rss']:.0f} MiB" for role, m in memory[f"{done}"].items()),
@@ -175,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             stats = serve.wait_idle(120)
         except TimeoutError:
             stats = serve.stats()
-        memory["end"] = resident_mib(pids)
+        memory["end"] = resident_mib({"serve": serve.proc.pid, **serve.child_pids()})
         pool = {name: getattr(stats, f"num_gpu_blocks_{name}") for name in ("total", "free", "used", "cached")}
         is_pool_whole = (stats.is_pool_consistent and stats.num_gpu_blocks_used == 0 and stats.num_cpu_blocks_used == 0
                          and pool["free"] + pool["cached"] == pool["total"])
@@ -189,16 +211,18 @@ def main(argv: list[str] | None = None) -> int:
         "failed": outcomes.counts["failed"], "failures": outcomes.failures, "memory_mib": memory,
         "pool": {**pool, "cpu_used": stats.num_cpu_blocks_used, "is_consistent": stats.is_pool_consistent,
                  "is_whole": is_pool_whole},
-        "serve_exit_code": code,
+        "serve_exit_code": code, "killed": killed,
     }
     print(f"\nsoak: {args.requests} requests, concurrency {args.concurrency}, "
           f"{args.cancel_fraction:.0%} cancelled at random, model {args.model}, {seconds:.0f}s, "
           f"{outcomes.num_tokens} tokens")
     print(f"  completed {report['completed']}  cancelled {report['cancelled']}  failed {report['failed']}")
+    for kill in killed:
+        print(f"  killed {kill['role']} (pid {kill['pid']}) after {kill['after_requests']} requests, {kill['seconds']}s")
     for failure in outcomes.failures:
         print(f"    {failure}")
     print(f"  {'process':<12}{'RSS start':>12}{'RSS end':>12}{'peak':>12}   (MiB)")
-    for role in memory["start"]:
+    for role in memory["start"].keys() & memory["end"].keys():
         print(f"  {role:<12}{memory['start'][role]['rss']:>12.0f}{memory['end'][role]['rss']:>12.0f}"
               f"{memory['end'][role]['peak']:>12.0f}")
     print(f"  pool at the end: {pool['used']} used, {pool['free']} free + {pool['cached']} cached of "
