@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import grpc
 import pytest
 
 from fake_scheduler import FakeSchedulerServer
 
 from pagedserve.models.tiny_tokenizer import build_tokenizer
+from pagedserve.v1 import generation_pb2_grpc
 
 VOCAB_SIZE = 512
 
@@ -50,3 +52,15 @@ def frontend(tokenizer_folder, scheduler_server):
     server = serve_frontend(config, health_poll_interval_s=0.1)
     yield server
     server.stop(grace_s=1.0)
+
+
+@pytest.fixture()
+def channel(frontend):
+    """A channel to the module's `frontend` fixture (any object with a port)."""
+    with grpc.insecure_channel(f"127.0.0.1:{frontend.port}") as chan:
+        yield chan
+
+
+@pytest.fixture()
+def stub(channel):
+    return generation_pb2_grpc.GenerationStub(channel)

@@ -24,17 +24,6 @@ SCRIPT_0 = "The keeper climbed the stairs to light the lamp."
 SCRIPT_1 = "Ships passed in the night and saw the beam."
 
 
-@pytest.fixture()
-def channel(frontend):
-    with grpc.insecure_channel(f"127.0.0.1:{frontend.port}") as chan:
-        yield chan
-
-
-@pytest.fixture()
-def stub(channel):
-    return generation_pb2_grpc.GenerationStub(channel)
-
-
 def _script(fake, tokenizer, *texts: str) -> list[list[int]]:
     scripts = [tokenizer.encode(text)[1:] for text in texts]
     fake.tokens_by_index = dict(enumerate(scripts))

@@ -78,17 +78,6 @@ def frontend(tokenizer_folder, replica):
     server.stop(grace_s=1.0)
 
 
-@pytest.fixture()
-def channel(frontend):
-    with grpc.insecure_channel(f"127.0.0.1:{frontend.port}") as chan:
-        yield chan
-
-
-@pytest.fixture()
-def stub(channel):
-    return generation_pb2_grpc.GenerationStub(channel)
-
-
 def _health(channel) -> int:
     check = health_pb2_grpc.HealthStub(channel).Check
     return check(health_pb2.HealthCheckRequest(service="pagedserve.v1.Generation"), timeout=5).status

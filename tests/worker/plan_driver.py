@@ -7,6 +7,8 @@ ModelRunner and appends sampled tokens.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -100,3 +102,30 @@ class PlanDriver:
                     work.append((seq, count))
                     budget -= count
             self.step(work)
+
+
+@contextmanager
+def tensor_parallel_rank(path: str, rank: int, world_size: int, init_file: str, num_blocks: int):
+    """(runner, driver) of one rank of a gloo tensor-parallel group on the CPU, one torch thread:
+    the float32 ModelRunner loaded with a num_blocks pool, and a PlanDriver whose samples rank 0
+    broadcasts to the others. The process group is destroyed when the block ends."""
+    import torch
+    import torch.distributed as dist
+
+    from pagedserve.worker.model_runner import ModelRunner
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        runner = ModelRunner(path, device="cpu", dtype="float32", block_size=16, rank=rank, world_size=world_size)
+        runner.load()
+        runner.init_cache(num_blocks, 0)
+
+        def share(samples: dict[int, int]) -> dict[int, int]:
+            box = [samples]
+            dist.broadcast_object_list(box, src=0)
+            return box[0]
+
+        yield runner, PlanDriver(runner, num_blocks, share_samples=share)
+    finally:
+        dist.destroy_process_group()

@@ -26,31 +26,14 @@ TENSOR_TYPES = {"token_embd": "Q8_0", "attn_q": "Q4_0", "attn_k": "Q4_1", "attn_
 
 
 def _rank_main(rank: int, path: str, init_file: str, prompts: list[list[int]], out_file: str) -> None:
-    import torch.distributed as dist
-    from plan_driver import DrivenSeq, PlanDriver
+    from plan_driver import DrivenSeq, tensor_parallel_rank
 
-    from pagedserve.worker.model_runner import ModelRunner
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE)
-    try:
-        runner = ModelRunner(path, device="cpu", dtype="float32", block_size=16, rank=rank, world_size=WORLD_SIZE)
-        runner.load()
-        runner.init_cache(32, 0)
-
-        def share(samples: dict[int, int]) -> dict[int, int]:
-            box = [samples]
-            dist.broadcast_object_list(box, src=0)
-            return box[0]
-
-        driver = PlanDriver(runner, 32, share_samples=share)
+    with tensor_parallel_rank(path, rank, WORLD_SIZE, init_file, num_blocks=32) as (runner, driver):
         seqs = [DrivenSeq(seq_id=i, prompt=prompt, max_new_tokens=MAX_NEW_TOKENS) for i, prompt in enumerate(prompts)]
         driver.run_to_completion(seqs)
         torch.save(dict(runner.model.named_parameters()), f"{out_file}.{rank}.pt")
         with open(f"{out_file}.{rank}.json", "w") as handle:
             json.dump([seq.generated for seq in seqs], handle)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -21,24 +21,9 @@ PROMPT_LENGTHS = (3, 17, 40, 90)
 
 
 def _rank_main(rank: int, folder: str, init_file: str, prompts: list[list[int]], out_file: str) -> None:
-    import torch.distributed as dist
-    from plan_driver import DrivenSeq, PlanDriver
+    from plan_driver import DrivenSeq, tensor_parallel_rank
 
-    from pagedserve.worker.model_runner import ModelRunner
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE)
-    try:
-        runner = ModelRunner(folder, device="cpu", dtype="float32", block_size=16, rank=rank, world_size=WORLD_SIZE)
-        runner.load()
-        runner.init_cache(48, 0)
-
-        def share(samples: dict[int, int]) -> dict[int, int]:
-            box = [samples]
-            dist.broadcast_object_list(box, src=0)
-            return box[0]
-
-        driver = PlanDriver(runner, 48, share_samples=share)
+    with tensor_parallel_rank(folder, rank, WORLD_SIZE, init_file, num_blocks=48) as (runner, driver):
         seqs = [DrivenSeq(seq_id=i, prompt=prompt, max_new_tokens=MAX_NEW_TOKENS) for i, prompt in enumerate(prompts)]
         driver.run_to_completion(seqs, token_budget=64)
         attention = runner.model.layers[0].self_attn
@@ -47,8 +32,6 @@ def _rank_main(rank: int, folder: str, init_file: str, prompts: list[list[int]],
                   "samples_returned": sum(len(result.samples) for result in driver.results)}
         with open(f"{out_file}.{rank}", "w") as handle:
             json.dump(report, handle)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
