@@ -24,7 +24,9 @@ size does not change the speed: 300 requests took 4-7 s with either.
 --kill worker-0@0.3 --kill scheduler@0.6 SIGKILLs that child of serve once that share of the
 requests is done: serve restarts it, the scheduler replays its requests for restarted workers and
 the frontend resubmits them to a restarted scheduler, so the run must still end with no failed
-request and a whole pool.
+request and a whole pool. A request refused before its first token (UNAVAILABLE while a replica
+recovers, RESOURCE_EXHAUSTED when the queue is full) is retried after a pause, as a client with a
+retry policy would; the count of such retries is reported beside the outcomes.
 """
 
 from __future__ import annotations
@@ -106,7 +108,31 @@ class Outcomes:
                 self.failures.append(failure)
 
 
+RETRYABLE_REFUSALS = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+RETRY_WINDOW_S = 120.0
+RETRY_BACKOFF_S = 0.25
+
+
 def run_one(stub, request: SoakRequest, outcomes: Outcomes) -> None:
+    """One request to its end. A refusal before the first message (UNAVAILABLE while a replica
+    recovers, RESOURCE_EXHAUSTED when the queue is full: both safe to retry, see README) is retried
+    after a pause, as a client with a retry policy would, for up to RETRY_WINDOW_S; anything that
+    goes wrong once the stream has begun is a failure."""
+    deadline = time.monotonic() + RETRY_WINDOW_S
+    while True:
+        num_messages, outcome = _stream_once(stub, request, outcomes)
+        if outcome is None:
+            return
+        if num_messages == 0 and outcome.code() in RETRYABLE_REFUSALS and time.monotonic() < deadline:
+            outcomes.add("retried")
+            time.sleep(RETRY_BACKOFF_S)
+            continue
+        outcomes.add("failed", 0, f"soak-{request.index}: {outcome.code().name}: {outcome.details()}")
+        return
+
+
+def _stream_once(stub, request: SoakRequest, outcomes: Outcomes) -> tuple[int, grpc.RpcError | None]:
+    """(stream messages read, the error that ended the call when it is not the request's own outcome)."""
     call = stub.GenerateStream(request.message(), timeout=600)
     num_messages = num_tokens = 0
     try:
@@ -129,7 +155,8 @@ def run_one(stub, request: SoakRequest, outcomes: Outcomes) -> None:
         if exc.code() == grpc.StatusCode.CANCELLED and request.cancel_after is not None:
             outcomes.add("cancelled", num_tokens)
         else:
-            outcomes.add("failed", num_tokens, f"soak-{request.index}: {exc.code().name}: {exc.details()}")
+            return num_messages, exc
+    return num_messages, None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         "requests": args.requests, "concurrency": args.concurrency, "cancel_fraction": args.cancel_fraction,
         "model": args.model, "seconds": round(seconds, 1), "tokens": outcomes.num_tokens,
         "completed": outcomes.counts["completed"], "cancelled": outcomes.counts["cancelled"],
-        "failed": outcomes.counts["failed"], "failures": outcomes.failures, "memory_mib": memory,
+        "failed": outcomes.counts["failed"], "retried": outcomes.counts["retried"], "failures": outcomes.failures, "memory_mib": memory,
         "pool": {**pool, "cpu_used": stats.num_cpu_blocks_used, "is_consistent": stats.is_pool_consistent,
                  "is_whole": is_pool_whole},
         "serve_exit_code": code, "killed": killed,
@@ -216,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nsoak: {args.requests} requests, concurrency {args.concurrency}, "
           f"{args.cancel_fraction:.0%} cancelled at random, model {args.model}, {seconds:.0f}s, "
           f"{outcomes.num_tokens} tokens")
-    print(f"  completed {report['completed']}  cancelled {report['cancelled']}  failed {report['failed']}")
+    print(f"  completed {report['completed']}  cancelled {report['cancelled']}  failed {report['failed']}  "
+          f"(refusals before the first token, retried: {report['retried']})")
     for kill in killed:
         print(f"  killed {kill['role']} (pid {kill['pid']}) after {kill['after_requests']} requests, {kill['seconds']}s")
     for failure in outcomes.failures:
