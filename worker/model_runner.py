@@ -31,6 +31,8 @@ from pagedserve.worker.loader import load_weights, resolve_dtype
 from pagedserve.worker.model_input import build_model_input
 from pagedserve.worker.models.llama import LlamaForCausalLM
 from pagedserve.worker.models.llama_config import LlamaModelConfig
+from pagedserve.worker.quantization import QuantizationConfig
+from pagedserve.worker.quantized_linear import quantize_model
 from pagedserve.worker.sampler import Sampler
 from pagedserve.worker.tensor_parallel import TensorParallelGroup
 
@@ -48,12 +50,15 @@ class ModelRunner:
     """One rank's model, KV cache and (rank 0) sampler.
 
     dtype "auto" takes the checkpoint's torch_dtype on CUDA and float32 on CPU; max_model_len bounds
-    positions (default max_position_embeddings); seed fixes the generator of unseeded sampling.
+    positions (default max_position_embeddings); seed fixes the generator of unseeded sampling;
+    quantization none|int8|int4 (with quantization_group_size for int4, default 128) quantizes the
+    linear layers' weights after the load (see pagedserve.worker.quantization).
     """
 
     def __init__(self, model_path: str | Path, *, device: str | torch.device = "cpu",
                  dtype: str | torch.dtype = "auto", block_size: int = 16, rank: int = 0, world_size: int = 1,
-                 max_model_len: int | None = None, seed: int | None = None) -> None:
+                 max_model_len: int | None = None, seed: int | None = None, quantization: str = "none",
+                 quantization_group_size: int | None = None) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, not {block_size}")
         if max_model_len is not None and max_model_len <= 0:
@@ -66,6 +71,7 @@ class ModelRunner:
         self.world_size = world_size
         self.max_model_len = max_model_len
         self.seed = seed
+        self.quantization = QuantizationConfig(quantization, quantization_group_size)
         self.config: LlamaModelConfig | None = None
         self.model: LlamaForCausalLM | None = None
         self.cache: CacheEngine | None = None
@@ -85,6 +91,7 @@ class ModelRunner:
         self.model = LlamaForCausalLM(self.config, tp=tp, dtype=self.dtype, device=self.device,
                                       max_positions=self.max_model_len or self.config.max_position_embeddings)
         self.num_checkpoint_bytes_read = load_weights(self.model, self.model_path)
+        quantize_model(self.model, self.quantization)
         self.model.eval()
         if self.rank == 0:
             self.sampler = Sampler(self.device, seed=self.seed)
