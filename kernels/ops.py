@@ -56,27 +56,27 @@ def use_triton(device: torch.device) -> bool:
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                    sliding_window=None):
+                    sliding_window=None, k_scale=1.0, v_scale=1.0):
     if use_triton(query.device):
         from pagedserve.kernels.paged_attention import paged_attention as paged_attention_triton
         return paged_attention_triton(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                                      scale, sliding_window)
+                                      scale, sliding_window, k_scale, v_scale)
     if os.environ.get(KERNELS_ENV) == "reference":
         return paged_attention_ref(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                                   scale, sliding_window)
+                                   scale, sliding_window, k_scale, v_scale)
     return paged_attention_cpu(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                               scale, sliding_window)
+                               scale, sliding_window, k_scale, v_scale)
 
 
-def write_kv_cache(key, value, key_cache, value_cache, slot_mapping):
+def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=1.0, v_scale=1.0):
     if use_triton(key_cache.device):
         from pagedserve.kernels.cache_ops import write_kv_cache as write_kv_cache_triton
-        write_kv_cache_triton(key, value, key_cache, value_cache, slot_mapping)
+        write_kv_cache_triton(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
         return
     if os.environ.get(KERNELS_ENV) == "reference":
-        write_kv_cache_ref(key, value, key_cache, value_cache, slot_mapping)
+        write_kv_cache_ref(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
         return
-    write_kv_cache_cpu(key, value, key_cache, value_cache, slot_mapping)
+    write_kv_cache_cpu(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
 
 def copy_blocks(key_caches, value_caches, block_mapping):
