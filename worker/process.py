@@ -59,6 +59,9 @@ class WorkerConfig:
     dist_timeout_s: float = 60.0
     kv_cache_memory_gib: float | None = None
     num_threads: int | None = None  # torch intra-op threads (CPU); None: torch's default
+    quantization: str = "none"  # none|int8|int4: weight-only, linear layers (checked by ModelRunner)
+    quantization_group_size: int | None = None  # int4 group size; None: 128
+    kv_cache_dtype: str = "auto"  # auto|float32|bfloat16|float16|fp8_e4m3|fp8_e5m2
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -132,13 +135,16 @@ def run_worker(config: WorkerConfig) -> int:
     init_distributed(config, device)
     runner = ModelRunner(config.model_path, device=device, dtype=config.dtype,
                          block_size=config.block_size, rank=config.rank,
-                         world_size=config.world_size)
+                         world_size=config.world_size, quantization=config.quantization,
+                         quantization_group_size=config.quantization_group_size,
+                         kv_cache_dtype=config.kv_cache_dtype)
     started = time.monotonic()
     with resident_memory.growth() as grown:
         runner.load()
     log.info("model_loaded", device=device, world_size=config.world_size,
              seconds=round(time.monotonic() - started, 2),
-             num_weight_bytes=runner.num_weight_bytes,
+             num_weight_bytes=runner.num_weight_bytes, quantization=config.quantization,
+             kv_cache_dtype=str(runner.kv_cache_dtype).removeprefix("torch."),
              num_checkpoint_bytes_read=runner.num_checkpoint_bytes_read,
              num_rss_bytes=resident_memory.status_bytes("VmRSS")["VmRSS"], **grown)
     capacity = runner.profile_num_blocks(kv_cache_memory_gib=config.kv_cache_memory_gib)
