@@ -69,6 +69,12 @@ class Int4Layout:
         return torch.tensor([block.row_start + row for block in self.blocks for row in block.order])
 
     @cached_property
+    def is_row_order(self) -> bool:
+        """Whether unpack_int4_columns' columns are already rows 0..N-1 in order (AVX-512 and AVX2
+        full blocks pair row d with d + 32, resp. d + 16, which puts the nibbles in row order)."""
+        return bool(torch.equal(self.column_rows, torch.arange(self.num_rows)))
+
+    @cached_property
     def row_positions(self) -> torch.Tensor:
         """[N] int64: the column of unpack_int4_columns' output holding each row (column_rows' inverse)."""
         return torch.argsort(self.column_rows)
@@ -151,7 +157,9 @@ def unpack_int4(packed: torch.Tensor, num_rows: int, num_cols: int) -> torch.Ten
     """packed (pack_int4's output) -> codes [num_rows, num_cols] uint8 in 0..15, row by row."""
     layout = Int4Layout.probe(num_rows)
     columns = unpack_int4_columns(packed, num_rows, num_cols)  # [K, N] in layout order
-    return columns.index_select(1, layout.row_positions.to(packed.device)).t().contiguous()
+    if not layout.is_row_order:
+        columns = columns.index_select(1, layout.row_positions.to(packed.device))
+    return columns.t().contiguous()
 
 
 @cache

@@ -54,7 +54,7 @@ def test_probe_finds_whole_row_blocks():
     assert sorted(layout.column_rows.tolist()) == list(range(80))
 
 
-@pytest.mark.parametrize("num_tokens", [1, 5, MAX_KERNEL_ROWS + 1, 64])
+@pytest.mark.parametrize("num_tokens", [1, 5, MAX_KERNEL_ROWS["int8"] + 1, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("has_bias", [False, True])
 def test_int8_paths_match_reference(num_tokens, dtype, has_bias):
@@ -69,17 +69,18 @@ def test_int8_paths_match_reference(num_tokens, dtype, has_bias):
         assert _relative_error(actual, expected) < TOLERANCE, path.__name__
 
 
-@pytest.mark.parametrize("num_tokens", [1, 3, MAX_KERNEL_ROWS + 1, 70])
+@pytest.mark.parametrize("num_tokens", [1, 3, 17, MAX_KERNEL_ROWS["int4"] + 1])
 @pytest.mark.parametrize("group_size,num_cols", [(32, 96), (64, 576), (128, 576), (128, 1536), (256, 512)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int4_paths_match_reference(num_tokens, group_size, num_cols, dtype):
-    weight = quantize_int4(_weight(80, num_cols, seed=3), group_size)  # 80 rows: a tail block too
+@pytest.mark.parametrize("num_rows", [80, 192])  # 80: a tail block, out of row order; 192: whole blocks
+def test_int4_paths_match_reference(num_tokens, group_size, num_cols, dtype, num_rows):
+    weight = quantize_int4(_weight(num_rows, num_cols, seed=3), group_size)
     x = _inputs(num_tokens, num_cols, dtype)
-    bias = torch.randn(80).to(dtype)
+    bias = torch.randn(num_rows).to(dtype)
     expected = int4_linear_ref(x, weight, bias)
     for path in (int4_linear_cpu, int4_linear_dequant, linear_cpu, ops.quantized_linear):
         actual = path(x, weight, bias)
-        assert actual.dtype == dtype and actual.shape == (num_tokens, 80)
+        assert actual.dtype == dtype and actual.shape == (num_tokens, num_rows)
         assert _relative_error(actual, expected) < TOLERANCE, path.__name__
 
 
