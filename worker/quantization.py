@@ -12,8 +12,9 @@ of G (SmolLM2: 576 = 4.5 x 128) gets a shorter last group, stored zero-padded to
 never meets a non-zero activation.
 
 Tensor parallelism quantizes each rank's shard on its own. Output rows are independent, so
-column-parallel layers need nothing more; a row-parallel layer splits the input dimension, and
-its int4 groups must not straddle a shard boundary (each rank's input range must start on a
+column-parallel layers need nothing more; a row-parallel layer splits the input dimension: int8
+then takes each row's scale over the rank's own inputs (a finer grid than one rank would use), and
+int4 groups must not straddle a shard boundary (each rank's input range must start on a
 group boundary and hold whole groups, a short last group of the whole tensor excepted):
 `check_groups_fit_shard` raises QuantizationError otherwise, naming the layer and the sizes.
 

@@ -47,13 +47,17 @@ class QuantizableLinear(torch.nn.Module):
         raise NotImplementedError
 
     def set_packed_weight(self, packed: PackedWeight) -> None:
-        """Replaces the dense weight by `packed` (moved to the weight's device)."""
+        """Replaces the dense (or an earlier packed) weight by `packed`, moved to the layer's device."""
+        current = self.weight if self.weight is not None else next(iter(self.packed.tensors().values()))
         num_out = self.weight.shape[0] if self.weight is not None else self.packed.out_features
         num_in = self.input_range()[2]
         if (packed.out_features, packed.in_features) != (num_out, num_in):
             raise QuantizationError(f"packed weight [{packed.out_features}, {packed.in_features}] does not "
                                     f"fit a layer of [{num_out}, {num_in}]")
-        device = self.weight.device if self.weight is not None else next(iter(self.packed.tensors().values())).device
+        device = current.device
+        if self.packed is not None:
+            for name in self.packed.tensors():
+                delattr(self, f"weight_{name}")
         for name, tensor in packed.tensors().items():
             setattr(self, f"weight_{name}", torch.nn.Parameter(tensor.to(device), requires_grad=False))
         # the dataclass must see the parameters' tensors, which module.to() updates in place
