@@ -108,3 +108,27 @@ def test_narrow_caches_agree_with_the_float32_cache(checkpoint_dir, name):
     assert top1("fp8_e5m2") >= 0.55
     assert top1("fp8_e4m3") > top1("fp8_e5m2")  # one more mantissa bit
     assert torch.isfinite(torch.cat(logits["fp8_e5m2"])).all()
+
+
+def test_calibrated_fp8_scales_put_the_largest_value_at_half_the_range(checkpoint_dir):
+    from pagedserve.kernels.kv_cache_dtype import fp8_max
+    from pagedserve.worker.kv_scales import calibrate_kv_scales
+
+    calibration = make_prompts(seed=8, lengths=(80,))[0]
+    float32 = _runner(checkpoint_dir, "float32")
+    maxima = []
+    for layer in float32.model.layers:
+        layer.self_attn.attn.register_forward_pre_hook(
+            lambda module, args: maxima.append((float(args[1].abs().max()), float(args[2].abs().max()))))
+    sequence_logits(float32, calibration)
+    runner = _runner(checkpoint_dir, "fp8_e4m3")
+    scales = calibrate_kv_scales(runner, calibration, margin=2.0)
+    assert scales == calibrate_kv_scales(runner, calibration, margin=2.0)  # deterministic
+    limit = fp8_max(torch.float8_e4m3fn)
+    first_k, first_v = maxima[0]  # layer 0 sees no fp8 rounding upstream: exact
+    assert scales[0] == pytest.approx((2 * first_k / limit, 2 * first_v / limit), rel=1e-6)
+    assert all(k > 0 and v > 0 for k, v in scales)
+    attention = runner.model.layers[1].self_attn.attn
+    assert (attention.k_scale, attention.v_scale) == scales[1]
+    with pytest.raises(ValueError, match="fp8"):
+        calibrate_kv_scales(float32, calibration)
