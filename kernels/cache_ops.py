@@ -4,7 +4,8 @@ Cache layout, as in `cache_ops_ref`: per layer one key and one value tensor
 [num_blocks, block_size, num_kv_heads, head_size]; slot s = block_id * block_size + offset.
 
     write_kv_cache   one program per new token: slot -> (block, offset), all KV heads at once;
-                     slot -1 (padding) returns without touching the cache.
+                     slot -1 (padding) returns without touching the cache. An fp8 cache gets
+                     x / scale saturated to the format's range, rounded to nearest even.
     copy_blocks      one launch for every layer: a device table of cache base addresses
                      (2 per layer: key, value) is indexed by program id, and each program copies
                      one chunk of one (src -> dst) block pair:
@@ -25,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels.kv_cache_dtype import fp8_max, is_fp8
+
 IS_INTERPRETED = bool(triton.knobs.runtime.interpret)  # decided when the decorators below run
 COPY_CHUNK = 1024  # elements per copy_blocks program
 BITS_BY_SIZE = {1: tl.uint8, 2: tl.uint16, 4: tl.uint32, 8: tl.uint64}  # copies move raw bits
@@ -35,8 +38,9 @@ def _write_kv_cache_kernel(
     key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
     stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
     stride_kcb, stride_kcs, stride_kch, stride_kcd, stride_vcb, stride_vcs, stride_vch, stride_vcd,
+    k_inv_scale, v_inv_scale,
     NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, FP8_MAX: tl.constexpr,  # 0: not an fp8 cache
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -48,9 +52,14 @@ def _write_kv_cache_kernel(
     dims = tl.arange(0, HEAD_PAD)[None, :]  # [1, HEAD_PAD]
     mask = (heads < NUM_KV_HEADS) & (dims < HEAD_SIZE)  # [HEADS_PAD, HEAD_PAD]
     key = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims * stride_kd, mask=mask)
+    value = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims * stride_vd, mask=mask)
+    if FP8_MAX > 0:
+        key = tl.minimum(tl.maximum(key.to(tl.float32) * k_inv_scale, -FP8_MAX), FP8_MAX)
+        key = key.to(key_cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        value = tl.minimum(tl.maximum(value.to(tl.float32) * v_inv_scale, -FP8_MAX), FP8_MAX)
+        value = value.to(value_cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
     tl.store(key_cache_ptr + block * stride_kcb + offset * stride_kcs + heads * stride_kch + dims * stride_kcd,
              key.to(key_cache_ptr.dtype.element_ty), mask=mask)
-    value = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims * stride_vd, mask=mask)
     tl.store(value_cache_ptr + block * stride_vcb + offset * stride_vcs + heads * stride_vch + dims * stride_vcd,
              value.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -80,6 +89,8 @@ def write_kv_cache(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
     slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = padding (skipped)
+    k_scale: float = 1.0,  # fp8 caches store key / k_scale
+    v_scale: float = 1.0,
 ) -> None:
     if key.shape != value.shape or key.dim() != 3 or key_cache.shape != value_cache.shape:
         raise ValueError(f"key/value {tuple(key.shape)}/{tuple(value.shape)} and caches "
@@ -93,9 +104,10 @@ def write_kv_cache(
         return
     _write_kv_cache_kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping,
-        *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(),
+        *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(), 1.0 / k_scale, 1.0 / v_scale,
         NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_PAD=triton.next_power_of_2(head_size), BLOCK_SIZE=key_cache.shape[1],
+        FP8_MAX=fp8_max(key_cache.dtype) if is_fp8(key_cache.dtype) else 0.0,
     )
 
 

@@ -2,7 +2,8 @@
 
 write_kv_cache_ref selects the valid rows with a boolean mask (a nonzero and two gathers) on
 every call; a step rarely has padding slots (-1), so when there are none the new K/V rows are
-copied straight into their slots. Tested against the reference in tests/kernels.
+copied straight into their slots (as raw bytes for fp8 caches: index_copy_ has no float8 CPU
+kernel). Tested against the reference in tests/kernels.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from pagedserve.kernels.cache_ops_ref import write_kv_cache_ref
+from pagedserve.kernels.kv_cache_dtype import raw_bytes, to_cache_dtype
 
 
 def write_kv_cache_cpu(
@@ -18,10 +20,13 @@ def write_kv_cache_cpu(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
     slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = padding (skipped)
+    k_scale: float = 1.0,  # fp8 caches store key / k_scale
+    v_scale: float = 1.0,
 ) -> None:
     if slot_mapping.numel() == 0 or bool((slot_mapping < 0).any()):
-        write_kv_cache_ref(key, value, key_cache, value_cache, slot_mapping)
+        write_kv_cache_ref(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
         return
     num_kv_heads, head_size = key_cache.shape[2], key_cache.shape[3]
-    key_cache.view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
-    value_cache.view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+    for new, cache, scale in ((key, key_cache, k_scale), (value, value_cache, v_scale)):
+        raw_bytes(cache).view(-1, num_kv_heads, head_size).index_copy_(
+            0, slot_mapping, raw_bytes(to_cache_dtype(new, cache.dtype, scale)))

@@ -2,11 +2,16 @@
 
 Cache layout, one tensor for keys and one for values per layer:
     [num_blocks, block_size, num_kv_heads, head_size]; slot s = block_id * block_size + offset.
+
+The cache may hold a narrower dtype than the new K/V (fp8 with a per-layer scale, see
+kv_cache_dtype): writes convert with `to_cache_dtype`; copies and swaps move raw values.
 """
 
 from __future__ import annotations
 
 import torch
+
+from pagedserve.kernels.kv_cache_dtype import to_cache_dtype
 
 
 def write_kv_cache_ref(
@@ -15,12 +20,14 @@ def write_kv_cache_ref(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
     slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = padding (skipped)
+    k_scale: float = 1.0,  # fp8 caches store key / k_scale
+    v_scale: float = 1.0,
 ) -> None:
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
     num_kv_heads, head_size = key_cache.shape[2], key_cache.shape[3]
-    key_cache.view(-1, num_kv_heads, head_size)[slots] = key[valid].to(key_cache.dtype)
-    value_cache.view(-1, num_kv_heads, head_size)[slots] = value[valid].to(value_cache.dtype)
+    key_cache.view(-1, num_kv_heads, head_size)[slots] = to_cache_dtype(key[valid], key_cache.dtype, k_scale)
+    value_cache.view(-1, num_kv_heads, head_size)[slots] = to_cache_dtype(value[valid], value_cache.dtype, v_scale)
 
 
 def copy_blocks_ref(

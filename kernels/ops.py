@@ -1,7 +1,8 @@
 """Kernel dispatcher: Triton on CUDA; on the CPU, plain torch.
 
-The worker calls only these four functions; their signatures are those of the references in
-`paged_attention_ref` and `cache_ops_ref`. PAGEDSERVE_KERNELS picks the implementation:
+The worker calls only these functions; their signatures are those of the references in
+`paged_attention_ref`, `cache_ops_ref` and `quantized_matmul_ref`. PAGEDSERVE_KERNELS picks the
+implementation:
 
     auto (default)   Triton when the tensors are on CUDA and triton is installed; otherwise
                      the production CPU paths: paged_attention_cpu (batched SDPA) and
@@ -10,6 +11,10 @@ The worker calls only these four functions; their signatures are those of the re
                      kernel modules are first imported (the Triton interpreter, for tests)
     reference        always the plain-torch references (the oracle every other path is tested
                      against)
+
+Quantized linear layers have no Triton kernel: on the CPU they take PyTorch's packed int8/int4
+kernels or a bfloat16 dequantize-then-matmul by batch rows (`quantized_matmul_cpu.linear_cpu`),
+on CUDA the dequantize-then-matmul paths (plain torch), and under `reference` the references.
 
 triton is imported lazily, on the first call that picks it, so importing this module works on a
 machine without triton.
@@ -26,7 +31,10 @@ import torch
 from pagedserve.kernels.cache_ops_cpu import write_kv_cache_cpu
 from pagedserve.kernels.cache_ops_ref import copy_blocks_ref, swap_blocks_ref, write_kv_cache_ref
 from pagedserve.kernels.paged_attention_cpu import paged_attention_cpu
+from pagedserve.kernels.packed_weights import Int8Weight
 from pagedserve.kernels.paged_attention_ref import paged_attention_ref
+from pagedserve.kernels.quantized_matmul_cpu import int4_linear_dequant, int8_linear_dequant, linear_cpu
+from pagedserve.kernels.quantized_matmul_ref import int4_linear_ref, int8_linear_ref
 
 KERNELS_ENV = "PAGEDSERVE_KERNELS"
 
@@ -48,27 +56,27 @@ def use_triton(device: torch.device) -> bool:
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                    sliding_window=None):
+                    sliding_window=None, k_scale=1.0, v_scale=1.0):
     if use_triton(query.device):
         from pagedserve.kernels.paged_attention import paged_attention as paged_attention_triton
         return paged_attention_triton(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                                      scale, sliding_window)
+                                      scale, sliding_window, k_scale, v_scale)
     if os.environ.get(KERNELS_ENV) == "reference":
         return paged_attention_ref(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                                   scale, sliding_window)
+                                   scale, sliding_window, k_scale, v_scale)
     return paged_attention_cpu(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                               scale, sliding_window)
+                               scale, sliding_window, k_scale, v_scale)
 
 
-def write_kv_cache(key, value, key_cache, value_cache, slot_mapping):
+def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=1.0, v_scale=1.0):
     if use_triton(key_cache.device):
         from pagedserve.kernels.cache_ops import write_kv_cache as write_kv_cache_triton
-        write_kv_cache_triton(key, value, key_cache, value_cache, slot_mapping)
+        write_kv_cache_triton(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
         return
     if os.environ.get(KERNELS_ENV) == "reference":
-        write_kv_cache_ref(key, value, key_cache, value_cache, slot_mapping)
+        write_kv_cache_ref(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
         return
-    write_kv_cache_cpu(key, value, key_cache, value_cache, slot_mapping)
+    write_kv_cache_cpu(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
 
 def copy_blocks(key_caches, value_caches, block_mapping):
@@ -86,3 +94,13 @@ def swap_blocks(src_cache, dst_cache, block_mapping):
         swap_blocks_runs(src_cache, dst_cache, block_mapping)
         return
     swap_blocks_ref(src_cache, dst_cache, block_mapping)
+
+
+def quantized_linear(x, weight, bias=None):
+    """x [M, K] @ a packed int8/int4 weight [N, K] (+ bias) -> [M, N] in x's dtype."""
+    is_int8 = isinstance(weight, Int8Weight)
+    if os.environ.get(KERNELS_ENV) == "reference":
+        return (int8_linear_ref if is_int8 else int4_linear_ref)(x, weight, bias)
+    if x.device.type == "cpu":
+        return linear_cpu(x, weight, bias)
+    return (int8_linear_dequant if is_int8 else int4_linear_dequant)(x, weight, bias)

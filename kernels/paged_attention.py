@@ -31,6 +31,9 @@ unnormalised in fp32 and a reduction kernel merges them:
 out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s with M = max_s m_s.
 
 Addresses are int64 (block id * block stride), so large pools and big block ids do not overflow.
+Caches in another dtype than the query (fp8 with per-layer scales, see kv_cache_dtype) are
+converted per tile after the load: k_scale folds into the softmax scale, v_scale multiplies the
+accumulator once at the end.
 The Triton interpreter multiplies bfloat16 as raw bits, so under it bfloat16 tiles are widened
 to float32 before tl.dot; float32 data uses IEEE dots rather than TF32.
 """
@@ -69,7 +72,7 @@ def _find_seq_idx(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q: tl.constex
 def _paged_attention_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    scale_log2, sliding_window, num_seqs, num_heads,
+    scale_log2, v_scale, sliding_window, num_seqs, num_heads,
     stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
     stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
     stride_bt,
@@ -130,7 +133,7 @@ def _paged_attention_kernel(
         if DOT_FP32:
             s = tl.dot(q, k.to(tl.float32), input_precision="ieee")
         else:
-            s = tl.dot(q, k)  # [BLOCK_M, TILE] fp32
+            s = tl.dot(q, k.to(q.dtype))  # [BLOCK_M, TILE] fp32
         s = s * scale_log2
         allowed = kv_valid[None, :] & (kv_pos[None, :] <= q_pos[:, None])  # [BLOCK_M, TILE]
         if USE_WINDOW:
@@ -147,10 +150,11 @@ def _paged_attention_kernel(
         if DOT_FP32:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
-            pv = tl.dot(p.to(v.dtype), v)  # [BLOCK_M, HEAD_PAD] fp32
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))  # [BLOCK_M, HEAD_PAD] fp32
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
+    acc = acc * v_scale
     store_mask = row_valid[:, None] & dim_valid[None, :]
     if NUM_SPLITS > 1:
         part_rows = (tokens * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_M] int64
@@ -197,8 +201,8 @@ def _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_s
                          f"{key_cache.shape[2]} x {key_cache.shape[3]}")
     if query.shape[2] < 16:
         raise ValueError(f"head size {query.shape[2]} is below 16, the smallest tl.dot operand")
-    if query.dtype != key_cache.dtype or key_cache.dtype != value_cache.dtype:
-        raise TypeError(f"query and caches must share a dtype, got {query.dtype}, {key_cache.dtype}, "
+    if key_cache.dtype != value_cache.dtype or not key_cache.dtype.is_floating_point:
+        raise TypeError(f"key and value caches must share one float dtype, got {key_cache.dtype}, "
                         f"{value_cache.dtype}")
     for name, tensor in (("block_tables", block_tables), ("seq_lens", seq_lens),
                          ("query_start_loc", query_start_loc)):
@@ -237,6 +241,8 @@ def paged_attention(
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, cumulative query lengths
     scale: float,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     *,
     num_kv_splits: int | None = None,  # None: chosen from the grid size and the device
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
@@ -270,7 +276,7 @@ def paged_attention(
     _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_kv_splits)](
         out, part_acc, part_max, part_sum,
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        scale * LOG2_E, sliding_window or 0, num_seqs, num_heads,
+        scale * k_scale * LOG2_E, v_scale, sliding_window or 0, num_seqs, num_heads,
         *query.stride(), *out.stride(), *key_cache.stride(), *value_cache.stride(), block_tables.stride(0),
         HEAD_SIZE=head_size, HEAD_PAD=head_pad, GROUP=group, BLOCK_SIZE=block_size, BLOCK_M=block_m,
         BLOCK_Q=block_q, TILE=TILE_N, NUM_SPLITS=num_kv_splits, USE_WINDOW=bool(sliding_window),

@@ -20,6 +20,10 @@ small ops per sequence and layer; here the batch is split by query length:
                             query row 0      x x x x x x x
                             query row q-1    x x x x x x x x x x x x x x x x x
 
+A cache in another dtype than the query (fp8, or a bfloat16 cache under a float32 model) is
+converted after the gather, on the gathered copy only; fp8 scales fold into SDPA's scale (k_scale)
+and the output (v_scale).
+
 Sorting keeps a chunk's contexts close in length, so padding is small; a chunk's K/V (about
 2 MB in float32) stays in the cache between the gather and SDPA. Padded slots are zeroed
 because unused cache slots may hold anything, NaN included, and 0 x NaN is NaN.
@@ -42,8 +46,11 @@ def paged_attention_cpu(
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, cumulative query lengths
     scale: float,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
     out = torch.empty_like(query)
+    scale = scale * k_scale  # q . (k_scale k) = k_scale (q . k)
     seq_lens_list = seq_lens.tolist()
     starts = query_start_loc.tolist()
     decode_rows: list[int] = []  # sequence indexes with one query row
@@ -57,12 +64,12 @@ def paged_attention_cpu(
     if decode_rows:
         _decodes(out, query, key_cache, value_cache, block_tables, decode_rows, seq_lens_list, starts, scale,
                  sliding_window)
-    return out
+    return out if v_scale == 1.0 else out.mul_(v_scale)
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """cache [num_blocks, bs, kvh, hs], block_ids [n] -> [n * bs, kvh, hs] (a copy)."""
-    return cache.index_select(0, block_ids).flatten(0, 1)
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """cache [num_blocks, bs, kvh, hs], block_ids [n] -> [n * bs, kvh, hs] in dtype (a copy)."""
+    return cache.index_select(0, block_ids).flatten(0, 1).to(dtype)
 
 
 def _prefill(out, query, key_cache, value_cache, block_table, q_start, q_len, seq_len, scale,
@@ -70,8 +77,8 @@ def _prefill(out, query, key_cache, value_cache, block_table, q_start, q_len, se
     block_size = key_cache.shape[1]
     num_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
     block_ids = block_table[: -(-seq_len // block_size)].long()  # [blocks]
-    k = _gather(key_cache, block_ids)[:seq_len].transpose(0, 1)  # [kvh, L, hs]
-    v = _gather(value_cache, block_ids)[:seq_len].transpose(0, 1)  # [kvh, L, hs]
+    k = _gather(key_cache, block_ids, query.dtype)[:seq_len].transpose(0, 1)  # [kvh, L, hs]
+    v = _gather(value_cache, block_ids, query.dtype)[:seq_len].transpose(0, 1)  # [kvh, L, hs]
     q = query[q_start:q_start + q_len].transpose(0, 1)  # [nh, q_len, hs]
     mask = None
     if q_len != seq_len or sliding_window:
@@ -116,8 +123,9 @@ def _decodes(out, query, key_cache, value_cache, block_tables, rows, seq_lens, s
         end = begin + max(1, min(len(rows) - begin, DECODE_CHUNK_ROWS // width))
         num_chunk = end - begin
         chunk_slots = slots[begin:end, :width].reshape(-1)  # [c * L]
-        k = key_slots.index_select(0, chunk_slots).view(num_chunk, width, num_kv_heads, head_size)  # [c, L, kvh, hs]
-        v = value_slots.index_select(0, chunk_slots).view(num_chunk, width, num_kv_heads, head_size)
+        k = key_slots.index_select(0, chunk_slots).view(num_chunk, width, num_kv_heads, head_size).to(
+            query.dtype)  # [c, L, kvh, hs]
+        v = value_slots.index_select(0, chunk_slots).view(num_chunk, width, num_kv_heads, head_size).to(query.dtype)
         mask = None
         if lens_list[end - 1] < width or sliding_window:
             mask = allowed[begin:end, None, None, :width]  # [c, 1, 1, L]

@@ -8,6 +8,9 @@ values of all seq_lens[i] positions are read from the paged cache through block_
 
     cache block b = block_tables[i][pos // block_size], slot pos % block_size
     query row j of sequence i attends to positions max(0, p_j - window + 1) ... p_j  (causal)
+
+Cached K and V are read as float32 times k_scale and v_scale (1.0 except for fp8 caches that
+store scaled values, see kv_cache_dtype).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ def paged_attention_ref(
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, cumulative query lengths
     scale: float,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
     num_heads = query.shape[1]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -46,10 +51,10 @@ def paged_attention_ref(
         allowed = k_pos[None, :] <= q_pos[:, None]  # [q_len, seq_len]
         if sliding_window:
             allowed &= k_pos[None, :] > q_pos[:, None] - sliding_window
-        k = k.repeat_interleave(group, dim=1)  # [seq_len, nh, hs]
-        v = v.repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale  # [nh, q_len, seq_len]
+        k = k.float().repeat_interleave(group, dim=1) * k_scale  # [seq_len, nh, hs]
+        v = v.float().repeat_interleave(group, dim=1) * v_scale
+        scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale  # [nh, q_len, seq_len]
         scores = scores.masked_fill(~allowed[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v.float()).to(query.dtype)
+        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out

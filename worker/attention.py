@@ -40,7 +40,11 @@ class AttentionMetadata:
 
 
 class PagedAttention(torch.nn.Module):
-    """Writes new K/V into the cache, then attends; no weights (projections live in the model)."""
+    """Writes new K/V into the cache, then attends; no weights (projections live in the model).
+
+    k_scale and v_scale: what an fp8 cache's stored values are multiplied by when read (1.0 unless
+    set; see pagedserve.kernels.kv_cache_dtype); other caches ignore them.
+    """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, *, scale: float,
                  sliding_window: int | None = None) -> None:
@@ -54,6 +58,8 @@ class PagedAttention(torch.nn.Module):
         self.head_size = head_size
         self.scale = scale
         self.sliding_window = sliding_window
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(
         self,
@@ -64,7 +70,8 @@ class PagedAttention(torch.nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, num_heads * head_size]
         key_cache, value_cache = kv_cache
-        ops.write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+        ops.write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping, self.k_scale, self.v_scale)
         out = ops.paged_attention(query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
-                                  metadata.query_start_loc, self.scale, self.sliding_window)  # [T, nh, hs]
+                                  metadata.query_start_loc, self.scale, self.sliding_window, self.k_scale,
+                                  self.v_scale)  # [T, nh, hs]
         return out.reshape(out.shape[0], self.num_heads * self.head_size)

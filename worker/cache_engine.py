@@ -9,6 +9,10 @@ swap-out can be reused by a swap-in or a copy of the same step:
     2. swap in    host block   -> device block
     3. copy       device block -> device block   (copy-on-write)
 
+The tensors hold the KV cache dtype (pagedserve.kernels.kv_cache_dtype): the model's dtype, or a
+narrower one (fp8 stores one byte per value), so the same memory holds proportionally more
+blocks. Swaps and copies move raw bytes whatever the dtype.
+
 Capacity: on CUDA the device pool takes what is left of
 gpu_memory_utilization x total memory after the weights and the peak activations of a profiling
 forward; on CPU it takes 10 % of the host's total memory after the weights, at least 256 MiB and
@@ -43,7 +47,7 @@ class CacheShape:
     block_size: int
     num_kv_heads: int  # on this rank
     head_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the KV cache's storage dtype
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "block_size", "num_kv_heads", "head_size"):

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from pagedserve.kernels.kv_cache_dtype import resolve_kv_cache_dtype
 from pagedserve.model_config import load_model_info
 from pagedserve.step_plan import SampleSpec, ScheduledSeq, StepPlan, StepResult
 from pagedserve.worker.cache_engine import (
@@ -31,6 +32,8 @@ from pagedserve.worker.loader import load_weights, resolve_dtype
 from pagedserve.worker.model_input import build_model_input
 from pagedserve.worker.models.llama import LlamaForCausalLM
 from pagedserve.worker.models.llama_config import LlamaModelConfig
+from pagedserve.worker.quantization import QuantizationConfig
+from pagedserve.worker.quantized_linear import quantize_model
 from pagedserve.worker.sampler import Sampler
 from pagedserve.worker.tensor_parallel import TensorParallelGroup
 
@@ -48,12 +51,17 @@ class ModelRunner:
     """One rank's model, KV cache and (rank 0) sampler.
 
     dtype "auto" takes the checkpoint's torch_dtype on CUDA and float32 on CPU; max_model_len bounds
-    positions (default max_position_embeddings); seed fixes the generator of unseeded sampling.
+    positions (default max_position_embeddings); seed fixes the generator of unseeded sampling;
+    quantization none|int8|int4 (with quantization_group_size for int4, default 128) quantizes the
+    linear layers' weights after the load (see pagedserve.worker.quantization); kv_cache_dtype
+    auto|float32|bfloat16|float16|fp8_e4m3|fp8_e5m2 is the KV cache's storage dtype (auto: the
+    model's), which sets the bytes per block and so the pool's size in blocks.
     """
 
     def __init__(self, model_path: str | Path, *, device: str | torch.device = "cpu",
                  dtype: str | torch.dtype = "auto", block_size: int = 16, rank: int = 0, world_size: int = 1,
-                 max_model_len: int | None = None, seed: int | None = None) -> None:
+                 max_model_len: int | None = None, seed: int | None = None, quantization: str = "none",
+                 quantization_group_size: int | None = None, kv_cache_dtype: str = "auto") -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, not {block_size}")
         if max_model_len is not None and max_model_len <= 0:
@@ -66,6 +74,10 @@ class ModelRunner:
         self.world_size = world_size
         self.max_model_len = max_model_len
         self.seed = seed
+        self.quantization = QuantizationConfig(quantization, quantization_group_size)
+        resolve_kv_cache_dtype(kv_cache_dtype, torch.float32)  # a bad name fails here, not after the load
+        self.requested_kv_cache_dtype = kv_cache_dtype
+        self.kv_cache_dtype: torch.dtype | None = None
         self.config: LlamaModelConfig | None = None
         self.model: LlamaForCausalLM | None = None
         self.cache: CacheEngine | None = None
@@ -81,10 +93,12 @@ class ModelRunner:
         else:
             checkpoint_dtype = load_model_info(self.model_path).torch_dtype
             self.dtype = resolve_dtype(self.requested_dtype, checkpoint_dtype, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(self.requested_kv_cache_dtype, self.dtype)
         tp = TensorParallelGroup(rank=self.rank, world_size=self.world_size)
         self.model = LlamaForCausalLM(self.config, tp=tp, dtype=self.dtype, device=self.device,
                                       max_positions=self.max_model_len or self.config.max_position_embeddings)
         self.num_checkpoint_bytes_read = load_weights(self.model, self.model_path)
+        quantize_model(self.model, self.quantization)
         self.model.eval()
         if self.rank == 0:
             self.sampler = Sampler(self.device, seed=self.seed)
@@ -103,7 +117,8 @@ class ModelRunner:
     def cache_shape(self) -> CacheShape:
         model = self._require_model()
         return CacheShape(num_layers=len(model.layers), block_size=self.block_size,
-                          num_kv_heads=model.num_kv_heads_per_rank, head_size=model.head_size, dtype=self.dtype)
+                          num_kv_heads=model.num_kv_heads_per_rank, head_size=model.head_size,
+                          dtype=self.kv_cache_dtype)
 
     def num_blocks_for_bytes(self, num_bytes: int) -> int:
         """How many KV blocks of this rank fit in num_bytes (e.g. the swap space)."""

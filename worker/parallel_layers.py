@@ -9,6 +9,9 @@ Every layer describes its parameters' origin as `TensorSlice`s (checkpoint tenso
 range), so the loader reads only this rank's slices and can report missing or misshapen tensors.
 A column-parallel layer may fuse several checkpoint tensors (q, k, v or gate, up): its local rows
 are the concatenation of each one's local slice, in order.
+
+The two linear layers may hold their weight quantized (int8/int4, see
+pagedserve.worker.quantized_linear); they load dense and are quantized after the load.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pagedserve.worker.quantized_linear import QuantizableLinear
 from pagedserve.worker.tensor_parallel import ShardRange, TensorParallelGroup
 
 
@@ -42,7 +46,7 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.nn.Param
     return torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
-class ColumnParallelLinear(torch.nn.Module):
+class ColumnParallelLinear(QuantizableLinear):
     """Output rows split across ranks; `shards` gives, per fused checkpoint tensor, this rank's rows."""
 
     def __init__(self, input_size: int, shards: list[ShardRange], *, bias: bool, dtype: torch.dtype,
@@ -55,7 +59,10 @@ class ColumnParallelLinear(torch.nn.Module):
         self.bias = _empty((self.output_size,), dtype, device) if bias else None  # [out_local]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out_local]
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
+
+    def input_range(self) -> tuple[int, int, int]:
+        return self.input_size, 0, self.input_size
 
     def checkpoint_slices(self, param_prefix: str, checkpoint_prefixes: list[str]) -> list[TensorSlice]:
         if len(checkpoint_prefixes) != len(self.shards):
@@ -71,7 +78,7 @@ class ColumnParallelLinear(torch.nn.Module):
         return slices
 
 
-class RowParallelLinear(torch.nn.Module):
+class RowParallelLinear(QuantizableLinear):
     """Input columns split across ranks; partial products summed over ranks, bias added once after."""
 
     def __init__(self, input_shard: ShardRange, output_size: int, *, bias: bool, tp: TensorParallelGroup,
@@ -85,9 +92,13 @@ class RowParallelLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in_local] -> [T, out]
         if self.tp.world_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))  # [T, out]
+            return self.matmul(x, self.bias)
+        y = self.tp.all_reduce(self.matmul(x, None))  # [T, out]
         return y + self.bias if self.bias is not None else y
+
+    def input_range(self) -> tuple[int, int, int]:
+        shard = self.input_shard
+        return shard.full_size, shard.start, shard.size
 
     def checkpoint_slices(self, param_prefix: str, checkpoint_prefix: str) -> list[TensorSlice]:
         shard = self.input_shard

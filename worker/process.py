@@ -108,13 +108,16 @@ def run_worker(config: WorkerConfig) -> int:
     init_distributed(config, device)
     runner = ModelRunner(config.model_path, device=device, dtype=config.dtype,
                          block_size=config.block_size, rank=config.rank,
-                         world_size=config.world_size)
+                         world_size=config.world_size, quantization=config.quantization,
+                         quantization_group_size=config.quantization_group_size,
+                         kv_cache_dtype=config.kv_cache_dtype)
     started = time.monotonic()
     with resident_memory.growth() as grown:
         runner.load()
     log.info("model_loaded", device=device, world_size=config.world_size,
              seconds=round(time.monotonic() - started, 2),
-             num_weight_bytes=runner.num_weight_bytes,
+             num_weight_bytes=runner.num_weight_bytes, quantization=config.quantization,
+             kv_cache_dtype=str(runner.kv_cache_dtype).removeprefix("torch."),
              num_checkpoint_bytes_read=runner.num_checkpoint_bytes_read,
              num_rss_bytes=resident_memory.status_bytes("VmRSS")["VmRSS"], **grown)
     budget = plan_memory(runner, device_type="cuda" if device.startswith("cuda") else "cpu",

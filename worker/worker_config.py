@@ -16,6 +16,8 @@ from pagedserve.shared_options import (
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "int8", "int4")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -42,6 +44,14 @@ class WorkerConfig:
     kv_cache_memory_gib: float | None = option(
         None, flag="--kv-cache-memory", metavar="GIB", serve=True,
         help="memory for the KV pool per rank (default: derived from the device)")
+    quantization: str = option("none", choices=QUANTIZATIONS, serve=True,
+                               help="weight-only quantization of the linear layers: int8 per output channel, "
+                                    "int4 per group (GGUF Q4/Q8 weights stay quantized as they are)")
+    quantization_group_size: int | None = option(
+        None, metavar="G", serve=True, help="int4 group size along the input dimension (default 128; 32 for GGUF)")
+    kv_cache_dtype: str = option("auto", choices=KV_CACHE_DTYPES, serve=True,
+                                 help="KV cache element type (auto: the model's dtype); fp8 holds 2-4x the "
+                                      "blocks in the same memory")
 
     def __post_init__(self) -> None:
         require(self.world_size >= 1, "world_size", f"must be >= 1, not {self.world_size}")
@@ -54,3 +64,8 @@ class WorkerConfig:
         require(self.swap_space_gib is None or self.swap_space_gib >= 0, "swap_space_gib", "must be >= 0")
         require(self.kv_cache_memory_gib is None or self.kv_cache_memory_gib > 0, "kv_cache_memory_gib",
                 "must be positive")
+        require(self.quantization in QUANTIZATIONS, "quantization", f"must be one of {', '.join(QUANTIZATIONS)}")
+        require(self.quantization_group_size is None or self.quantization_group_size > 0,
+                "quantization_group_size", "must be positive")
+        require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+                f"must be one of {', '.join(KV_CACHE_DTYPES)}")

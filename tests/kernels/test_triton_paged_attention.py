@@ -117,8 +117,8 @@ def test_rejects_bad_inputs(kernels, paged_batch):
     batch = paged_batch([(3, 1)], num_heads=3, num_kv_heads=1, head_size=64, block_size=8, dtype=F32)
     with pytest.raises(ValueError, match="do not fit"):
         kernels.call(PAGED_ATTENTION, batch.query[:, :, :32], *batch.args()[1:], 0.1)
-    with pytest.raises(TypeError, match="share a dtype"):
-        kernels.call(PAGED_ATTENTION, batch.query.half(), *batch.args()[1:], 0.1)
+    with pytest.raises(TypeError, match="share one float dtype"):
+        kernels.call(PAGED_ATTENTION, batch.query, batch.key_cache, batch.value_cache.half(), *batch.args()[3:], 0.1)
     with pytest.raises(TypeError, match="block_tables"):
         kernels.call(PAGED_ATTENTION, batch.query, batch.key_cache, batch.value_cache, batch.block_tables.float(),
                      batch.seq_lens, batch.query_start_loc, 0.1)

@@ -19,6 +19,7 @@ type, with the child's traceback attached as a note.
 from __future__ import annotations
 
 import importlib
+import io
 import os
 import pickle
 import subprocess
@@ -30,6 +31,24 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
+
+
+_FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+class _Pickler(pickle.Pickler):
+    """torch cannot pickle float8 tensors: they travel as uint8 views, viewed back on arrival."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor) and obj.dtype in _FLOAT8_DTYPES:
+            return torch.Tensor.view, (obj.view(torch.uint8), obj.dtype)
+        return NotImplemented
+
+
+def _dumps(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    _Pickler(buffer).dump(obj)
+    return buffer.getvalue()
 
 
 def _resolve(target: str) -> Any:
@@ -68,9 +87,9 @@ def _run_one(target: str, args: tuple, kwargs: dict, env: dict[str, str]) -> byt
         exc.add_note(f"in the Triton interpreter process:\n{traceback.format_exc()}")
         reply = ("error", exc, None)
     try:
-        return pickle.dumps(reply)
+        return _dumps(reply)
     except Exception:  # noqa: BLE001 - an unpicklable exception still has to reach the caller
-        return pickle.dumps(("error", RuntimeError(f"{reply[1]!r}\n{traceback.format_exc()}"), None))
+        return _dumps(("error", RuntimeError(f"{reply[1]!r}\n{traceback.format_exc()}"), None))
 
 
 def serve(requests: Connection, replies: Connection) -> None:
@@ -109,7 +128,7 @@ class InterpreterProcess:
         call and is replaced, so later calls still run.
         """
         try:
-            self._requests.send_bytes(pickle.dumps((target, args, kwargs, env or {})))
+            self._requests.send_bytes(_dumps((target, args, kwargs, env or {})))
             status, value, args_after = pickle.loads(self._replies.recv_bytes())
         except (EOFError, OSError):
             exit_code = self._process.wait()

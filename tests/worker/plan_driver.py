@@ -105,10 +105,12 @@ class PlanDriver:
 
 
 @contextmanager
-def tensor_parallel_rank(path: str, rank: int, world_size: int, init_file: str, num_blocks: int):
+def tensor_parallel_rank(path: str, rank: int, world_size: int, init_file: str, num_blocks: int,
+                         **runner_options):
     """(runner, driver) of one rank of a gloo tensor-parallel group on the CPU, one torch thread:
-    the float32 ModelRunner loaded with a num_blocks pool, and a PlanDriver whose samples rank 0
-    broadcasts to the others. The process group is destroyed when the block ends."""
+    the float32 ModelRunner (with runner_options) loaded with a num_blocks pool, and a PlanDriver
+    whose samples rank 0 broadcasts to the others. The process group is destroyed when the block
+    ends."""
     import torch
     import torch.distributed as dist
 
@@ -117,7 +119,8 @@ def tensor_parallel_rank(path: str, rank: int, world_size: int, init_file: str, 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
-        runner = ModelRunner(path, device="cpu", dtype="float32", block_size=16, rank=rank, world_size=world_size)
+        runner = ModelRunner(path, device="cpu", dtype="float32", block_size=16, rank=rank, world_size=world_size,
+                             **runner_options)
         runner.load()
         runner.init_cache(num_blocks, 0)
 

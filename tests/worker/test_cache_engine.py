@@ -88,3 +88,36 @@ def test_sizing_rules():
     assert cpu_device_blocks(SHAPE, GIB, num_ranks=2, total_bytes=12 * GIB) == GIB // 2 // SHAPE.bytes_per_block
     with pytest.raises(CacheConfigError):
         CacheShape(num_layers=0, block_size=4, num_kv_heads=2, head_size=8, dtype=torch.float32)
+
+
+FP8_SHAPE = CacheShape(num_layers=3, block_size=4, num_kv_heads=2, head_size=8, dtype=torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_blocks_survive_swap_and_copy_on_write_bit_for_bit(dtype):
+    shape = CacheShape(num_layers=3, block_size=4, num_kv_heads=2, head_size=8, dtype=dtype)
+    engine = CacheEngine(shape, 10, 6, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(0)
+    for key, value in engine.gpu_cache:
+        assert key.dtype == dtype
+        key.copy_((torch.randn(key.shape, generator=generator) * 30).to(dtype))
+        value.copy_((torch.randn(value.shape, generator=generator) / 30).to(dtype))
+    raw = {block: [t.view(torch.uint8) for t in _block(engine, block)] for block in (1, 4, 9)}
+    engine.copy([(4, 7)])  # copy-on-write of a shared last block
+    assert _equal([t.view(torch.uint8) for t in _block(engine, 7)], raw[4])
+    engine.swap_out([(1, 0), (9, 2)])
+    for key, value in engine.gpu_cache:
+        key[[1, 9]] = torch.zeros((), dtype=dtype)
+        value[[1, 9]] = torch.zeros((), dtype=dtype)
+    engine.swap_in([(0, 3), (2, 5)])
+    assert _equal([t.view(torch.uint8) for t in _block(engine, 3)], raw[1])
+    assert _equal([t.view(torch.uint8) for t in _block(engine, 5)], raw[9])
+
+
+def test_narrower_kv_dtypes_hold_proportionally_more_blocks():
+    budget = 64 * SHAPE.bytes_per_block  # 64 float32 blocks
+    blocks = {dtype: blocks_for_bytes(budget, CacheShape(3, 4, 2, 8, dtype))
+              for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)}
+    assert blocks == {torch.float32: 64, torch.bfloat16: 128, torch.float16: 128, torch.float8_e4m3fn: 256,
+                      torch.float8_e5m2: 256}
+    assert FP8_SHAPE.bytes_per_block * 4 == SHAPE.bytes_per_block

@@ -20,10 +20,12 @@ VOCAB_SIZE = 509
 PROMPT_LENGTHS = (3, 17, 40, 90)
 
 
-def _rank_main(rank: int, folder: str, init_file: str, prompts: list[list[int]], out_file: str) -> None:
+def _rank_main(rank: int, folder: str, init_file: str, prompts: list[list[int]], out_file: str,
+               runner_options: dict | None = None) -> None:
     from plan_driver import DrivenSeq, tensor_parallel_rank
 
-    with tensor_parallel_rank(folder, rank, WORLD_SIZE, init_file, num_blocks=48) as (runner, driver):
+    with tensor_parallel_rank(folder, rank, WORLD_SIZE, init_file, num_blocks=48,
+                              **(runner_options or {})) as (runner, driver):
         seqs = [DrivenSeq(seq_id=i, prompt=prompt, max_new_tokens=MAX_NEW_TOKENS) for i, prompt in enumerate(prompts)]
         driver.run_to_completion(seqs, token_budget=64)
         attention = runner.model.layers[0].self_attn
@@ -60,3 +62,26 @@ def test_two_ranks_match_hf_greedy(mqa_checkpoint, tmp_path):
     assert [r["num_heads"] for r in reports] == [2, 2] and [r["num_kv_heads"] for r in reports] == [1, 1]
     assert [r["vocab_rows"] for r in reports] == [255, 255]
     assert reports[0]["samples_returned"] > 0 and reports[1]["samples_returned"] == 0
+
+
+def test_two_ranks_int4_match_one_rank(mqa_checkpoint, tmp_path, monkeypatch):
+    """int4 groups of 32 never straddle a shard here, so both ranks quantize exactly the groups one
+    rank would: with the float32 reference kernels the greedy tokens are the single rank's."""
+    from plan_driver import DrivenSeq, PlanDriver
+
+    from pagedserve.kernels import ops
+    from pagedserve.worker.model_runner import ModelRunner
+
+    monkeypatch.setenv(ops.KERNELS_ENV, "reference")  # inherited by the spawned ranks
+    options = {"quantization": "int4", "quantization_group_size": 32}
+    prompts = [[token % VOCAB_SIZE for token in prompt] for prompt in make_prompts(seed=6, lengths=PROMPT_LENGTHS)]
+    out_file = str(tmp_path / "report")
+    mp.spawn(_rank_main, args=(str(mqa_checkpoint), str(tmp_path / "rendezvous"), prompts, out_file, options),
+             nprocs=WORLD_SIZE, join=True)
+    report = json.loads(open(f"{out_file}.0").read())
+    runner = ModelRunner(mqa_checkpoint, device="cpu", dtype="float32", block_size=16, **options)
+    runner.load()
+    runner.init_cache(48, 0)
+    seqs = [DrivenSeq(seq_id=i, prompt=prompt, max_new_tokens=MAX_NEW_TOKENS) for i, prompt in enumerate(prompts)]
+    PlanDriver(runner, 48).run_to_completion(seqs, token_budget=64)
+    assert report["generated"] == [seq.generated for seq in seqs]
