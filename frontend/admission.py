@@ -23,6 +23,7 @@ from pagedserve.frontend.generation import Generation, SchedulerRecovery, Usage
 from pagedserve.frontend.metrics import RequestTimer
 from pagedserve.frontend.public_codec import finish_label
 from pagedserve.frontend.readiness import ReadinessMonitor
+from pagedserve.frontend.replica_set import ReplicaSet
 from pagedserve.frontend.scheduler_client import SchedulerClient
 from pagedserve.frontend.tokenizer import Tokenizer
 from pagedserve.frontend.validation import ModelLimits, ValidatedRequest
@@ -31,7 +32,8 @@ log = structlog.get_logger()
 
 
 class Admission:
-    def __init__(self, tokenizer: Tokenizer, client: SchedulerClient, readiness: ReadinessMonitor,
+    def __init__(self, tokenizer: Tokenizer, client: SchedulerClient | ReplicaSet,
+                 readiness: ReadinessMonitor | ReplicaSet,
                  in_flight: InFlight, recovery: SchedulerRecovery | None = None) -> None:
         """recovery: how requests ride out a scheduler restart (None: they fail with UNAVAILABLE)."""
         self.tokenizer = tokenizer
@@ -56,8 +58,9 @@ class Admission:
         """A Generation for the request, registered in flight (raises Draining once draining); it
         goes to the scheduler instance of readiness's latest answer."""
         info = self.readiness.info
+        replicas = self.readiness if isinstance(self.readiness, ReplicaSet) else None
         generation = Generation(request, self.client, self.tokenizer, timer, timeout=timeout, recovery=self.recovery,
-                                instance_id=info.instance_id if info is not None else "")
+                                instance_id=info.instance_id if info is not None else "", replicas=replicas)
         self.in_flight.enter(generation)
         return generation
 
