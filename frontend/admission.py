@@ -75,5 +75,7 @@ class Admission:
         """Records a request that ran to its end (metrics label: its first completion's finish)."""
         label = finish_label(generation.states)
         timer.on_done(label)
+        replica = {"replica": generation.replica_address} if generation.replica_address else {}
         log.info("request_finished", finish_reason=label, prompt_tokens=usage.prompt_tokens,
-                 completion_tokens=usage.completion_tokens, cached_prompt_tokens=usage.cached_prompt_tokens)
+                 completion_tokens=usage.completion_tokens, cached_prompt_tokens=usage.cached_prompt_tokens,
+                 **replica)

@@ -118,6 +118,7 @@ class Generation:
         self._replicas = replicas
         self._replica: Replica | None = None
         self._tried_replicas: set[int] = set()  # refused this request before its first token
+        self.replica_address = ""  # several replicas: the scheduler address it ran on (last)
 
     @property
     def is_cancelled(self) -> bool:
@@ -172,6 +173,7 @@ class Generation:
         if self._replica is not None:
             self._replicas.release(self._replica)
         self._replica = replica
+        self.replica_address = replica.address
         self._client = replica.client
         info = replica.readiness.info
         self._instance_id = info.instance_id if info is not None else ""

@@ -9,6 +9,7 @@ Rule (--routing prefix, the default):
              to r: what r's prefix cache most likely holds)
     best   = the candidate with the most hits (ties: the least loaded, then the lowest index)
     load_r = requests in flight on r, as this frontend sees them
+    least  = the candidate with the lowest load (ties: the fewest requests routed so far)
 
     if hits_best == 0, or load_best - load_min > max(MIN_IMBALANCE, IMBALANCE_RATIO * load_min):
         route to the least loaded candidate       (nothing cached anywhere, or r is overloaded)
@@ -72,6 +73,7 @@ class ReplicaRouter:
         self.block_size = block_size
         self._max_indexed_blocks = max_indexed_blocks
         self._indexes: dict[int, PrefixIndex] = {}
+        self._num_routed: dict[int, int] = {}  # requests routed to each replica so far
         self._turn = itertools.count()
         self._lock = threading.Lock()
 
@@ -84,12 +86,13 @@ class ReplicaRouter:
                 return candidates[next(self._turn) % len(candidates)]
             keys = full_block_keys(prompt_token_ids, self.block_size)
             hits = {index: self._index(index).num_leading_hits(keys) for index in candidates}
-            least = min(candidates, key=lambda index: (loads.get(index, 0), index))
+            least = min(candidates, key=lambda index: (loads.get(index, 0), self._num_routed.get(index, 0), index))
             best = max(candidates, key=lambda index: (hits[index], -loads.get(index, 0), -index))
             load_min, load_best = loads.get(least, 0), loads.get(best, 0)
             is_imbalanced = load_best - load_min > max(MIN_IMBALANCE, IMBALANCE_RATIO * load_min)
             chosen = least if hits[best] == 0 or is_imbalanced else best
             self._index(chosen).add(keys)
+            self._num_routed[chosen] = self._num_routed.get(chosen, 0) + 1
             return chosen
 
     def forget(self, index: int) -> None:

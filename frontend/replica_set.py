@@ -91,7 +91,9 @@ class ReplicaSet:
         self._poll_interval_s = poll_interval_s
         self.router = ReplicaRouter(routing)
         self._replicas: list[Replica] = []
-        self._lock = threading.Lock()
+        # reentrant: a new replica's ReadinessMonitor reports its health (publish) while
+        # _update_members holds the lock; monitors call publish under their own lock, never the reverse
+        self._lock = threading.RLock()
         self._is_shutting_down = False
         self._is_started = False
         self._stop = threading.Event()
