@@ -17,6 +17,7 @@ whose replica was lost mid-stream on another ready replica (or on the same one, 
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import threading
 from dataclasses import dataclass, replace
@@ -32,13 +33,28 @@ RESOLVE_INTERVAL_S = 10.0
 log = structlog.get_logger()
 
 
+def is_dns_name(address: str) -> bool:
+    """HOST:PORT names its host (not an IP literal, not localhost): it may stand for several replicas."""
+    host = address.rpartition(":")[0].strip("[]")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return host not in ("", "localhost")
+    return False
+
+
 def resolve(address: str) -> list[str]:
-    """HOST:PORT as the HOST:PORT of each address HOST resolves to (itself when it does not)."""
+    """HOST:PORT as the HOST:PORT of each address HOST resolves to (IPv4 ones when there are any;
+    itself when it does not resolve)."""
+    if not is_dns_name(address):
+        return [address]
     host, _, port = address.rpartition(":")
     try:
         infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
     except (OSError, ValueError):
         return [address]
+    if any(info[0] == socket.AF_INET for info in infos):
+        infos = [info for info in infos if info[0] == socket.AF_INET]
     found = []
     for family, _, _, _, sockaddr in infos:
         ip = sockaddr[0]

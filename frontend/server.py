@@ -39,7 +39,7 @@ from pagedserve.frontend.generation import SchedulerRecovery
 from pagedserve.frontend.metrics import FrontendMetrics
 from pagedserve.frontend.readiness import DEFAULT_POLL_INTERVAL_S, GENERATION_SERVICE, ReadinessMonitor
 from pagedserve.frontend.reflection import enable_reflection
-from pagedserve.frontend.replica_set import ReplicaSet, resolve
+from pagedserve.frontend.replica_set import ReplicaSet, is_dns_name
 from pagedserve.frontend.scheduler_client import SchedulerClient
 from pagedserve.frontend.servicer import GenerationServicer, generation_rpc_handler
 from pagedserve.frontend.tokenizer import TokenizerLoadError, load_tokenizer
@@ -115,10 +115,10 @@ def serve_frontend(config: FrontendConfig, *, health_poll_interval_s: float = DE
     metrics = FrontendMetrics()
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     addresses = config.scheduler_addresses
-    if len(addresses) == 1 and len(resolve(addresses[0])) == 1:
+    if len(addresses) == 1 and not is_dns_name(addresses[0]):
         client = SchedulerClient(addresses[0], frontend_id=frontend_id)
         readiness = ReadinessMonitor(client, health_servicer, poll_interval_s=health_poll_interval_s)
-    else:  # several replicas: the set stands in for both (replica_set.py)
+    else:  # several replicas, or a DNS name that may resolve to several: the set stands in for both
         client = readiness = ReplicaSet(addresses, health_servicer, frontend_id=frontend_id, routing=config.routing,
                                         poll_interval_s=health_poll_interval_s)
     in_flight = InFlight()

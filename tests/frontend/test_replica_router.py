@@ -80,3 +80,12 @@ def test_scheduler_address_repeats_and_round_trips():
     assert from_args(FrontendConfig, parser.parse_args(argv)).scheduler_addresses == ["a:1", "b:2"]
     single = from_args(FrontendConfig, parser.parse_args(["--model", "m", "--scheduler-address", "a:1"]))
     assert single.scheduler_address == "a:1"
+
+
+def test_only_dns_names_are_resolved_into_replicas():
+    from pagedserve.frontend.replica_set import is_dns_name, resolve
+
+    assert not is_dns_name("127.0.0.1:6000") and not is_dns_name("[::1]:6000") and not is_dns_name("localhost:1")
+    assert is_dns_name("pagedserve-replicas.default.svc:6000")
+    assert resolve("127.0.0.1:6000") == ["127.0.0.1:6000"]
+    assert resolve("no-such-host.invalid:6000") == ["no-such-host.invalid:6000"]
