@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from scheduler_harness import RequestSpec, run_workload
 from test_scheduler_properties import _HEALTH, _check_against_oracle, _workload
@@ -81,7 +81,8 @@ def test_priority_workloads_match_the_oracle(workload, data) -> None:
 def test_crowded_priority_workloads_keep_the_order_and_pick_the_right_victims(workload, data) -> None:
     config, specs, _ = workload
     config, specs = _with_priorities(data, config, specs)
-    _observe(config, specs)
+    observer = _observe(config, specs)
+    event(f"preempted for a higher priority: {observer.num_priority_victims > 0}")
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=_HEALTH)
