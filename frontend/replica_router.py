@@ -7,12 +7,14 @@ Rule (--routing prefix, the default):
              them (pagedserve/prefix_hash.py: BLAKE2b chained over each full block)
     hits_r = how many leading keys replica r's index holds (an LRU of the keys recently routed
              to r: what r's prefix cache most likely holds)
-    best   = the candidate with the most hits (ties: the least loaded, then the lowest index)
     load_r = requests in flight on r, as this frontend sees them
-    least  = the candidate with the lowest load (ties: the fewest requests routed so far)
+    best   = the candidate with the most hits (ties: the least loaded, then the smaller index);
+             when no candidate has any hit, the one whose index is smallest (ties: the least
+             loaded), so new prefixes spread the cached content evenly
+    least  = the candidate with the lowest load (ties: the smaller index)
 
-    if hits_best == 0, or load_best - load_min > max(MIN_IMBALANCE, IMBALANCE_RATIO * load_min):
-        route to the least loaded candidate       (nothing cached anywhere, or r is overloaded)
+    if load_best - load_min > max(MIN_IMBALANCE, IMBALANCE_RATIO * load_min):
+        route to least                            (best is overloaded)
     else:
         route to best
 
@@ -73,7 +75,6 @@ class ReplicaRouter:
         self.block_size = block_size
         self._max_indexed_blocks = max_indexed_blocks
         self._indexes: dict[int, PrefixIndex] = {}
-        self._num_routed: dict[int, int] = {}  # requests routed to each replica so far
         self._turn = itertools.count()
         self._lock = threading.Lock()
 
@@ -86,13 +87,15 @@ class ReplicaRouter:
                 return candidates[next(self._turn) % len(candidates)]
             keys = full_block_keys(prompt_token_ids, self.block_size)
             hits = {index: self._index(index).num_leading_hits(keys) for index in candidates}
-            least = min(candidates, key=lambda index: (loads.get(index, 0), self._num_routed.get(index, 0), index))
-            best = max(candidates, key=lambda index: (hits[index], -loads.get(index, 0), -index))
+            sizes = {index: len(self._index(index)) for index in candidates}
+            least = min(candidates, key=lambda index: (loads.get(index, 0), sizes[index], index))
+            best = max(candidates, key=lambda index: (hits[index], -loads.get(index, 0), -sizes[index], -index))
+            if hits[best] == 0:
+                best = min(candidates, key=lambda index: (sizes[index], loads.get(index, 0), index))
             load_min, load_best = loads.get(least, 0), loads.get(best, 0)
             is_imbalanced = load_best - load_min > max(MIN_IMBALANCE, IMBALANCE_RATIO * load_min)
-            chosen = least if hits[best] == 0 or is_imbalanced else best
+            chosen = least if is_imbalanced else best
             self._index(chosen).add(keys)
-            self._num_routed[chosen] = self._num_routed.get(chosen, 0) + 1
             return chosen
 
     def forget(self, index: int) -> None:

@@ -3,7 +3,7 @@ frontend, on the tiny test checkpoint.
 
 Prefix-aware routing: 64 requests sharing 8 system prompts, in rounds over all 8 (each round
 rotated by one, so round-robin does not pin a prompt to a replica by parity), each replica's KV
-pool holding a little more than half of the system prompts beside the running requests. Routed
+pool holding half of the system prompts beside the running requests. Routed
 by prefix, each system prompt stays on one replica and keeps hitting its cache; routed
 round-robin, every replica sees every prompt in turn and its LRU cache thrashes. The hit rate (cached prompt tokens over
 prompt tokens, from the responses' usage) must be at least twice round-robin's, with neither
@@ -30,7 +30,7 @@ from tests.e2e.harness import token_request, wait_for
 NUM_SYSTEM_PROMPTS = 8
 NUM_REQUESTS = 64
 SYSTEM_PROMPT_LEN = 128  # 8 blocks of 16
-NUM_KV_BLOCKS = 40  # per replica: 4 system prompts (32 blocks) and the running requests' own blocks
+NUM_KV_BLOCKS = 36  # per replica: 4 system prompts (32 blocks) and the running requests' own blocks
 CONCURRENCY = 4
 
 

@@ -25,13 +25,13 @@ def test_keys_are_the_schedulers_prefix_cache_keys():
     assert full_block_keys(tokens, BLOCK, max_num_blocks=1) == [first]
 
 
-def test_same_prefix_goes_to_the_same_replica_and_new_prefixes_to_the_least_loaded():
+def test_same_prefix_goes_to_the_same_replica_and_new_prefixes_spread():
     router = ReplicaRouter("prefix", BLOCK)
     loads = {0: 0, 1: 0}
     first = router.choose(_prompt(7, 100), [0, 1], loads)
     loads[first] += 1
     other = router.choose(_prompt(8, 100), [0, 1], loads)
-    assert other != first  # nothing cached anywhere: the least loaded
+    assert other != first  # nothing cached anywhere: the replica with the smaller index
     loads[other] += 1
     for suffix in range(10):
         assert router.choose(_prompt(7, 200 + suffix), [0, 1], loads) == first
