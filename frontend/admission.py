@@ -23,6 +23,7 @@ from pagedserve.frontend.generation import Generation, SchedulerRecovery, Usage
 from pagedserve.frontend.metrics import RequestTimer
 from pagedserve.frontend.public_codec import finish_label
 from pagedserve.frontend.readiness import ReadinessMonitor
+from pagedserve.frontend.replica_set import ReplicaSet
 from pagedserve.frontend.scheduler_client import SchedulerClient
 from pagedserve.frontend.tokenizer import Tokenizer
 from pagedserve.frontend.validation import ModelLimits, ValidatedRequest
@@ -31,7 +32,8 @@ log = structlog.get_logger()
 
 
 class Admission:
-    def __init__(self, tokenizer: Tokenizer, client: SchedulerClient, readiness: ReadinessMonitor,
+    def __init__(self, tokenizer: Tokenizer, client: SchedulerClient | ReplicaSet,
+                 readiness: ReadinessMonitor | ReplicaSet,
                  in_flight: InFlight, recovery: SchedulerRecovery | None = None) -> None:
         """recovery: how requests ride out a scheduler restart (None: they fail with UNAVAILABLE)."""
         self.tokenizer = tokenizer
@@ -56,8 +58,9 @@ class Admission:
         """A Generation for the request, registered in flight (raises Draining once draining); it
         goes to the scheduler instance of readiness's latest answer."""
         info = self.readiness.info
+        replicas = self.readiness if isinstance(self.readiness, ReplicaSet) else None
         generation = Generation(request, self.client, self.tokenizer, timer, timeout=timeout, recovery=self.recovery,
-                                instance_id=info.instance_id if info is not None else "")
+                                instance_id=info.instance_id if info is not None else "", replicas=replicas)
         self.in_flight.enter(generation)
         return generation
 
@@ -72,5 +75,7 @@ class Admission:
         """Records a request that ran to its end (metrics label: its first completion's finish)."""
         label = finish_label(generation.states)
         timer.on_done(label)
+        replica = {"replica": generation.replica_address} if generation.replica_address else {}
         log.info("request_finished", finish_reason=label, prompt_tokens=usage.prompt_tokens,
-                 completion_tokens=usage.completion_tokens, cached_prompt_tokens=usage.cached_prompt_tokens)
+                 completion_tokens=usage.completion_tokens, cached_prompt_tokens=usage.cached_prompt_tokens,
+                 **replica)

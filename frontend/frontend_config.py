@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from pagedserve.config_flags import nested, option, require
 from pagedserve.frontend.http_config import HttpConfig
+from pagedserve.frontend.replica_router import ROUTING_POLICIES
 from pagedserve.frontend.transport import TransportConfig
 from pagedserve.shared_options import (
     DEFAULT_HOST, DEFAULT_PORT, DEFAULT_SCHEDULER_PORT, model_option, shutdown_timeout_option,
@@ -25,8 +26,13 @@ class FrontendConfig:
     model_path: str = model_option()  # the frontend reads only the tokenizer and EOS ids
     host: str = option(DEFAULT_HOST, serve=True, help="address of the public gRPC port (and of /metrics)")
     port: int = option(DEFAULT_PORT, serve=True, help="public gRPC port (0: a free one)")
-    scheduler_address: str = option(f"{DEFAULT_HOST}:{DEFAULT_SCHEDULER_PORT}", metavar="HOST:PORT",
-                                    help="the scheduler's internal gRPC port")
+    scheduler_address: str = option(
+        f"{DEFAULT_HOST}:{DEFAULT_SCHEDULER_PORT}", metavar="HOST:PORT", is_repeatable=True,
+        help="a scheduler's internal gRPC port; repeat it (or give one DNS name with several addresses) "
+             "for several replicas, each request then goes to one of them (see --routing)")
+    routing: str = option(ROUTING_POLICIES[0], choices=ROUTING_POLICIES, serve=True,
+                          help="with several replicas: prefix (the replica whose prefix cache most likely "
+                               "holds the prompt's leading blocks, unless load is imbalanced) or round-robin")
     metrics_port: int | None = option(None, metavar="P", serve=True, help="serve Prometheus /metrics on this port")
     shutdown_timeout: float = shutdown_timeout_option()
     max_concurrent_rpcs: int = option(
@@ -47,3 +53,10 @@ class FrontendConfig:
         require(self.shutdown_timeout >= 0, "shutdown_timeout", "must be >= 0")
         require(self.scheduler_recovery_timeout >= 0, "scheduler_recovery_timeout", "must be >= 0 (0: no recovery)")
         require(self.max_concurrent_rpcs >= 1, "max_concurrent_rpcs", "must be >= 1")
+        require(all(self.scheduler_addresses), "scheduler_address", "must not be empty")
+        require(self.routing in ROUTING_POLICIES, "routing", f"must be one of {', '.join(ROUTING_POLICIES)}")
+
+    @property
+    def scheduler_addresses(self) -> list[str]:
+        """Each --scheduler-address given (HOST:PORT; a host may be a DNS name of several replicas)."""
+        return [address.strip() for address in self.scheduler_address.split(",")]

@@ -36,7 +36,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import grpc
 import structlog
@@ -51,6 +52,9 @@ from pagedserve.frontend.scheduler_client import (
 )
 from pagedserve.frontend.validation import ValidatedRequest
 from pagedserve.request_types import CompletionDelta, Continuation, Request, RequestOutput
+
+if TYPE_CHECKING:
+    from pagedserve.frontend.replica_set import Replica, ReplicaSet
 
 log = structlog.get_logger()
 BUSY_RETRY_S = 0.5  # a resubmission the new scheduler's full queue refused is tried again after this
@@ -87,8 +91,11 @@ class Generation:
 
     def __init__(self, request: ValidatedRequest, client: SchedulerClient, decoder: Decoder,
                  timer: RequestTimer, timeout: float | None = None, *,
-                 recovery: SchedulerRecovery | None = None, instance_id: str = "") -> None:
-        """instance_id: the scheduler instance the request goes to (readiness's latest answer)."""
+                 recovery: SchedulerRecovery | None = None, instance_id: str = "",
+                 replicas: ReplicaSet | None = None) -> None:
+        """instance_id: the scheduler instance the request goes to (readiness's latest answer).
+        replicas: several replicas; the request is placed on one when it runs (client and
+        instance_id then come from that replica)."""
         self.request = request
         self._client = client
         self._timer = timer
@@ -108,6 +115,10 @@ class Generation:
         self._is_accepted = False
         self._has_output_since_submit = False
         self._busy_since: float | None = None  # a resubmission refused for a full queue since then
+        self._replicas = replicas
+        self._replica: Replica | None = None
+        self._tried_replicas: set[int] = set()  # refused this request before its first token
+        self.replica_address = ""  # several replicas: the scheduler address it ran on (last)
 
     @property
     def is_cancelled(self) -> bool:
@@ -128,16 +139,70 @@ class Generation:
     def run(self) -> Iterator[GenerationUpdate]:
         """Updates until every completion has finished; resubmits the request as a continuation
         when its scheduler is lost and another one is ready in time."""
-        while True:
-            try:
-                yield from self._run_once()
-                return
-            except SchedulerLost as lost:
-                self._await_new_scheduler(lost, broke_at=time.monotonic())
-            except SchedulerBusy:
-                if not self.num_resumes or self._has_output_since_submit:
-                    raise
-                self._await_queue_room()
+        try:
+            if self._replicas is not None:
+                self._place()
+            while True:
+                try:
+                    yield from self._run_once()
+                    return
+                except SchedulerLost as lost:
+                    if self._move_to_another_replica(lost):
+                        continue
+                    self._await_new_scheduler(lost, broke_at=time.monotonic())
+                except (SchedulerBusy, SchedulerUnavailable) as refused:
+                    if self._move_to_another_replica(refused):
+                        continue
+                    if isinstance(refused, SchedulerUnavailable) or not self.num_resumes \
+                            or self._has_output_since_submit:
+                        raise
+                    self._await_queue_room()
+        finally:
+            if self._replica is not None:
+                self._replicas.release(self._replica)
+                self._replica = None
+
+    # -- several replicas -------------------------------------------------------------------------
+    def _place(self, exclude: frozenset[int] = frozenset()) -> bool:
+        """Puts the request on a ready replica (not in exclude); False when none is left."""
+        replica = self._replicas.place(self.request.prompt_token_ids, exclude)
+        if replica is None:
+            if self._replica is None:
+                raise SchedulerUnavailable(f"no scheduler replica is ready ({self._replicas.address})")
+            return False
+        if self._replica is not None:
+            self._replicas.release(self._replica)
+        self._replica = replica
+        self.replica_address = replica.address
+        self._client = replica.client
+        info = replica.readiness.info
+        self._instance_id = info.instance_id if info is not None else ""
+        if self._recovery is not None:
+            self._recovery = replace(self._recovery, readiness=replica.readiness)
+        return True
+
+    def _move_to_another_replica(self, error: SchedulerError) -> bool:
+        """With several replicas: a request refused before its first output (UNAVAILABLE,
+        RESOURCE_EXHAUSTED), or whose replica was lost mid-stream, goes to another ready replica
+        (a continuation when tokens were streamed). False when there is none, or when the
+        refusal came after output (then the single-scheduler handling applies)."""
+        if self._replica is None or self._cancelled.is_set():
+            return False
+        is_lost = isinstance(error, SchedulerLost)
+        if not is_lost and self._has_output_since_submit:
+            return False
+        if is_lost and self._is_accepted and (self._recovery is None or self._recovery.timeout_s <= 0):
+            return False  # resuming tokens already streamed is recovery, which is off
+        self._tried_replicas.add(self._replica.index)
+        gone = self._replica.index
+        if not self._place(frozenset(self._tried_replicas)):
+            return False
+        if self._is_accepted:
+            self.num_resumes += 1
+            self._beam_deltas.clear()
+        log.warning("request_rerouted", error=str(error), from_replica=gone, to_replica=self._replica.index,
+                    num_resumes=self.num_resumes, num_tokens=[len(state.token_ids) for state in self._states])
+        return True
 
     def _run_once(self) -> Iterator[GenerationUpdate]:
         """One Submit stream: a fresh request, or the continuation of one whose scheduler was lost."""
@@ -175,7 +240,8 @@ class Generation:
 
     def _scheduler_request(self) -> Request:
         request = Request(request_id=self.request.request_id,
-                          prompt_token_ids=self.request.prompt_token_ids, sampling=self.request.params)
+                          prompt_token_ids=self.request.prompt_token_ids, sampling=self.request.params,
+                          priority=self.request.priority)
         if self.num_resumes:
             request.continuations = self.continuations()
         return request

@@ -23,8 +23,8 @@ OpenAI API and vLLM's extensions mean in our terms:
  logit_bias                             -                              non-empty: 400 (the sampler
                                                                        cannot apply it)
  response_format                        -                              {"type": "text"} only
- priority                               -                              0 or null only: the scheduler
-                                                                       serves first come, first served
+ priority                               priority                       int32, lower first (scheduler
+                                                                       --scheduling-policy priority)
  user                                   -                              logged
 ```
 """
@@ -41,6 +41,7 @@ from pagedserve.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingP
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_PROMPTS = 64  # prompts of one /v1/completions request
 INT32_MAX = 2**31 - 1
+INT32_MIN = -(2**31)
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 # How the fields whose value may take several shapes are described in errors.
@@ -148,6 +149,7 @@ class GenerationPlan:
     include_usage: bool = False
     echo: bool = False
     user: str | None = None
+    priority: int = 0  # lower is served first under the scheduler's --scheduling-policy priority
     param_names: dict[str, str] = field(default_factory=dict)  # SamplingParams field -> OpenAI field
 
     def resolve(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
@@ -262,7 +264,7 @@ def generation_plan(body: CompletionBody | ChatCompletionBody) -> GenerationPlan
     return GenerationPlan(
         params=params, max_tokens=max_tokens, max_tokens_field=max_tokens_field, num_choices=n,
         num_top_logprobs=num_top_logprobs, is_stream=bool(body.stream), include_usage=include_usage,
-        echo=bool(getattr(body, "echo", False)), user=body.user,
+        echo=bool(getattr(body, "echo", False)), user=body.user, priority=body.priority or 0,
         param_names={"max_tokens": max_tokens_field, "beam_width": "use_beam_search", "logprobs": logprobs_field,
                      "n": "n"})
 
@@ -291,8 +293,8 @@ def _refuse_unsupported(body, is_chat: bool) -> None:
     if body.response_format is not None and body.response_format.type != "text":
         raise InvalidParameter("response_format", f"type {body.response_format.type!r} is not supported "
                                "(only \"text\")")
-    if body.priority:
-        raise InvalidParameter("priority", "must be 0: the scheduler serves requests first come, first served")
+    if body.priority is not None:
+        _check_int("priority", body.priority, INT32_MIN)
     if not body.use_beam_search and body.length_penalty is not None and body.length_penalty != 1.0:
         raise InvalidParameter("length_penalty", "only applies with use_beam_search")
     if is_chat:

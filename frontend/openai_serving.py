@@ -190,7 +190,7 @@ class OpenAIServing:
             except InvalidParameter as exc:
                 raise plan.rename(exc) from None
             sub_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
-            requests.append(validate_lengths(ValidatedRequest(sub_id, token_ids, params), limits, field_name,
+            requests.append(validate_lengths(ValidatedRequest(sub_id, token_ids, params, plan.priority), limits, field_name,
                                              max_tokens_field=plan.max_tokens_field))
         echo_texts = None
         if plan.echo:

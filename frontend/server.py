@@ -39,6 +39,7 @@ from pagedserve.frontend.generation import SchedulerRecovery
 from pagedserve.frontend.metrics import FrontendMetrics
 from pagedserve.frontend.readiness import DEFAULT_POLL_INTERVAL_S, GENERATION_SERVICE, ReadinessMonitor
 from pagedserve.frontend.reflection import enable_reflection
+from pagedserve.frontend.replica_set import ReplicaSet, is_dns_name
 from pagedserve.frontend.scheduler_client import SchedulerClient
 from pagedserve.frontend.servicer import GenerationServicer, generation_rpc_handler
 from pagedserve.frontend.tokenizer import TokenizerLoadError, load_tokenizer
@@ -110,11 +111,16 @@ def serve_frontend(config: FrontendConfig, *, health_poll_interval_s: float = DE
         chat = ChatTemplate(tokenizer, read_chat_template(template_file) if template_file else None)
     except (TokenizerLoadError, TransportConfigError, ChatTemplateError) as exc:
         raise FrontendStartError(str(exc)) from exc
-    client = SchedulerClient(config.scheduler_address,
-                             frontend_id=frontend_id or f"{socket.gethostname()}:{os.getpid()}")
+    frontend_id = frontend_id or f"{socket.gethostname()}:{os.getpid()}"
     metrics = FrontendMetrics()
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
-    readiness = ReadinessMonitor(client, health_servicer, poll_interval_s=health_poll_interval_s)
+    addresses = config.scheduler_addresses
+    if len(addresses) == 1 and not is_dns_name(addresses[0]):
+        client = SchedulerClient(addresses[0], frontend_id=frontend_id)
+        readiness = ReadinessMonitor(client, health_servicer, poll_interval_s=health_poll_interval_s)
+    else:  # several replicas, or a DNS name that may resolve to several: the set stands in for both
+        client = readiness = ReplicaSet(addresses, health_servicer, frontend_id=frontend_id, routing=config.routing,
+                                        poll_interval_s=health_poll_interval_s)
     in_flight = InFlight()
     recovery = SchedulerRecovery(readiness, config.scheduler_recovery_timeout)
     servicer = GenerationServicer(tokenizer, client, readiness, metrics, in_flight, recovery, chat)

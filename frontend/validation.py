@@ -36,6 +36,7 @@ class ValidatedRequest:
     request_id: str  # the client's, or generated; also the scheduler's id for the request
     prompt_token_ids: list[int]
     params: SamplingParams
+    priority: int = 0  # lower is served first under the scheduler's --scheduling-policy priority
 
 
 def sampling_params_from_proto(msg: generation_pb2.SamplingParams) -> SamplingParams:
@@ -71,8 +72,8 @@ def validate_request(msg: generation_pb2.GenerateRequest, encoder: Encoder, limi
     params.validate(vocab_size=limits.vocab_size)
     prompt_field, prompt_token_ids = _prompt(msg, encoder, limits.vocab_size, chat)
     defaulted = " (max_tokens 0 means 16)" if msg.params.max_tokens == 0 else ""
-    return validate_lengths(ValidatedRequest(request_id, prompt_token_ids, params), limits, prompt_field,
-                            max_tokens_field="max_tokens", max_tokens_note=defaulted)
+    return validate_lengths(ValidatedRequest(request_id, prompt_token_ids, params, msg.priority), limits,
+                            prompt_field, max_tokens_field="max_tokens", max_tokens_note=defaulted)
 
 
 def validate_lengths(request: ValidatedRequest, limits: ModelLimits, prompt_field: str, *,

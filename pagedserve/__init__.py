@@ -16,6 +16,7 @@ folder (frontend/, scheduler/, worker/, with kernels/ for the worker) and import
   request_types.py        Request, RequestOutput, CompletionDelta: frontend <-> scheduler
   scheduler_codec.py      those types <-> internal protobuf (internal/scheduler_pb2)
   sampling_params.py      resolved sampling parameters
+  prefix_hash.py          the prefix cache's block keys (scheduler cache, frontend replica routing)
   step_plan.py            StepPlan and StepResult: scheduler <-> workers
   plan_codec.py           those types <-> internal protobuf (internal/step_pb2)
   model_config.py         what every process reads from a checkpoint folder (no torch)

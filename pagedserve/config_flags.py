@@ -54,6 +54,7 @@ class _Option:
     choices: tuple | None = None
     metavar: str | None = None
     serve: bool = False
+    is_repeatable: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,10 +66,12 @@ _INTERNAL = "internal"
 
 
 def option(default: Any = MISSING, *, help: str, flag: str | None = None, choices: tuple | None = None,
-           metavar: str | None = None, serve: bool = False) -> Any:
+           metavar: str | None = None, serve: bool = False, is_repeatable: bool = False) -> Any:
     """A field set by a command-line flag (see the module docstring). A flag without dashes is a
-    positional argument (then the field has no default)."""
-    spec = _Option(help, flag, tuple(choices) if choices is not None else None, metavar, serve)
+    positional argument (then the field has no default). is_repeatable (str fields): the flag may
+    be given several times, the field holds the values joined by commas (`--scheduler-address A
+    --scheduler-address B` is "A,B"), and to_argv writes the flag once per value."""
+    spec = _Option(help, flag, tuple(choices) if choices is not None else None, metavar, serve, is_repeatable)
     return dataclasses.field(default=default, metadata={_KEY: spec})
 
 
@@ -189,6 +192,10 @@ def _add(parser, group, config_class: type, serve_only: bool, added: dict[str, F
             continue
         added[flag.dest] = flag
         kwargs: dict[str, Any] = {"help": spec.help}
+        if spec.is_repeatable:
+            if flag.kind is not str:
+                raise TypeError(f"{flag.owner.__name__}.{flag.field_name}: only a str flag may be repeatable")
+            kwargs["action"] = _JoinRepeats
         if flag.kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
@@ -202,6 +209,17 @@ def _add(parser, group, config_class: type, serve_only: bool, added: dict[str, F
             group.add_argument(flag.name, **kwargs)
         else:
             group.add_argument(flag.name, default=flag.default, **kwargs)
+
+
+class _JoinRepeats(argparse.Action):
+    """A repeatable str flag: the first use replaces the default, later ones append ",value"."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        marker = f"_repeated_{self.dest}"
+        if getattr(namespace, marker, False):
+            values = f"{getattr(namespace, self.dest)},{values}"
+        setattr(namespace, self.dest, values)
+        setattr(namespace, marker, True)
 
 
 def from_args(config_class: type, args: argparse.Namespace, *, serve_only: bool = False, **overrides: Any):
@@ -246,6 +264,9 @@ def to_argv(config) -> list[str]:
             raise ValueError(f"{name} = {value!r} cannot be written as {flag}")
         if isinstance(value, bool):
             argv.append(flag if value else "--no-" + flag.removeprefix("--"))
+        elif spec.is_repeatable:
+            for part in str(value).split(","):
+                argv += [flag, part]
         else:
             argv += [flag, str(value)]
     return argv

@@ -38,6 +38,7 @@ class Request:
     sampling: SamplingParams
     eos_token_ids: list[int] = field(default_factory=list)
     continuations: list[Continuation] = field(default_factory=list)  # empty: a fresh start
+    priority: int = 0  # lower is served first under --scheduling-policy priority
 
 
 @dataclass(slots=True)

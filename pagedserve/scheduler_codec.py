@@ -84,6 +84,7 @@ def request_to_proto(request: Request, frontend_id: str = "") -> scheduler_pb2.S
         prompt_token_ids=request.prompt_token_ids,
         sampling=sampling_to_proto(request.sampling),
         frontend_id=frontend_id,
+        priority=request.priority,
     )
     for continuation in request.continuations:
         msg.continuations.add(index=continuation.index, token_ids=continuation.token_ids,
@@ -98,6 +99,7 @@ def request_from_proto(msg: scheduler_pb2.SubmitRequest, eos_token_ids: list[int
         prompt_token_ids=list(msg.prompt_token_ids),
         sampling=sampling_from_proto(msg.sampling),
         eos_token_ids=list(eos_token_ids),
+        priority=msg.priority,
         continuations=[
             Continuation(index=c.index, token_ids=list(c.token_ids), is_finished=c.is_finished,
                          cumulative_logprob=c.cumulative_logprob)

@@ -13,6 +13,14 @@ configs from those flags plus what `serve` decides itself:
                --num-threads threads_per_rank(N) unless OMP_NUM_THREADS is set
     frontend   --scheduler-address 127.0.0.1:PORT
 
+With --data-parallel-size N > 1, serve starts N replicas and one frontend over all of them:
+
+    replica i  `serve --replica-index i` with the same flags: one scheduler (port --scheduler-port + i,
+               else a free port; metrics --scheduler-metrics-port + i when set) and its TP worker
+               ranks (their own ZeroMQ ports; threads_per_rank(N * TP): the cores are split between
+               every rank of every replica); it restarts its own scheduler and workers, no frontend
+    frontend   --scheduler-address of each replica
+
 and each child's argv is derived from its config (to_argv), so it parses back to the same values.
 """
 
@@ -23,7 +31,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 
-from pagedserve.config_flags import add_flags, from_args, option, require, to_argv
+from pagedserve.config_flags import add_flags, flags_of, from_args, option, require, to_argv
 from pagedserve.frontend.frontend_config import FrontendConfig
 from pagedserve.models.resolve import resolve_model
 from pagedserve.restart_policy import DEFAULT_MAX_RESTARTS, DEFAULT_RESET_AFTER_S, RestartPolicy
@@ -74,11 +82,22 @@ class ServeOptions:
                                         help="internal scheduler gRPC port on 127.0.0.1 (default: a free port)")
     scheduler_metrics_port: int | None = option(
         None, metavar="P", serve=True, help="the scheduler's Prometheus /metrics port (default: --metrics-port + 1)")
+    data_parallel_size: int = option(
+        1, metavar="N", serve=True,
+        help="replicas on this host behind the one frontend, each a scheduler and its tensor-parallel "
+             "worker ranks with its own ports and a share of the CPU cores")
+    replica_index: int | None = option(
+        None, metavar="I", serve=True,
+        help="set by serve --data-parallel-size for its replicas: run replica I alone (scheduler and "
+             "workers, no frontend)")
 
     def __post_init__(self) -> None:
         require(self.max_worker_restarts >= 0, "max_worker_restarts", "must be >= 0")
         require(self.max_scheduler_restarts >= 0, "max_scheduler_restarts", "must be >= 0")
         require(self.restart_reset_after_s >= 0, "restart_reset_after_s", "must be >= 0")
+        require(self.data_parallel_size >= 1, "data_parallel_size", "must be >= 1")
+        require(self.replica_index is None or 0 <= self.replica_index < self.data_parallel_size,
+                "replica_index", "must be in [0, --data-parallel-size)")
         for name in ("scheduler_port", "scheduler_metrics_port"):
             value = getattr(self, name)
             require(value is None or 0 <= value <= 65535, name, f"must be a port number (0-65535), not {value}")
@@ -98,13 +117,30 @@ class ServeConfig:
     scheduler: SchedulerServerConfig
     workers: list[WorkerConfig]
     env: dict[str, str] | None = field(default=None)  # the children's environment (None: serve's)
+    replica_args: list[list[str]] = field(default_factory=list)  # --data-parallel-size > 1: each replica's
+    replica_addresses: list[str] = field(default_factory=list)  # ... and its scheduler's address
+
+    @property
+    def is_replica_only(self) -> bool:
+        """A replica of a --data-parallel-size serve: scheduler and workers, no frontend."""
+        return self.options.replica_index is not None
+
+    @property
+    def has_replica_children(self) -> bool:
+        """serve --data-parallel-size N > 1 itself: replicas and a frontend, no scheduler of its own."""
+        return bool(self.replica_args)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServeConfig":
         """The children's configs from `serve`'s parsed flags (see the module docstring)."""
         options = from_args(ServeOptions, args, serve_only=True)
         model = str(resolve_model(args.model))
-        scheduler_port = options.scheduler_port or free_port()
+        num_replicas = options.data_parallel_size
+        replica_ports: list[int] = []
+        if num_replicas > 1 and options.replica_index is None:
+            base = options.scheduler_port
+            replica_ports = [base + index if base else free_port() for index in range(num_replicas)]
+        scheduler_port = (replica_ports[0] if replica_ports else None) or options.scheduler_port or free_port()
         plan, result, dist = (f"tcp://127.0.0.1:{free_port()}" for _ in range(3))
         metrics_port = args.metrics_port or None
         scheduler_metrics_port = options.scheduler_metrics_port
@@ -117,14 +153,22 @@ class ServeConfig:
             engine=from_args(SchedulerConfig, args, serve_only=True, worker_recovery_timeout=recovery_timeout))
         num_ranks = scheduler.tensor_parallel_size
         # with OMP_NUM_THREADS set, torch follows what the operator set
-        num_threads = None if "OMP_NUM_THREADS" in os.environ else threads_per_rank(num_ranks)
+        num_threads = None if "OMP_NUM_THREADS" in os.environ else threads_per_rank(num_ranks * num_replicas)
         workers = [from_args(WorkerConfig, args, serve_only=True, model_path=model, rank=rank,
                              plan_address=plan, result_address=result, dist_init_address=dist,
                              num_threads=num_threads)
                    for rank in range(num_ranks)]
+        addresses = [f"127.0.0.1:{port}" for port in replica_ports or [scheduler_port]]
         frontend = from_args(FrontendConfig, args, serve_only=True, model_path=model,
-                             metrics_port=metrics_port, scheduler_address=f"127.0.0.1:{scheduler_port}")
-        return cls(options=options, frontend=frontend, scheduler=scheduler, workers=workers)
+                             metrics_port=metrics_port, scheduler_address=",".join(addresses))
+        replica_args = []
+        for index, port in enumerate(replica_ports):
+            replica_metrics_port = scheduler_metrics_port + index if scheduler_metrics_port else None
+            replica_args.append(["serve", *serve_argv(args, {
+                "model": model, "replica_index": index, "scheduler_port": port,
+                "scheduler_metrics_port": replica_metrics_port})])
+        return cls(options=options, frontend=frontend, scheduler=scheduler, workers=workers,
+                   replica_args=replica_args, replica_addresses=addresses if replica_ports else [])
 
     @property
     def model(self) -> str:
@@ -169,3 +213,24 @@ class ServeConfig:
     @property
     def frontend_args(self) -> list[str]:
         return ["frontend", *to_argv(self.frontend)]
+
+
+def serve_argv(args: argparse.Namespace, overrides: dict[str, object]) -> list[str]:
+    """The flags of a replica's `serve` that reproduce parsed args (with overrides by argparse
+    dest; None: left out): serve's own, the scheduler's and the workers', none of the frontend's
+    (a replica has none; its credentials stay off the replica's command line)."""
+    argv: list[str] = []
+    seen: set[str] = set()
+    for config_class in (ServeOptions, SchedulerServerConfig, WorkerConfig):
+        for flag in flags_of(config_class, serve_only=True):
+            if flag.dest in seen or flag.is_positional:
+                continue
+            seen.add(flag.dest)
+            value = overrides[flag.dest] if flag.dest in overrides else getattr(args, flag.dest, None)
+            if value is None:
+                continue
+            if flag.kind is bool:
+                argv.append(flag.name if value else "--no-" + flag.name.removeprefix("--"))
+            else:
+                argv += [flag.name, str(value)]
+    return argv

@@ -4,6 +4,10 @@
            ├─ worker rank 0 … TP-1 (each subscribes to the plans)
            └─ frontend             (public gRPC on --host:--port)
 
+    serve --data-parallel-size N ─┬─ replica-0 … N-1  (each `serve --replica-index i`: a scheduler
+                                  │                    and its ranks, restarted as below)
+                                  └─ frontend         (--scheduler-address of every replica)
+
 Before starting anything, serve checks the model against the flags and the host
 (pagedserve.serve_preflight): a model that cannot run so is a message and exit code 2.
 
@@ -88,15 +92,20 @@ class Supervisor:
         self._is_replica_lost = False
 
     def start(self) -> None:
-        self._spawn("scheduler", self.config.scheduler_args)
-        self._spawn_workers()
-        self._spawn("frontend", self.config.frontend_args)
+        if self.config.has_replica_children:  # --data-parallel-size N: each replica supervises itself
+            for index, args in enumerate(self.config.replica_args):
+                self._spawn(f"replica-{index}", args)
+        else:
+            self._spawn("scheduler", self.config.scheduler_args)
+            self._spawn_workers()
+        if not self.config.is_replica_only:
+            self._spawn("frontend", self.config.frontend_args)
         self._log.info("serving", address=self.config.public_address, model=self.config.model)
 
     def stop(self) -> None:
         self._stopping = True
         self._due.clear()
-        order = ["frontend", "scheduler"] + self._worker_names()
+        order = ["frontend", "scheduler", *self._replica_names()] + self._worker_names()
         for name in order:
             child = self.children.get(name)
             if child is not None and child.poll() is None:
@@ -107,6 +116,9 @@ class Supervisor:
             child = self.children.get(name)
             if child is not None:
                 self._wait(child, name)
+
+    def _replica_names(self) -> list[str]:
+        return [name for name in self.children if name.startswith("replica-")]
 
     def _worker_names(self) -> list[str]:
         return [name for name in self.children if name.startswith("worker")]
@@ -124,7 +136,11 @@ class Supervisor:
 
     def _wait(self, child: subprocess.Popen, name: str) -> None:
         try:
-            child.wait(self._drain_timeout if name in ("frontend", "scheduler") else STOP_TIMEOUT_SECONDS)
+            if name.startswith("replica-"):  # its scheduler drains, then its workers stop
+                timeout = self._drain_timeout + STOP_TIMEOUT_SECONDS
+            else:
+                timeout = self._drain_timeout if name in ("frontend", "scheduler") else STOP_TIMEOUT_SECONDS
+            child.wait(timeout)
         except subprocess.TimeoutExpired:
             self._log.warning("child_killed", child=name, pid=child.pid)
             child.kill()
@@ -189,7 +205,7 @@ class Supervisor:
             self._log.error("child_exited", **event,
                             consequence="a configuration error (its message is above): serve stops")
             return CONFIG_ERROR_EXIT
-        if name == "frontend":
+        if name == "frontend" or name.startswith("replica-"):  # a replica restarts its own children
             self._log.error("child_exited", **event, consequence="serve stops")
             return 1
         if not self._has_served:

@@ -65,9 +65,9 @@ def check_scheduler_invariants(scheduler: Scheduler) -> None:
     num_groups = 0
     is_in_flight = scheduler.is_step_in_flight
     for status, queue in queues:
-        arrivals = [group.arrival_index for group in queue]
-        if arrivals != sorted(arrivals):
-            raise InvariantError(f"{status.value} queue is not in arrival order")
+        keys = [group.queue_key for group in queue]
+        if keys != sorted(keys):
+            raise InvariantError(f"{status.value} queue is not in (priority, arrival) order")
         for group in queue:
             num_groups += 1
             if group.status is not status:

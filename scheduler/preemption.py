@@ -3,7 +3,10 @@ way it leaves the GPU, and the act itself.
 
 Victim: the newest running group (the running queue is ordered by arrival, oldest first), and
 the group that asked for the blocks itself once no newer one is left, so the oldest requests keep
-running (first come, first served). step_builder.py preempts victims until the blocks fit.
+running (first come, first served). Under --scheduling-policy priority every queue is ordered by
+(priority, arrival), so the victim is the lowest-priority, newest group; there a waiting or
+swapped group also preempts running groups of strictly lower priority (never equal ones) before
+the step is built. step_builder.py preempts victims until the blocks fit.
 
     swap       move the group's blocks to the CPU pool (each physical block once), back later
     recompute  free the blocks, keep the tokens, prefill them again later
@@ -21,7 +24,8 @@ the prefix cache. Short sequences, whose last block is mostly empty, therefore l
 
 The act: a swapped group joins the swapped queue with its tables on the CPU (its blocks move in
 the step's blocks_to_swap_out); a recomputed one joins the waiting queue with no blocks. Both
-queues stay in arrival order, so a preempted group comes back before newer ones.
+queues stay in (priority, arrival) order, so a preempted group comes back before newer ones of
+its priority.
 """
 
 from __future__ import annotations
@@ -67,7 +71,7 @@ def choose_preemption_mode(config: SchedulerConfig, *, num_blocks: int, num_reco
 
 
 def choose_victim(running: list[SequenceGroup]) -> SequenceGroup:
-    """The running group to preempt next: the newest (running is ordered oldest first)."""
+    """The running group to preempt next: the last in (priority, arrival) order, the newest."""
     return running[-1]
 
 
@@ -93,5 +97,5 @@ def preempt(scheduler: Scheduler, group: SequenceGroup,
     return mode
 
 
-def _arrival(group: SequenceGroup) -> int:
-    return group.arrival_index
+def _arrival(group: SequenceGroup) -> tuple[int, int]:
+    return group.queue_key

@@ -5,7 +5,8 @@ to the block's end.
     keys      k0 = H(-, b0)    k1 = H(k0, b1)    k2 = H(k1, b2)     (none: not full)
 
 H is BLAKE2b (16 bytes) over the parent key and the block's token ids, so equal keys mean equal
-prefixes (no accidental or crafted collisions) and keys are stable across processes. A block is
+prefixes (no accidental or crafted collisions) and keys are stable across processes; it lives in
+pagedserve/prefix_hash.py, which the frontend's replica router uses too. A block is
 registered once its last token's KV is scheduled (steps run in order on the workers, so any later
 step that reuses it reads finished KV). A new sequence reuses the longest run of registered
 blocks that ends before its last token: that token is always computed again, so there are
@@ -14,20 +15,11 @@ logits to sample from.
 
 from __future__ import annotations
 
-from array import array
-from hashlib import blake2b
-
+from pagedserve.prefix_hash import hash_block
 from pagedserve.scheduler.block_pool import BlockPool
 from pagedserve.scheduler.sequence import Sequence
 
-_ROOT_KEY = b"pagedserve-prefix"
-
-
-def hash_block(parent_key: bytes | None, token_ids: list[int]) -> bytes:
-    """Key of a full block given the key of the block before it (None for the first)."""
-    digest = blake2b(parent_key if parent_key is not None else _ROOT_KEY, digest_size=16)
-    digest.update(array("q", token_ids).tobytes())
-    return digest.digest()
+__all__ = ["PrefixCache", "hash_block"]
 
 
 class PrefixCache:

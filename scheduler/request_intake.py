@@ -90,7 +90,8 @@ def build_group(request: Request, config: SchedulerConfig, *, arrival_index: int
                                  token_ids=prompt + continuation.token_ids, num_prompt_tokens=num_prompt_tokens,
                                  cumulative_logprob=continuation.cumulative_logprob))
     group = SequenceGroup(request=request, arrival_index=arrival_index, seqs=seqs,
-                          stop_token_ids=stop_token_ids, max_output_tokens=sampling.max_tokens)
+                          stop_token_ids=stop_token_ids, max_output_tokens=sampling.max_tokens,
+                          priority=request.priority if config.is_priority_policy else 0)
     group.num_completions_done = num_initial_seqs - len(seqs)
     if sampling.is_beam_search:
         group.beam = BeamSearchState(beam_width=sampling.beam_width, length_penalty=sampling.length_penalty,

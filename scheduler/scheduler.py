@@ -9,6 +9,8 @@ later steps, which the workers run after it.
 
 from __future__ import annotations
 
+from bisect import insort
+
 from pagedserve.request_types import CompletionDelta, FinishReason, Request, RequestOutput
 from pagedserve.scheduler.block_manager import BlockManager
 from pagedserve.scheduler.errors import RequestFailure, RequestRejected, StepOrderError
@@ -27,7 +29,7 @@ class Scheduler:
         config.check_complete()
         self.config = config
         self.block_manager = BlockManager(config)
-        self.waiting: list[SequenceGroup] = []  # each queue ordered by arrival, oldest first
+        self.waiting: list[SequenceGroup] = []  # each queue ordered by queue_key: (priority, arrival)
         self.running: list[SequenceGroup] = []
         self.swapped: list[SequenceGroup] = []
         self._groups: dict[str, SequenceGroup] = {}
@@ -55,7 +57,7 @@ class Scheduler:
                             next_seq_id=self.new_seq_id)
         self._next_arrival += 1
         self._groups[request.request_id] = group
-        self.waiting.append(group)
+        insort(self.waiting, group, key=_queue_key)  # fcfs: priority 0, so this appends
 
     def abort_request(self, request_id: str) -> bool:
         """Drops a request and frees its blocks now; False when it is unknown or already done."""
@@ -141,11 +143,11 @@ class Scheduler:
 
     def reset(self) -> None:
         """Workers restarted and every KV block is lost: all unfinished requests wait to be
-        computed again from the tokens they hold, in arrival order. Step ids keep counting; the
+        computed again from the tokens they hold, in queue order (priority, arrival). Step ids keep counting; the
         plan epoch increases."""
         self.block_manager.gpu_pool.reset()
         self.block_manager.cpu_pool.reset()
-        groups = sorted(self.running + self.swapped + self.waiting, key=lambda group: group.arrival_index)
+        groups = sorted(self.running + self.swapped + self.waiting, key=_queue_key)
         for group in groups:
             for seq in group.seqs:
                 seq.reset_computation()
@@ -204,3 +206,7 @@ class Scheduler:
         """Distinct physical blocks the request holds now (shared blocks counted once)."""
         group = self._groups.get(request_id)
         return 0 if group is None else self.block_manager.num_distinct_blocks(group.seqs)
+
+
+def _queue_key(group: SequenceGroup) -> tuple[int, int]:
+    return group.queue_key

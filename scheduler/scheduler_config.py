@@ -13,6 +13,7 @@ from pagedserve.scheduler.errors import SchedulerConfigError
 from pagedserve.shared_options import block_size_option
 
 PREEMPTION_MODES = ("auto", "swap", "recompute")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 DEFAULT_MAX_WAITING_TOKENS = 1 << 20
 
 
@@ -52,6 +53,10 @@ class SchedulerConfig:
     enable_prefix_caching: bool = option(True, serve=True, help="reuse the KV blocks of a shared prompt prefix")
     preemption_mode: str = option("auto", choices=PREEMPTION_MODES, serve=True,
                                   help="how a request gives its KV blocks back when the pool runs out")
+    scheduling_policy: str = option(
+        "fcfs", choices=SCHEDULING_POLICIES, serve=True,
+        help="fcfs: first come, first served; priority: lower request priority first, then arrival, "
+             "and a waiting request preempts running ones of strictly lower priority")
     swap_seconds_per_block: float = internal(3.3e-5)
     recompute_seconds_per_token: float = internal(5.4e-5)
     # The step loop (engine.py) and its admission control:
@@ -83,6 +88,8 @@ class SchedulerConfig:
             raise SchedulerConfigError("enable_prefix_caching", "must be a bool")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise SchedulerConfigError("preemption_mode", f"must be one of {', '.join(PREEMPTION_MODES)}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise SchedulerConfigError("scheduling_policy", f"must be one of {', '.join(SCHEDULING_POLICIES)}")
         for name in ("swap_seconds_per_block", "recompute_seconds_per_token", "worker_recovery_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
@@ -98,6 +105,10 @@ class SchedulerConfig:
         for name in ("num_gpu_blocks", "max_model_len"):
             if getattr(self, name) is None:
                 raise SchedulerConfigError(name, "must be known before a Scheduler is built")
+
+    @property
+    def is_priority_policy(self) -> bool:
+        return self.scheduling_policy == "priority"
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold num_tokens KV slots."""

@@ -96,6 +96,9 @@ class SequenceGroup:
     seqs: list[Sequence]  # unfinished sequences (beam search: the live beams, best first)
     stop_token_ids: frozenset[int]  # EOS (unless ignore_eos) and stop_token_ids
     max_output_tokens: int  # min(max_tokens, max_model_len - prompt length)
+    # Effective priority, lower first: the request's under --scheduling-policy priority, 0 under
+    # fcfs. Every queue is ordered by queue_key = (priority, arrival_index).
+    priority: int = 0
     status: GroupStatus = GroupStatus.WAITING
     fork_at: int | None = None  # seqs[1:] wait until seqs[0] has computed this many tokens
     beam: BeamSearchState | None = None  # beam search requests only
@@ -114,6 +117,11 @@ class SequenceGroup:
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    @property
+    def queue_key(self) -> tuple[int, int]:
+        """Order in every queue: priority (lower first), then arrival (older first)."""
+        return (self.priority, self.arrival_index)
 
     @property
     def max_num_running_seqs(self) -> int:

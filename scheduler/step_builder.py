@@ -1,6 +1,11 @@
 """Builds one step: which tokens of which sequences to compute, within the step budget.
 
-Order of service, first come first served inside each pass:
+Order of service, first come first served inside each pass (under --scheduling-policy priority,
+"oldest" reads "first by (priority, arrival)": every queue is kept in that order):
+
+    0. priority policy only: the first swapped or waiting group preempts running groups of
+       strictly lower priority (lowest, newest first) until it would fit (_preempt_for_priority);
+       passes 2 and 3 then run as one merged pass in (priority, arrival) order.
 
     1. running groups, oldest first: their decodes are reserved budget up front, so a long
        prefill chunk of an older group never starves a newer group's decode; prefill chunks
@@ -131,15 +136,22 @@ class StepBuilder:
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
         self.num_preemptions = 0
+        self.num_priority_preemptions = 0  # of num_preemptions, those made for a higher priority
 
     def build(self, step_id: int, epoch: int) -> ScheduledStep | None:
+        is_priority_policy = self.scheduler.config.is_priority_policy
+        if is_priority_policy:
+            self._preempt_for_priority()
         self._schedule_running()
-        if self.num_preemptions == 0:
+        if self.num_preemptions == self.num_priority_preemptions:  # none for lack of blocks
             num_free_slots = self.scheduler.config.max_num_seqs - sum(
                 group.max_num_running_seqs for group in self.scheduler.running)
-            num_free_slots = self._swap_in(num_free_slots)
-            if not self.scheduler.swapped:
-                self._admit_waiting(num_free_slots)
+            if is_priority_policy:
+                self._swap_in_and_admit_by_priority(num_free_slots)
+            else:
+                num_free_slots = self._swap_in(num_free_slots)
+                if not self.scheduler.swapped:
+                    self._admit_waiting(num_free_slots)
         # Blocks filled in this step become findable only now: a prefix hit in the same step
         # would read KV that this step's forward is still writing.
         register = self.block_manager.prefix_cache.register_computed
@@ -216,59 +228,124 @@ class StepBuilder:
     # -- pass 2: swapped groups -------------------------------------------------------------
     def _swap_in(self, num_free_slots: int) -> int:
         swapped = self.scheduler.swapped
-        manager = self.block_manager
         while swapped:
             group = swapped[0]
-            if group.max_num_running_seqs > num_free_slots:
+            if not self._try_swap_in(group, num_free_slots):
                 break
-            chunks = plan_chunks(group, self.num_tokens_left, self.num_seqs_left)
-            if not chunks:
-                break
-            num_needed = manager.num_distinct_blocks(group.seqs) + manager.count_blocks_needed(
-                ((chunk.seq, chunk.num_tokens) for chunk in chunks), manager.cpu_pool)
-            if num_needed > manager.gpu_pool.num_available:
-                break
-            self.blocks_to_swap_in.extend(manager.swap_in(group.seqs))
-            swapped.pop(0)
-            self._start_running(group)
             num_free_slots -= group.max_num_running_seqs
-            self._emit(group, chunks)
         return num_free_slots
+
+    def _try_swap_in(self, group: SequenceGroup, num_free_slots: int) -> bool:
+        """Swaps swapped[0] (group) back in and schedules it when it fits; False otherwise."""
+        manager = self.block_manager
+        if group.max_num_running_seqs > num_free_slots:
+            return False
+        chunks = plan_chunks(group, self.num_tokens_left, self.num_seqs_left)
+        if not chunks:
+            return False
+        num_needed = manager.num_distinct_blocks(group.seqs) + manager.count_blocks_needed(
+            ((chunk.seq, chunk.num_tokens) for chunk in chunks), manager.cpu_pool)
+        if num_needed > manager.gpu_pool.num_available:
+            return False
+        self.blocks_to_swap_in.extend(manager.swap_in(group.seqs))
+        self.scheduler.swapped.remove(group)
+        self._start_running(group)
+        self._emit(group, chunks)
+        return True
 
     # -- pass 3: waiting groups -------------------------------------------------------------
     def _admit_waiting(self, num_free_slots: int) -> None:
         waiting = self.scheduler.waiting
+        while waiting and self.num_tokens_left > 0:
+            group = waiting[0]
+            if not self._try_admit(group, num_free_slots):
+                break
+            num_free_slots -= group.max_num_running_seqs
+
+    def _try_admit(self, group: SequenceGroup, num_free_slots: int) -> bool:
+        """Admits waiting[0] (group) and schedules its first chunk when it fits; False otherwise."""
         manager = self.block_manager
         prefix_cache = manager.prefix_cache
         isolated = self.scheduler.isolated_request_ids
-        while waiting and self.num_tokens_left > 0:
-            group = waiting[0]
-            if group.max_num_running_seqs > num_free_slots:
-                break
-            if isolated and group.request_id in isolated and any(
-                    other.request_id in isolated for other in self.groups):
-                break  # one suspect of a worker crash per step (see Scheduler.isolated_request_ids)
+        if group.max_num_running_seqs > num_free_slots:
+            return False
+        if isolated and group.request_id in isolated and any(
+                other.request_id in isolated for other in self.groups):
+            return False  # one suspect of a worker crash per step (see Scheduler.isolated_request_ids)
+        leader = group.seqs[0]
+        limit = min(group.prefill_target(leader), len(leader.token_ids) - 1)
+        num_queries, cached_blocks = prefix_cache.find_prefix(leader, limit)
+        manager.adopt_prefix(leader, cached_blocks)
+        manager.fork_if_ready(group)
+        chunks = plan_chunks(group, self.num_tokens_left, self.num_seqs_left)
+        num_needed = manager.count_blocks_needed(
+            ((chunk.seq, chunk.num_tokens) for chunk in chunks), manager.gpu_pool)
+        if not chunks or num_needed > manager.gpu_pool.num_available:
+            manager.drop_kv(group)
+            return False
+        prefix_cache.record(num_queries, len(cached_blocks))
+        if not group.is_admitted_once:
+            group.is_admitted_once = True
+            # a continuation's leader may hit blocks past the prompt: those are not prompt tokens
+            group.num_cached_prompt_tokens = min(len(cached_blocks) * manager.block_size,
+                                                 group.num_prompt_tokens)
+        self.scheduler.waiting.remove(group)
+        self._start_running(group)
+        self._emit(group, chunks)
+        return True
+
+    # -- priority policy ----------------------------------------------------------------------
+    def _next_queued(self) -> SequenceGroup | None:
+        """The swapped or waiting group that comes first by (priority, arrival)."""
+        swapped, waiting = self.scheduler.swapped, self.scheduler.waiting
+        if swapped and (not waiting or swapped[0].queue_key < waiting[0].queue_key):
+            return swapped[0]
+        return waiting[0] if waiting else None
+
+    def _preempt_for_priority(self) -> None:
+        """The first queued group (swapped or waiting) preempts running groups of strictly lower
+        priority, lowest priority and newest first, until it would fit; equal priorities never
+        preempt each other. Done before pass 1, so no victim has tokens in this step yet."""
+        candidate = self._next_queued()
+        running = self.scheduler.running
+        if candidate is None:
+            return
+        while running and running[-1].priority > candidate.priority and not self._would_fit(candidate):
+            self._preempt(running[-1])
+            self.num_priority_preemptions += 1
+
+    def _would_fit(self, group: SequenceGroup) -> bool:
+        """Whether group could start now beside the running groups: a sequence slot each, and
+        blocks for its first chunk (or its swapped blocks) plus one new block per running
+        sequence at a block boundary. Prefix-cache hits are not counted (a safe overestimate)."""
+        config = self.scheduler.config
+        running = self.scheduler.running
+        if sum(other.max_num_running_seqs for other in running) + group.max_num_running_seqs > config.max_num_seqs:
+            return False
+        size = self.block_manager.block_size
+        num_needed = sum(1 for other in running for seq in other.seqs
+                         if seq.num_computed_tokens % size == 0)
+        if group.status is GroupStatus.SWAPPED:
+            num_needed += self.block_manager.num_distinct_blocks(group.seqs) + len(group.seqs)
+        else:
             leader = group.seqs[0]
-            limit = min(group.prefill_target(leader), len(leader.token_ids) - 1)
-            num_queries, cached_blocks = prefix_cache.find_prefix(leader, limit)
-            manager.adopt_prefix(leader, cached_blocks)
-            manager.fork_if_ready(group)
-            chunks = plan_chunks(group, self.num_tokens_left, self.num_seqs_left)
-            num_needed = manager.count_blocks_needed(
-                ((chunk.seq, chunk.num_tokens) for chunk in chunks), manager.gpu_pool)
-            if not chunks or num_needed > manager.gpu_pool.num_available:
-                manager.drop_kv(group)
-                break
-            prefix_cache.record(num_queries, len(cached_blocks))
-            if not group.is_admitted_once:
-                group.is_admitted_once = True
-                # a continuation's leader may hit blocks past the prompt: those are not prompt tokens
-                group.num_cached_prompt_tokens = min(len(cached_blocks) * manager.block_size,
-                                                     group.num_prompt_tokens)
-            waiting.pop(0)
-            self._start_running(group)
+            num_needed += config.num_blocks_for(min(len(leader.token_ids), config.max_num_batched_tokens))
+        return num_needed <= self.block_manager.gpu_pool.num_available
+
+    def _swap_in_and_admit_by_priority(self, num_free_slots: int) -> None:
+        """Passes 2 and 3 merged: swapped and waiting groups in one (priority, arrival) order;
+        the first that does not fit stops both."""
+        while self.num_tokens_left > 0:
+            group = self._next_queued()
+            if group is None:
+                return
+            if group.status is GroupStatus.SWAPPED:
+                is_started = self._try_swap_in(group, num_free_slots)
+            else:
+                is_started = self._try_admit(group, num_free_slots)
+            if not is_started:
+                return
             num_free_slots -= group.max_num_running_seqs
-            self._emit(group, chunks)
 
     # -- shared -----------------------------------------------------------------------------
     def _start_running(self, group: SequenceGroup) -> None:
@@ -301,5 +378,5 @@ class StepBuilder:
         self.groups.append(group)
 
 
-def _arrival(group: SequenceGroup) -> int:
-    return group.arrival_index
+def _arrival(group: SequenceGroup) -> tuple[int, int]:
+    return group.queue_key

@@ -42,6 +42,9 @@ class FakeConfig:
     scheduler_address: str = "127.0.0.1:1"
     public_address: str = "127.0.0.1:2"
     model: str = "stand-in"
+    replica_args: list[list[str]] = field(default_factory=list)  # no --data-parallel-size
+    has_replica_children: bool = False
+    is_replica_only: bool = False
 
     def restart_policy(self, group: str) -> RestartPolicy:
         return RestartPolicy(max_restarts=self.max_restarts, initial_delay_s=DELAY_S, max_delay_s=DELAY_S)

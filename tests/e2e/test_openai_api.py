@@ -204,7 +204,7 @@ def test_beam_search_through_the_grpc_path(client, openai_server):
     ({"max_tokens": 5000}, "max_tokens", "max_model_len"),
     ({"logit_bias": {"5": 10}}, "logit_bias", "not supported"),
     ({"best_of": 3}, "best_of", "use_beam_search"),
-    ({"extra_body": {"priority": 2}}, "priority", "first come, first served"),
+    ({"extra_body": {"priority": 2**31}}, "priority", "must be in"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream"),
     ({"extra_body": {"response_format": {"type": "json_object"}}}, "response_format", "not supported"),
 ])

@@ -67,7 +67,7 @@ def test_logprobs_ask_for_at_least_one_alternative():
     ({"prompt": [1, "a"]}, "prompt"),
     ({"logit_bias": {"1": 2.0}}, "logit_bias"),
     ({"best_of": 2}, "best_of"),
-    ({"priority": 1}, "priority"),
+    ({"priority": 2**31}, "priority"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"suffix": "x"}, "suffix"),
@@ -78,6 +78,12 @@ def test_logprobs_ask_for_at_least_one_alternative():
 ])
 def test_completion_errors_name_the_field(fields, param):
     assert _param(lambda: _completion(**fields)) == param
+
+
+def test_priority_flows_through():
+    assert _completion(priority=3).priority == 3
+    assert _chat(priority=-2).priority == -2
+    assert _completion().priority == 0
 
 
 def test_chat_errors_name_the_field():

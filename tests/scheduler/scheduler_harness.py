@@ -32,10 +32,11 @@ class RequestSpec:
     abort_step: int | None = None  # abort before this step's schedule()
     finish_step: int | None = None  # finish_completion(finish_index) before this step
     finish_index: int = 0
+    priority: int = 0  # lower first under scheduling_policy="priority"
 
     def request(self) -> Request:
         return Request(request_id=self.request_id, prompt_token_ids=list(self.prompt_token_ids),
-                       sampling=self.sampling, eos_token_ids=[EOS_TOKEN_ID])
+                       sampling=self.sampling, eos_token_ids=[EOS_TOKEN_ID], priority=self.priority)
 
 
 @dataclass
