@@ -36,7 +36,8 @@ from pagedserve.frontend.request_errors import ErrorKind, classify
 from pagedserve.frontend.scheduler_client import SchedulerClient, SchedulerError, SubmitCancelled
 from pagedserve.frontend.tokenizer import Tokenizer
 from pagedserve.frontend.chat_template import ChatTemplate
-from pagedserve.frontend.validation import validate_request
+from pagedserve.frontend.validation import check_text_bytes, is_printable_ascii, validate_request
+from pagedserve.sampling_params import InvalidParameter
 from pagedserve.v1 import generation_pb2
 
 log = structlog.get_logger()
@@ -133,6 +134,10 @@ class GenerationServicer:
     def Tokenize(self, request, context) -> generation_pb2.TokenizeResponse:
         if isinstance(request, UndecodableRequest):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        try:
+            check_text_bytes("text", [request.text], self._admission.max_prompt_bytes())
+        except InvalidParameter as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return generation_pb2.TokenizeResponse(token_ids=self._tokenizer.encode(request.text))
 
     def ModelInfo(self, request, context) -> generation_pb2.ModelInfoResponse:
@@ -164,7 +169,7 @@ class GenerationServicer:
         request_id = generation.request.request_id if generation is not None else ""
         if not request_id and not isinstance(request, UndecodableRequest):
             request_id = request.request_id
-        if request_id:
+        if request_id and is_printable_ascii(request_id):
             context.set_trailing_metadata(((REQUEST_ID_METADATA, request_id),))
         if generation is not None and self._admission.was_cut(generation):
             timer.on_done("error")
