@@ -43,6 +43,7 @@ from pagedserve.frontend.scheduler_client import SchedulerClient
 from pagedserve.frontend.servicer import GenerationServicer, generation_rpc_handler
 from pagedserve.frontend.tokenizer import TokenizerLoadError, load_tokenizer
 from pagedserve.frontend.transport import TransportConfigError
+from pagedserve.bearer_auth import HEALTH_PREFIX, REFLECTION_PREFIX, BearerTokenInterceptor
 from pagedserve.grpc_options import DEFAULT_SHUTDOWN_TIMEOUT_S
 from pagedserve.log import configure_logging
 
@@ -123,7 +124,10 @@ def serve_frontend(config: FrontendConfig, *, health_poll_interval_s: float = DE
     # (so no queue of calls grows without bound under overload).
     options = [("grpc.so_reuseport", 0), *transport.server_options()]  # a port in use is an error, not shared
     pool = futures.ThreadPoolExecutor(max_workers=config.max_concurrent_rpcs, thread_name_prefix="rpc")
-    server = grpc.server(pool, options=options, maximum_concurrent_rpcs=config.max_concurrent_rpcs)
+    api_key = config.http.resolved_api_key()
+    interceptors = [BearerTokenInterceptor(api_key, (HEALTH_PREFIX, REFLECTION_PREFIX))] if api_key else []
+    server = grpc.server(pool, options=options, maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+                         interceptors=interceptors)
     server.add_generic_rpc_handlers((generation_rpc_handler(servicer),))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     enable_reflection((GENERATION_SERVICE, health.SERVICE_NAME), server)

@@ -26,6 +26,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagedserve.bearer_auth import bearer_metadata
 from pagedserve.internal import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.serve_config import free_port
 from pagedserve.v1 import generation_pb2_grpc
@@ -39,6 +40,7 @@ class ServeProcess:
     `credentials` (TLS to the public port) are used for `channel`; `metrics=True` also serves both
     processes' Prometheus metrics on free ports (`metrics_port`, `scheduler_metrics_port`);
     `num_threads` sets OMP_NUM_THREADS for the tree (the workers' torch thread count);
+    `api_key` (the server's --api-key) is sent with every call of `channel`;
     `http_port=True` serves the OpenAI-compatible HTTP API on a free port (`http_port`, `http_url`),
     an int on that port; by default the tree has no HTTP port (serve's own default, 8000, would
     collide between trees).
@@ -48,7 +50,7 @@ class ServeProcess:
                  env: dict[str, str] | None = None, *,
                  credentials: grpc.ChannelCredentials | None = None, metrics: bool = False,
                  num_threads: int | None = None, device: str = "cpu",
-                 ready_timeout: float = 300.0, http_port: bool | int = False) -> None:
+                 ready_timeout: float = 300.0, http_port: bool | int = False, api_key: str | None = None) -> None:
         self.port = free_port()
         if http_port is True:
             http_port = free_port()
@@ -76,6 +78,8 @@ class ServeProcess:
             self.channel = grpc.insecure_channel(self.address)
         else:
             self.channel = grpc.secure_channel(self.address, credentials)
+        if api_key is not None:
+            self.channel = grpc.intercept_channel(self.channel, _MetadataInterceptor(bearer_metadata(api_key)))
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
         self.scheduler_channel = grpc.insecure_channel(f"127.0.0.1:{self.scheduler_port}")
         self.scheduler = scheduler_pb2_grpc.SchedulerStub(self.scheduler_channel)
@@ -171,6 +175,22 @@ class ServeProcess:
                 self.proc.wait()
         self._log_file.close()
         return self.proc.returncode
+
+
+class _MetadataInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds `metadata` to every call of a channel."""
+
+    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._metadata = metadata
+
+    def _with_metadata(self, details):
+        return details._replace(metadata=(*(details.metadata or ()), *self._metadata))
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(self._with_metadata(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return continuation(self._with_metadata(client_call_details), request)
 
 
 def _children(pid: int) -> list[int]:

@@ -71,9 +71,14 @@ def _continued(request: Request) -> dict:
             "num_finished_before": sum(c.is_finished for c in request.continuations)}
 
 
+# The frontend cancels its Submit when its client's deadline passes, a little before this end's copy
+# of the same deadline: a stream closed this close to its deadline timed out.
+DEADLINE_SLACK_S = 0.25
+
+
 def _close_reason(context) -> str:
     remaining = context.time_remaining()
-    return "deadline_exceeded" if remaining is not None and remaining <= 0 else "stream_closed"
+    return "deadline_exceeded" if remaining is not None and remaining <= DEADLINE_SLACK_S else "stream_closed"
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
