@@ -13,7 +13,7 @@ from pagedserve.config_flags import nested, option, require
 from pagedserve.frontend.http_config import HttpConfig
 from pagedserve.frontend.transport import TransportConfig
 from pagedserve.shared_options import (
-    DEFAULT_HOST, DEFAULT_PORT, DEFAULT_SCHEDULER_PORT, model_option, shutdown_timeout_option,
+    DEFAULT_HOST, DEFAULT_PORT, DEFAULT_SCHEDULER_PORT, metrics_host_option, model_option, shutdown_timeout_option,
 )
 
 DEFAULT_MAX_CONCURRENT_RPCS = 512
@@ -23,11 +23,12 @@ DEFAULT_SCHEDULER_RECOVERY_TIMEOUT_S = 60.0
 @dataclass(kw_only=True, slots=True)
 class FrontendConfig:
     model_path: str = model_option()  # the frontend reads only the tokenizer and EOS ids
-    host: str = option(DEFAULT_HOST, serve=True, help="address of the public gRPC port (and of /metrics)")
+    host: str = option(DEFAULT_HOST, serve=True, help="address of the public gRPC and HTTP ports (and of /metrics unless --metrics-host)")
     port: int = option(DEFAULT_PORT, serve=True, help="public gRPC port (0: a free one)")
     scheduler_address: str = option(f"{DEFAULT_HOST}:{DEFAULT_SCHEDULER_PORT}", metavar="HOST:PORT",
                                     help="the scheduler's internal gRPC port")
     metrics_port: int | None = option(None, metavar="P", serve=True, help="serve Prometheus /metrics on this port")
+    metrics_host: str | None = metrics_host_option()
     shutdown_timeout: float = shutdown_timeout_option()
     max_concurrent_rpcs: int = option(
         DEFAULT_MAX_CONCURRENT_RPCS, metavar="N", serve=True,
@@ -39,6 +40,10 @@ class FrontendConfig:
              "then goes on from the tokens already streamed; past it, or with 0, it fails with UNAVAILABLE")
     transport: TransportConfig = nested(TransportConfig, title="public port transport")
     http: HttpConfig = nested(HttpConfig, title="OpenAI-compatible HTTP")
+
+    @property
+    def resolved_metrics_host(self) -> str:
+        return self.metrics_host or self.host
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port"):

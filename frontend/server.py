@@ -146,10 +146,11 @@ def serve_frontend(config: FrontendConfig, *, health_poll_interval_s: float = DE
     bound_metrics_port = None
     if config.metrics_port is not None:
         try:
-            bound_metrics_port = metrics.serve(config.metrics_port, host=host)
+            bound_metrics_port = metrics.serve(config.metrics_port, host=config.resolved_metrics_host)
         except OSError as exc:
             client.close()
-            raise FrontendStartError(f"cannot serve metrics on {host}:{config.metrics_port}: {exc}") from exc
+            raise FrontendStartError(f"cannot serve metrics on {config.resolved_metrics_host}:{config.metrics_port}: "
+                                     f"{exc}") from exc
     http_server = None
     if config.http.is_enabled:
         from pagedserve.frontend.http_server import HttpStartError, start_http_server  # FastAPI: only when used

@@ -227,7 +227,7 @@ async def _serve(config: SchedulerServerConfig, engine_config: SchedulerConfig, 
     log = configure_logging("scheduler")
     metrics = SchedulerMetrics()
     if config.metrics_port:
-        metrics.serve(config.metrics_port, config.metrics_host)
+        metrics.serve(config.metrics_port, config.resolved_metrics_host)
 
     def on_step(engine: Engine, record) -> None:
         if record is None:  # a new scheduler: its pool size is known, its totals start at 0
