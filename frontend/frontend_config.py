@@ -7,16 +7,19 @@ are derived from the fields' metadata (pagedserve.config_flags).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from pagedserve.config_flags import nested, option, require
 from pagedserve.frontend.http_config import HttpConfig
+from pagedserve.frontend.stream_watchdog import DEFAULT_STREAM_WRITE_TIMEOUT_S
 from pagedserve.frontend.transport import TransportConfig
 from pagedserve.shared_options import (
     DEFAULT_HOST, DEFAULT_PORT, DEFAULT_SCHEDULER_PORT, metrics_host_option, model_option, shutdown_timeout_option,
 )
 
 DEFAULT_MAX_CONCURRENT_RPCS = 512
+DEFAULT_MAX_STREAMS_PER_CONNECTION = 128
 DEFAULT_SCHEDULER_RECOVERY_TIMEOUT_S = 60.0
 
 
@@ -32,8 +35,16 @@ class FrontendConfig:
     shutdown_timeout: float = shutdown_timeout_option()
     max_concurrent_rpcs: int = option(
         DEFAULT_MAX_CONCURRENT_RPCS, metavar="N", serve=True,
-        help="calls served at once (health checks included); beyond it RESOURCE_EXHAUSTED; "
-             "HTTP: prompts generating at once, beyond it 429")
+        help="calls of the Generation service at once (health checks and reflection apart: they always "
+             "answer); beyond it RESOURCE_EXHAUSTED; HTTP: prompts generating at once, beyond it 429")
+    max_streams_per_connection: int = option(
+        DEFAULT_MAX_STREAMS_PER_CONNECTION, metavar="N", serve=True,
+        help="calls at once on one client connection (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS); more wait "
+             "in the client")
+    stream_write_timeout: float = option(
+        DEFAULT_STREAM_WRITE_TIMEOUT_S, metavar="S", serve=True,
+        help="a GenerateStream whose client has not taken a message for this long is aborted (its blocks "
+             "freed) and its call cancelled")
     scheduler_recovery_timeout: float = option(
         DEFAULT_SCHEDULER_RECOVERY_TIMEOUT_S, metavar="S", serve=True,
         help="when the scheduler dies mid-request: how long the request waits for a restarted scheduler, "
@@ -52,3 +63,6 @@ class FrontendConfig:
         require(self.shutdown_timeout >= 0, "shutdown_timeout", "must be >= 0")
         require(self.scheduler_recovery_timeout >= 0, "scheduler_recovery_timeout", "must be >= 0 (0: no recovery)")
         require(self.max_concurrent_rpcs >= 1, "max_concurrent_rpcs", "must be >= 1")
+        require(self.max_streams_per_connection >= 1, "max_streams_per_connection", "must be >= 1")
+        require(math.isfinite(self.stream_write_timeout) and self.stream_write_timeout > 0, "stream_write_timeout",
+                "must be > 0")
