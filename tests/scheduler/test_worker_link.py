@@ -162,3 +162,28 @@ def test_a_pid_dismissed_long_ago_may_register_again(link):
     assert link.ranks[0].pid == 4001
     for rank in (recent, reused):
         rank.close()
+
+
+def test_garbage_and_unexpected_worker_messages_are_dropped_and_the_step_still_completes(link):
+    """Frames that do not parse, empty messages, ranks outside the replica and results of other
+    steps are dropped and counted; none of them raises, and the awaited result still arrives."""
+    from pagedserve.plan_codec import encode_result
+    from pagedserve.step_plan import StepPlan, StepResult
+
+    rank = FakeRank(link, 0, pid=5001)
+    _register_until_known(link, rank)
+    _init(link, rank)
+    for frame in (b"\xff\xff\xff", b"\x0a\x05ab", b"", b"\x12\x01"):
+        rank.push.send(frame)
+    rank.push.send(step_pb2.WorkerMessage(register=step_pb2.Register(
+        rank=3, world_size=7, num_gpu_blocks=1, pid=6666)).SerializeToString())
+    plan = StepPlan(step_id=41)
+    link.publish(plan)
+    rank.push.send(encode_result(StepResult(step_id=40, samples=[], epoch=link.epoch)))  # a stale step
+    rank.push.send(encode_result(StepResult(step_id=41, samples=[], epoch=link.epoch - 1)))  # another epoch
+    rank.push.send(encode_result(StepResult(step_id=41, samples=[], epoch=link.epoch)))
+    result = link.wait_result(plan)
+    assert (result.step_id, result.epoch) == (41, link.epoch)
+    assert link.num_dropped == 7
+    assert list(link.ranks) == [0] and link.ranks[0].pid == 5001
+    rank.close()
