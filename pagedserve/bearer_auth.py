@@ -84,3 +84,66 @@ def refusing_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, deta
     if handler.response_streaming:
         return grpc.unary_stream_rpc_method_handler(refuse_stream, deserializer, serializer)
     return grpc.unary_unary_rpc_method_handler(refuse, deserializer, serializer)
+
+
+class AioBearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """BearerTokenInterceptor for a grpc.aio server (the scheduler's internal port)."""
+
+    def __init__(self, key: str, open_prefixes: tuple[str, ...] = (HEALTH_PREFIX,), what: str = "the token") -> None:
+        if not key:
+            raise ValueError("an empty key authenticates nobody")
+        self._key = key.encode()
+        self._open_prefixes = open_prefixes
+        self._what = what
+
+    async def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method
+        handler = await continuation(handler_call_details)
+        if handler is None or method.startswith(self._open_prefixes) or \
+                is_authorized(handler_call_details.invocation_metadata, self._key):
+            return handler
+        log.warning("request_unauthenticated", method=method)
+        return _aio_refusing_handler(handler, grpc.StatusCode.UNAUTHENTICATED,
+                                     f"send {self._what} as `authorization: Bearer KEY` metadata")
+
+
+def _aio_refusing_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, details: str):
+    async def refuse(_request, context):
+        await context.abort(code, details)
+
+    async def refuse_stream(_request, context):
+        await context.abort(code, details)
+        yield  # pragma: no cover  (an async generator, for streaming responses)
+
+    deserializer, serializer = handler.request_deserializer, handler.response_serializer
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(refuse_stream, deserializer, serializer)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(refuse, deserializer, serializer)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(refuse_stream, deserializer, serializer)
+    return grpc.unary_unary_rpc_method_handler(refuse, deserializer, serializer)
+
+
+class _MetadataInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds `metadata` to every call of a channel."""
+
+    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._metadata = metadata
+
+    def _with_metadata(self, details):
+        return details._replace(metadata=(*(details.metadata or ()), *self._metadata))
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(self._with_metadata(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return continuation(self._with_metadata(client_call_details), request)
+
+
+def with_bearer(channel: grpc.Channel, key: str | None) -> grpc.Channel:
+    """`channel` sending `authorization: Bearer KEY` with every unary and server-streaming call
+    (unchanged when key is None)."""
+    if not key:
+        return channel
+    return grpc.intercept_channel(channel, _MetadataInterceptor(bearer_metadata(key)))

@@ -16,6 +16,7 @@ process group when it does not exit in time.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -26,7 +27,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedserve.bearer_auth import bearer_metadata
+from pagedserve.bearer_auth import with_bearer
+from pagedserve.internal_token import INTERNAL_TOKEN_ENV
 from pagedserve.internal import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.serve_config import free_port
 from pagedserve.v1 import generation_pb2_grpc
@@ -68,6 +70,8 @@ class ServeProcess:
                         *(extra_args or [])]
         full_env = dict(os.environ)
         full_env.update(env or {})
+        # the tree's internal token, known here so that stats() may call the scheduler
+        self.internal_token = full_env.setdefault(INTERNAL_TOKEN_ENV, secrets.token_urlsafe(32))
         if num_threads is not None:
             full_env["OMP_NUM_THREADS"] = str(num_threads)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -79,9 +83,10 @@ class ServeProcess:
         else:
             self.channel = grpc.secure_channel(self.address, credentials)
         if api_key is not None:
-            self.channel = grpc.intercept_channel(self.channel, _MetadataInterceptor(bearer_metadata(api_key)))
+            self.channel = with_bearer(self.channel, api_key)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
-        self.scheduler_channel = grpc.insecure_channel(f"127.0.0.1:{self.scheduler_port}")
+        self.scheduler_channel = with_bearer(grpc.insecure_channel(f"127.0.0.1:{self.scheduler_port}"),
+                                             self.internal_token)
         self.scheduler = scheduler_pb2_grpc.SchedulerStub(self.scheduler_channel)
 
     def __enter__(self) -> "ServeProcess":
@@ -175,22 +180,6 @@ class ServeProcess:
                 self.proc.wait()
         self._log_file.close()
         return self.proc.returncode
-
-
-class _MetadataInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    """Adds `metadata` to every call of a channel."""
-
-    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
-        self._metadata = metadata
-
-    def _with_metadata(self, details):
-        return details._replace(metadata=(*(details.metadata or ()), *self._metadata))
-
-    def intercept_unary_unary(self, continuation, client_call_details, request):
-        return continuation(self._with_metadata(client_call_details), request)
-
-    def intercept_unary_stream(self, continuation, client_call_details, request):
-        return continuation(self._with_metadata(client_call_details), request)
 
 
 def _children(pid: int) -> list[int]:

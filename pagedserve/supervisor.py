@@ -44,6 +44,7 @@ import time
 
 from pagedserve.log import configure_logging
 from pagedserve.model_config import load_model_info
+from pagedserve.internal_token import INTERNAL_TOKEN_ENV, ensure_internal_token
 from pagedserve.parent_death import child_env
 from pagedserve.replica_probe import ReplicaProbe
 from pagedserve.restart_policy import RestartBudget
@@ -234,6 +235,9 @@ def run_serve(config: ServeConfig) -> int:
     """Checks the deployment (a PreflightError is a ValueError: `pagedserve` prints it and exits
     2), then serves until a signal."""
     check_deployment(load_model_info(config.model), config.deployment())
+    token = ensure_internal_token()  # the children's internal gRPC token (pagedserve.internal_token)
+    if config.env is not None:
+        config.env.setdefault(INTERNAL_TOKEN_ENV, token)
     supervisor = Supervisor(config)
 
     def on_signal(signum, frame) -> None:
