@@ -12,7 +12,8 @@ Epochs start from the link's start time in milliseconds, so they never repeat ac
 restarts: a worker that outlived a scheduler sees the new one's first epoch as new, and takes
 its step numbers afresh.
 
-Every worker message is checked before it counts: one that does not parse, is empty, registers
+With CURVE keys in the environment (pagedserve.zmq_curve; serve sets them) both sockets are CURVE
+servers admitting only the workers' key. Every worker message is checked before it counts: one that does not parse, is empty, registers
 a rank outside the replica, or answers a step or epoch other than the one awaited is dropped and
 logged (`worker_message_dropped`), never raised into the step loop.
 
@@ -41,6 +42,7 @@ from pagedserve.internal import step_pb2
 from pagedserve.log import get_logger
 from pagedserve.plan_codec import encode_plan, result_from_proto
 from pagedserve.step_plan import StepPlan, StepResult
+from pagedserve.zmq_curve import CurveServer, curve_keys_from_env
 
 INIT_RESEND_SECONDS = 0.2
 PLAN_SNDHWM = 1000  # plans queued per subscriber before ZeroMQ drops them for it
@@ -82,13 +84,22 @@ class WorkerLink:
 
     def __post_init__(self) -> None:
         self._context = zmq.Context.instance()
+        keys = curve_keys_from_env()
+        self._curve = CurveServer(self._context, keys) if keys is not None else None
+        if self._curve is None:
+            get_logger(component="worker_link").warning(
+                "internal_zmq_unauthenticated", hint="serve sets CURVE keys for its children (README, Security)")
         self._pub = self._context.socket(zmq.PUB)
+        if self._curve is not None:
+            self._curve.secure(self._pub)
         # bounded: a subscriber that stops reading loses plans (and stops on the gap) instead of
         # growing the scheduler's memory without end
         self._pub.setsockopt(zmq.SNDHWM, PLAN_SNDHWM)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.bind(self.plan_address)
         self._pull = self._context.socket(zmq.PULL)
+        if self._curve is not None:
+            self._curve.secure(self._pull)
         self._pull.setsockopt(zmq.RCVHWM, 0)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.bind(self.result_address)
@@ -267,3 +278,5 @@ class WorkerLink:
     def close(self) -> None:
         self._pub.close(CLOSE_LINGER_MS)
         self._pull.close(0)
+        if self._curve is not None:
+            self._curve.stop()

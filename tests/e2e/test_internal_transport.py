@@ -1,8 +1,8 @@
 """Attacks on the internal edges of a real `serve` from another local process, which reads the
 ports off /proc/*/cmdline: unauthenticated internal gRPC calls are refused and logged; a Submit
 with a token id outside the vocabulary is INVALID_ARGUMENT (the scheduler does not trust its
-frontends); garbage and forged frames pushed to the workers' result socket are dropped and logged
-while a stream runs, and the stream's tokens are unaffected."""
+frontends); sockets without the workers' CURVE key read no plan and push nothing while a stream
+runs, and the stream's tokens are unaffected."""
 
 from __future__ import annotations
 
@@ -74,13 +74,30 @@ def test_submit_with_a_token_outside_the_vocabulary_is_invalid_and_nothing_crash
     assert_pool_whole(server)
 
 
-def test_garbage_and_forged_worker_frames_are_dropped_and_the_stream_is_unaffected(server):
+def test_the_zeromq_link_admits_no_local_intruder_and_the_stream_is_unaffected(server):
+    """serve's link is CURVE: a plain socket completes no handshake (it reads no plan, pushes no
+    frame); one with a key pair of its own is refused by the scheduler's ZAP handler, which logs
+    it. (Frames from an admitted peer that do not parse are dropped: tests/scheduler/test_worker_link.py.)"""
     request = token_request(PROMPT, max_tokens=48, ignore_eos=True)
     expected = server.stub.Generate(request, timeout=60).completions[0].token_ids
-    result_address = _flag_of(server.child_pids()["scheduler"], "--result-address")
-    push = zmq.Context.instance().socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 0)
-    push.connect(result_address)
+    scheduler_pid = server.child_pids()["scheduler"]
+    result_address = _flag_of(scheduler_pid, "--result-address")
+    plan_address = _flag_of(scheduler_pid, "--plan-address")
+    context = zmq.Context.instance()
+    server_public = _env_of(server.child_pids()["worker-0"], "PAGEDSERVE_ZMQ_SERVER_PUBLIC_KEY").encode()
+    own_public, own_secret = zmq.curve_keypair()
+    sockets = []
+    for is_keyed in (False, True):
+        push, sub = context.socket(zmq.PUSH), context.socket(zmq.SUB)
+        for socket in (push, sub):
+            socket.setsockopt(zmq.LINGER, 0)
+            if is_keyed:
+                socket.curve_secretkey, socket.curve_publickey, socket.curve_serverkey = \
+                    own_secret, own_public, server_public
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        push.connect(result_address)
+        sub.connect(plan_address)
+        sockets += [push, sub]
     received: list[int] = []
 
     def stream() -> None:
@@ -91,17 +108,32 @@ def test_garbage_and_forged_worker_frames_are_dropped_and_the_stream_is_unaffect
     thread = threading.Thread(target=stream)
     thread.start()
     try:
-        frames = [b"\xff\xff\xff"] * 4 + [b"", b"\x12\x01"]
-        frames.append(step_pb2.WorkerMessage(register=step_pb2.Register(
-            rank=5, world_size=9, num_gpu_blocks=1, pid=4242)).SerializeToString())
-        frames.append(step_pb2.WorkerMessage(step_result=step_pb2.StepResult(step_id=1, epoch=1)).SerializeToString())
-        for frame in frames:
-            push.send(frame)
+        frames = [b"\xff\xff\xff"] * 4 + [step_pb2.WorkerMessage(step_result=step_pb2.StepResult(
+            step_id=1, epoch=1, seq_ids=[0], token_ids=[1])).SerializeToString()]
+        for push in sockets[0::2]:
+            for frame in frames:
+                try:
+                    push.send(frame, zmq.NOBLOCK)
+                except zmq.Again:  # no handshake completed: nowhere to send
+                    pass
         thread.join(60)
+        plans_read = sum(bool(sub.poll(500)) for sub in sockets[1::2])
     finally:
-        push.close(0)
+        for socket in sockets:
+            socket.close(0)
     assert not thread.is_alive()
     assert received == list(expected)
-    assert wait_for(lambda: server.log_events_named("worker_message_dropped") >= 7, timeout=10), server.logs()[-2000:]
+    assert plans_read == 0
+    assert wait_for(lambda: server.log_events_named("zmq_peer_refused") >= 1, timeout=10), server.logs()[-2000:]
+    assert server.log_events_named("worker_message_dropped") == 0  # nothing got as far as the scheduler
     assert server.health() == health_pb2.HealthCheckResponse.SERVING
     assert list(server.stub.Generate(request, timeout=60).completions[0].token_ids) == list(expected)
+
+
+def _env_of(pid: int, name: str) -> str:
+    """A variable of a process's environment (readable by its own user only, unlike its argv)."""
+    for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+        key, _, value = item.partition(b"=")
+        if key == name.encode():
+            return value.decode()
+    raise KeyError(name)
