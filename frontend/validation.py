@@ -46,15 +46,19 @@ def max_prompt_bytes(max_model_len: int) -> int:
 
 
 def check_text_bytes(field_name: str, texts: list[str], max_bytes: int) -> None:
-    """Raises InvalidParameter when `texts` together are longer than `max_bytes` UTF-8 bytes
-    (counted without encoding: a character is at most 4 bytes, so a cheap bound comes first)."""
+    """Raises InvalidParameter when `texts` together are longer than `max_bytes` UTF-8 bytes.
+    Characters are counted first (1 to 4 bytes each): only texts between max_bytes / 4 and
+    max_bytes characters are encoded to count their bytes."""
     num_chars = sum(len(text) for text in texts)
     if num_chars <= max_bytes // 4:
         return
-    num_bytes = sum(len(text.encode("utf-8", "surrogatepass")) for text in texts) if num_chars <= max_bytes else num_chars
+    if num_chars > max_bytes:
+        num_bytes, qualifier = num_chars, "at least "
+    else:
+        num_bytes, qualifier = sum(len(text.encode("utf-8", "surrogatepass")) for text in texts), ""
     if num_bytes > max_bytes:
         raise InvalidParameter(
-            field_name, f"at least {num_bytes} bytes of text; at most {max_bytes} are accepted "
+            field_name, f"{qualifier}{num_bytes} bytes of text; at most {max_bytes} are accepted "
             f"(max_model_len x {MAX_BYTES_PER_TOKEN} bytes per token)")
 
 
