@@ -26,7 +26,10 @@ from pagedserve.frontend.readiness import ReadinessMonitor
 from pagedserve.frontend.replica_set import ReplicaSet
 from pagedserve.frontend.scheduler_client import SchedulerClient
 from pagedserve.frontend.tokenizer import Tokenizer
-from pagedserve.frontend.validation import ModelLimits, ValidatedRequest
+from pagedserve.frontend.validation import ModelLimits, ValidatedRequest, max_prompt_bytes
+
+# Before the scheduler has said its max_model_len: the text Tokenize takes (gRPC and HTTP).
+FALLBACK_MAX_PROMPT_BYTES = 1 << 20
 
 log = structlog.get_logger()
 
@@ -53,6 +56,11 @@ class Admission:
             raise Draining("the frontend is shutting down; retry on another instance")
         info = self.readiness.require_ready()
         return ModelLimits(max_model_len=info.max_model_len, vocab_size=info.vocab_size or self.tokenizer.vocab_size)
+
+    def max_prompt_bytes(self) -> int:
+        """The longest text worth tokenizing (ModelLimits.max_prompt_bytes), also while not ready."""
+        info = self.readiness.info
+        return max_prompt_bytes(info.max_model_len) if info is not None else FALLBACK_MAX_PROMPT_BYTES
 
     def start(self, request: ValidatedRequest, timer: RequestTimer, timeout: float | None = None) -> Generation:
         """A Generation for the request, registered in flight (raises Draining once draining); it

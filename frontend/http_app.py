@@ -40,6 +40,7 @@ from pagedserve.frontend.openai_protocol import (
     DetokenizeBody, TokenizeBody, chat_messages, parse_body,
 )
 from pagedserve.frontend.openai_responses import error_body, model_card
+from pagedserve.frontend.validation import check_text_bytes
 from pagedserve.frontend.openai_serving import OpenAIServing
 from pagedserve.sampling_params import InvalidParameter
 
@@ -201,9 +202,14 @@ def build_app(admission: Admission, serving: OpenAIServing, chat_template: ChatT
             if (body.prompt is None) == (body.messages is None):
                 raise InvalidParameter("prompt", "send exactly one of prompt or messages")
 
+            max_bytes = admission.max_prompt_bytes()
+
             def encode() -> list[int]:
                 if body.messages is not None:
-                    return chat_template.encode(chat_messages(body.messages), body.add_generation_prompt)
+                    messages = chat_messages(body.messages)
+                    check_text_bytes("messages", [m["content"] for m in messages], max_bytes)
+                    return chat_template.encode(messages, body.add_generation_prompt)
+                check_text_bytes("prompt", [body.prompt], max_bytes)
                 add_special = True if body.add_special_tokens is None else body.add_special_tokens
                 return tokenizer.encode(body.prompt, add_special_tokens=add_special)
 

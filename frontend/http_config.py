@@ -1,5 +1,5 @@
 """Settings of the frontend's OpenAI-compatible HTTP port (nested in FrontendConfig; `serve`
-forwards them all).
+forwards them all). The API key also guards the gRPC port (pagedserve.bearer_auth).
 
 The port shares the frontend's --host and its TLS settings (--tls-cert, --tls-key, and
 --tls-client-ca for mutual TLS) with the gRPC port. The API key is --api-key, else the
@@ -29,7 +29,8 @@ class HttpConfig:
         help="the model name HTTP clients send (default: the model folder's name, `demo` for the demo)")
     api_key: str | None = option(
         None, metavar="KEY", serve=True,
-        help=f"HTTP clients must send Authorization: Bearer KEY (default: ${API_KEY_ENV}; unset: no key)")
+        help=f"clients must send Authorization: Bearer KEY, on gRPC (metadata; health and reflection open) "
+             f"and HTTP (/health open) (default: ${API_KEY_ENV}; unset: no key)")
     chat_template_file: str | None = option(
         None, flag="--chat-template", metavar="FILE", serve=True,
         help="Jinja chat template for /v1/chat/completions (default: the tokenizer's own)")

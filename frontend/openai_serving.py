@@ -41,7 +41,7 @@ from pagedserve.frontend.openai_responses import (
     completion_response, total_usage,
 )
 from pagedserve.frontend.openai_streaming import ChunkWriter, sse_frames
-from pagedserve.frontend.validation import ValidatedRequest, check_token_ids, validate_lengths
+from pagedserve.frontend.validation import ValidatedRequest, check_text_bytes, check_token_ids, validate_lengths
 from pagedserve.sampling_params import InvalidParameter
 
 log = structlog.get_logger()
@@ -168,6 +168,7 @@ class OpenAIServing:
         tokenizer = self._admission.tokenizer
         if is_chat:
             messages = chat_messages(parsed.messages)
+            check_text_bytes("messages", [m["content"] for m in messages], limits.max_prompt_bytes)
             prompts: list[tuple[str, list[int]]] = [
                 ("messages", self._chat_template.encode(messages, parsed.add_generation_prompt))]
         else:
@@ -176,6 +177,7 @@ class OpenAIServing:
             for index, item in enumerate(items):
                 field_name = "prompt" if len(items) == 1 else f"prompt[{index}]"
                 if isinstance(item, str):
+                    check_text_bytes(field_name, [item], limits.max_prompt_bytes)
                     prompts.append((field_name, tokenizer.encode(item)))
                 else:
                     check_token_ids(field_name, item, limits.vocab_size)

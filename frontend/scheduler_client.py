@@ -24,6 +24,8 @@ from dataclasses import dataclass, fields
 
 import grpc
 
+from pagedserve.bearer_auth import with_bearer
+from pagedserve.internal_token import internal_token
 from pagedserve.grpc_options import INTERNAL_CHANNEL_OPTIONS
 from pagedserve.internal import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.request_types import Request, RequestOutput
@@ -132,7 +134,8 @@ class SchedulerClient:
     def __init__(self, address: str, frontend_id: str = "", channel: grpc.Channel | None = None) -> None:
         self.address = address
         self.frontend_id = frontend_id
-        self._channel = channel or grpc.insecure_channel(address, options=INTERNAL_CHANNEL_OPTIONS)
+        self._channel = channel or with_bearer(grpc.insecure_channel(address, options=INTERNAL_CHANNEL_OPTIONS),
+                                               internal_token())
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
 
     def close(self) -> None:

@@ -3,7 +3,8 @@ HTTP API, and Prometheus metrics.
 
 ```
  serve_frontend()
-   ├─ grpc.server  host:port   pagedserve.v1.Generation   (servicer.py)
+   ├─ grpc.server  host:port   pagedserve.v1.Generation   (servicer.py; its own call limit,
+   │                                                       slow readers cut: stream_watchdog.py)
    │   plaintext, TLS or mTLS  grpc.health.v1.Health       "" = alive, Generation = scheduler ready
    │   (transport.py)          server reflection           both services listed
    ├─ uvicorn thread           host:http_port (0: none)   /v1/completions, /v1/chat/completions … (http_server.py)
@@ -42,8 +43,10 @@ from pagedserve.frontend.reflection import enable_reflection
 from pagedserve.frontend.replica_set import ReplicaSet, is_dns_name
 from pagedserve.frontend.scheduler_client import SchedulerClient
 from pagedserve.frontend.servicer import GenerationServicer, generation_rpc_handler
+from pagedserve.frontend.stream_watchdog import StreamWatchdog
 from pagedserve.frontend.tokenizer import TokenizerLoadError, load_tokenizer
 from pagedserve.frontend.transport import TransportConfigError
+from pagedserve.bearer_auth import HEALTH_PREFIX, REFLECTION_PREFIX, BearerTokenInterceptor
 from pagedserve.grpc_options import DEFAULT_SHUTDOWN_TIMEOUT_S
 from pagedserve.log import configure_logging
 
@@ -51,6 +54,7 @@ if TYPE_CHECKING:
     from pagedserve.frontend.http_server import HttpServer
 
 STOP_GRACE_S = 5.0
+HEALTH_HEADROOM_RPCS = 16  # server call slots beyond --max-concurrent-rpcs: health and reflection
 CUT_GRACE_S = 2.0  # after the shutdown timeout: how long cut requests get to send their status
 
 
@@ -63,8 +67,9 @@ class FrontendServer:
 
     def __init__(self, server: grpc.Server, port: int, metrics: FrontendMetrics, metrics_port: int | None,
                  readiness: ReadinessMonitor, client: SchedulerClient, in_flight: InFlight,
-                 http_server: HttpServer | None = None) -> None:
+                 http_server: HttpServer | None = None, watchdog: StreamWatchdog | None = None) -> None:
         self.server = server
+        self.watchdog = watchdog
         self.port = port
         self.http_server = http_server
         self.http_port = http_server.port if http_server is not None else None
@@ -92,6 +97,8 @@ class FrontendServer:
         if self.http_server is not None:
             self.http_server.stop(grace_s)
         self.server.stop(grace_s).wait()
+        if self.watchdog is not None:
+            self.watchdog.stop()
         self._client.close()
         self.metrics.stop()
 
@@ -123,13 +130,21 @@ def serve_frontend(config: FrontendConfig, *, health_poll_interval_s: float = DE
                                         poll_interval_s=health_poll_interval_s)
     in_flight = InFlight()
     recovery = SchedulerRecovery(readiness, config.scheduler_recovery_timeout)
-    servicer = GenerationServicer(tokenizer, client, readiness, metrics, in_flight, recovery, chat)
+    watchdog = StreamWatchdog(config.stream_write_timeout)
+    servicer = GenerationServicer(tokenizer, client, readiness, metrics, in_flight, recovery, chat,
+                                  max_concurrent_calls=config.max_concurrent_rpcs, watchdog=watchdog)
 
-    # Each streaming call holds a worker thread; beyond max_concurrent_rpcs calls get RESOURCE_EXHAUSTED
-    # (so no queue of calls grows without bound under overload).
-    options = [("grpc.so_reuseport", 0), *transport.server_options()]  # a port in use is an error, not shared
-    pool = futures.ThreadPoolExecutor(max_workers=config.max_concurrent_rpcs, thread_name_prefix="rpc")
-    server = grpc.server(pool, options=options, maximum_concurrent_rpcs=config.max_concurrent_rpcs)
+    # Each streaming call holds a worker thread. The Generation service limits its own calls to
+    # max_concurrent_rpcs (RESOURCE_EXHAUSTED beyond); the server takes HEALTH_HEADROOM_RPCS more, so
+    # health checks and reflection answer while every Generation slot is taken, and refuses beyond
+    # that (so no queue of calls grows without bound under overload).
+    max_rpcs = config.max_concurrent_rpcs + HEALTH_HEADROOM_RPCS
+    options = [("grpc.so_reuseport", 0), ("grpc.max_concurrent_streams", config.max_streams_per_connection),
+               *transport.server_options()]  # a port in use is an error, not shared
+    pool = futures.ThreadPoolExecutor(max_workers=max_rpcs, thread_name_prefix="rpc")
+    api_key = config.http.resolved_api_key()
+    interceptors = [BearerTokenInterceptor(api_key, (HEALTH_PREFIX, REFLECTION_PREFIX))] if api_key else []
+    server = grpc.server(pool, options=options, maximum_concurrent_rpcs=max_rpcs, interceptors=interceptors)
     server.add_generic_rpc_handlers((generation_rpc_handler(servicer),))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     enable_reflection((GENERATION_SERVICE, health.SERVICE_NAME), server)
@@ -148,10 +163,11 @@ def serve_frontend(config: FrontendConfig, *, health_poll_interval_s: float = DE
     bound_metrics_port = None
     if config.metrics_port is not None:
         try:
-            bound_metrics_port = metrics.serve(config.metrics_port, host=host)
+            bound_metrics_port = metrics.serve(config.metrics_port, host=config.resolved_metrics_host)
         except OSError as exc:
             client.close()
-            raise FrontendStartError(f"cannot serve metrics on {host}:{config.metrics_port}: {exc}") from exc
+            raise FrontendStartError(f"cannot serve metrics on {config.resolved_metrics_host}:{config.metrics_port}: "
+                                     f"{exc}") from exc
     http_server = None
     if config.http.is_enabled:
         from pagedserve.frontend.http_server import HttpStartError, start_http_server  # FastAPI: only when used
@@ -168,7 +184,7 @@ def serve_frontend(config: FrontendConfig, *, health_poll_interval_s: float = DE
     server.start()
     readiness.start()
     return FrontendServer(server, bound_port, metrics, bound_metrics_port, readiness, client, in_flight,
-                          http_server)
+                          http_server, watchdog)
 
 
 def run_frontend(config: FrontendConfig) -> int:

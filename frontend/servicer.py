@@ -22,6 +22,9 @@ retry elsewhere.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import grpc
 import structlog
 
@@ -33,10 +36,12 @@ from pagedserve.frontend.public_codec import stream_message, whole_response
 from pagedserve.frontend.readiness import GENERATION_SERVICE, ReadinessMonitor
 from pagedserve.frontend.request_decoding import UndecodableRequest, lenient_deserializer
 from pagedserve.frontend.request_errors import ErrorKind, classify
+from pagedserve.frontend.stream_watchdog import StreamWatch, StreamWatchdog
 from pagedserve.frontend.scheduler_client import SchedulerClient, SchedulerError, SubmitCancelled
 from pagedserve.frontend.tokenizer import Tokenizer
 from pagedserve.frontend.chat_template import ChatTemplate
-from pagedserve.frontend.validation import validate_request
+from pagedserve.frontend.validation import check_text_bytes, is_printable_ascii, validate_request
+from pagedserve.sampling_params import InvalidParameter
 from pagedserve.v1 import generation_pb2
 
 log = structlog.get_logger()
@@ -70,14 +75,42 @@ def _status_for(exc: Exception) -> _StatusError:
     return _StatusError(_CODE_OF_KIND[error.kind], error.message, error.metrics_label)
 
 
+class CallSlots:
+    """The service's own call limit (not grpc.server's maximum_concurrent_rpcs, which would count
+    health checks too): a call beyond `max_calls` ends RESOURCE_EXHAUSTED at once."""
+
+    def __init__(self, max_calls: int | None) -> None:
+        self.max_calls = max_calls
+        self._semaphore = threading.BoundedSemaphore(max_calls) if max_calls is not None else None
+
+    @contextlib.contextmanager
+    def slot(self, context):
+        if self._semaphore is None:
+            yield
+            return
+        if not self._semaphore.acquire(blocking=False):
+            log.info("request_refused", code="RESOURCE_EXHAUSTED", max_concurrent_rpcs=self.max_calls)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{self.max_calls} calls are running (--max-concurrent-rpcs); retry later")
+        try:
+            yield
+        finally:
+            self._semaphore.release()
+
+
 class GenerationServicer:
     """Implements Generate, GenerateStream, Tokenize and ModelInfo."""
 
     def __init__(self, tokenizer: Tokenizer, client: SchedulerClient, readiness: ReadinessMonitor,
                  metrics: FrontendMetrics, in_flight: InFlight | None = None,
-                 recovery: SchedulerRecovery | None = None, chat: ChatTemplate | None = None) -> None:
+                 recovery: SchedulerRecovery | None = None, chat: ChatTemplate | None = None, *,
+                 max_concurrent_calls: int | None = None, watchdog: StreamWatchdog | None = None) -> None:
         """recovery: how requests ride out a scheduler restart (None: they fail with UNAVAILABLE);
-        chat: renders `messages` prompts (None: such requests are INVALID_ARGUMENT)."""
+        chat: renders `messages` prompts (None: such requests are INVALID_ARGUMENT);
+        max_concurrent_calls: calls of this service at once, beyond it RESOURCE_EXHAUSTED (None: no
+        limit; health and reflection never count); watchdog: cuts streams whose client stops reading."""
+        self._slots = CallSlots(max_concurrent_calls)
+        self._watchdog = watchdog
         self._tokenizer = tokenizer
         self._chat = chat
         self._client = client
@@ -86,6 +119,10 @@ class GenerationServicer:
         self._admission = Admission(tokenizer, client, readiness, self.in_flight, recovery)
 
     def Generate(self, request, context) -> generation_pb2.GenerateResponse:
+        with self._slots.slot(context):
+            return self._generate(request, context)
+
+    def _generate(self, request, context) -> generation_pb2.GenerateResponse:
         timer = self._metrics.start_request(PROTOCOL)
         generation = None
         try:
@@ -104,12 +141,18 @@ class GenerationServicer:
                 self._admission.leave(generation)
 
     def GenerateStream(self, request, context):
+        with self._slots.slot(context):
+            yield from self._generate_stream(request, context)
+
+    def _generate_stream(self, request, context):
         timer = self._metrics.start_request(PROTOCOL)
         generation = None
+        watch = None
         try:
             generation = self._start(request, context, timer)
             request_id = generation.request.request_id
-            with structlog.contextvars.bound_contextvars(request_id=request_id):
+            with structlog.contextvars.bound_contextvars(request_id=request_id), \
+                    self._watch(generation, context) as watch:
                 is_first = True
                 for update in generation.run():
                     if update.usage is not None:
@@ -117,11 +160,13 @@ class GenerationServicer:
                     if is_first:
                         context.send_initial_metadata(((REQUEST_ID_METADATA, request_id),))
                         is_first = False
-                    yield stream_message(request_id, update.completions, update.usage)
+                    with watch.writing():
+                        yield stream_message(request_id, update.completions, update.usage)
         except GeneratorExit:  # the call ended while a message was on its way: the client is gone
             if generation is not None and timer.is_running:
                 timer.on_done("abort")
-                self._log_client_gone(context, generation.request.request_id)
+                if watch is None or not watch.has_timed_out:
+                    self._log_client_gone(context, generation.request.request_id)
             raise
         except Exception as exc:  # every failure becomes a status code
             self._fail(exc, request, context, timer, generation)
@@ -131,11 +176,23 @@ class GenerationServicer:
                 self._admission.leave(generation)
 
     def Tokenize(self, request, context) -> generation_pb2.TokenizeResponse:
+        with self._slots.slot(context):
+            return self._tokenize(request, context)
+
+    def _tokenize(self, request, context) -> generation_pb2.TokenizeResponse:
         if isinstance(request, UndecodableRequest):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        try:
+            check_text_bytes("text", [request.text], self._admission.max_prompt_bytes())
+        except InvalidParameter as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return generation_pb2.TokenizeResponse(token_ids=self._tokenizer.encode(request.text))
 
     def ModelInfo(self, request, context) -> generation_pb2.ModelInfoResponse:
+        with self._slots.slot(context):
+            return self._model_info(request, context)
+
+    def _model_info(self, request, context) -> generation_pb2.ModelInfoResponse:
         try:
             info = self._client.get_info()
         except SchedulerError as exc:
@@ -146,6 +203,21 @@ class GenerationServicer:
             vocab_size=info.vocab_size or self._tokenizer.vocab_size,
             eos_token_ids=self._tokenizer.eos_token_ids, block_size=info.block_size,
             num_kv_blocks=info.num_kv_blocks, tensor_parallel_size=info.tensor_parallel_size)
+
+    def _watch(self, generation: Generation, context):
+        """The stream's write watch: past the write timeout the request is aborted in the scheduler
+        (its blocks freed) and the call cancelled."""
+        if self._watchdog is None:
+            return contextlib.nullcontext(StreamWatch(lambda: None))
+        timeout_s = self._watchdog.timeout_s
+        request_id = generation.request.request_id
+
+        def on_timeout() -> None:
+            log.warning("stream_write_timeout", request_id=request_id, stream_write_timeout=timeout_s)
+            generation.cancel()
+            context.cancel()
+
+        return self._watchdog.watch(on_timeout)
 
     def _start(self, request, context, timer: RequestTimer) -> Generation:
         if isinstance(request, UndecodableRequest):
@@ -164,7 +236,7 @@ class GenerationServicer:
         request_id = generation.request.request_id if generation is not None else ""
         if not request_id and not isinstance(request, UndecodableRequest):
             request_id = request.request_id
-        if request_id:
+        if request_id and is_printable_ascii(request_id):
             context.set_trailing_metadata(((REQUEST_ID_METADATA, request_id),))
         if generation is not None and self._admission.was_cut(generation):
             timer.on_done("error")

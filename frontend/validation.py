@@ -15,6 +15,11 @@ from pagedserve.sampling_params import DEFAULT_MAX_TOKENS, InvalidParameter, Sam
 from pagedserve.v1 import generation_pb2
 
 MAX_REQUEST_ID_CHARS = 256
+# A text prompt is refused by its UTF-8 length before it is tokenized (tokenizing tens of MB takes
+# minutes and gigabytes): no tokenizer spends more than this many bytes per token in practice, so a
+# prompt longer than max_model_len x MAX_BYTES_PER_TOKEN cannot fit; short contexts get a floor.
+MAX_BYTES_PER_TOKEN = 16
+MIN_MAX_PROMPT_BYTES = 64 * 1024
 
 
 class Encoder(Protocol):
@@ -29,6 +34,32 @@ class ChatEncoder(Protocol):
 class ModelLimits:
     max_model_len: int
     vocab_size: int  # prompt and stop token ids must be below it
+
+    @property
+    def max_prompt_bytes(self) -> int:
+        """The longest text (UTF-8 bytes) worth tokenizing; longer prompts are refused unread."""
+        return max_prompt_bytes(self.max_model_len)
+
+
+def max_prompt_bytes(max_model_len: int) -> int:
+    return max(max_model_len * MAX_BYTES_PER_TOKEN, MIN_MAX_PROMPT_BYTES)
+
+
+def check_text_bytes(field_name: str, texts: list[str], max_bytes: int) -> None:
+    """Raises InvalidParameter when `texts` together are longer than `max_bytes` UTF-8 bytes.
+    Characters are counted first (1 to 4 bytes each): only texts between max_bytes / 4 and
+    max_bytes characters are encoded to count their bytes."""
+    num_chars = sum(len(text) for text in texts)
+    if num_chars <= max_bytes // 4:
+        return
+    if num_chars > max_bytes:
+        num_bytes, qualifier = num_chars, "at least "
+    else:
+        num_bytes, qualifier = sum(len(text.encode("utf-8", "surrogatepass")) for text in texts), ""
+    if num_bytes > max_bytes:
+        raise InvalidParameter(
+            field_name, f"{qualifier}{num_bytes} bytes of text; at most {max_bytes} are accepted "
+            f"(max_model_len x {MAX_BYTES_PER_TOKEN} bytes per token)")
 
 
 @dataclass(slots=True)
@@ -70,7 +101,7 @@ def validate_request(msg: generation_pb2.GenerateRequest, encoder: Encoder, limi
     request_id = request_id_or_new(msg.request_id)
     params = sampling_params_from_proto(msg.params)
     params.validate(vocab_size=limits.vocab_size)
-    prompt_field, prompt_token_ids = _prompt(msg, encoder, limits.vocab_size, chat)
+    prompt_field, prompt_token_ids = _prompt(msg, encoder, limits, chat)
     defaulted = " (max_tokens 0 means 16)" if msg.params.max_tokens == 0 else ""
     return validate_lengths(ValidatedRequest(request_id, prompt_token_ids, params, msg.priority), limits,
                             prompt_field, max_tokens_field="max_tokens", max_tokens_note=defaulted)
@@ -114,20 +145,28 @@ def request_id_or_new(client_id: str) -> str:
         return uuid.uuid4().hex
     if len(client_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidParameter("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters")
+    if not is_printable_ascii(client_id):
+        raise InvalidParameter("request_id", "only printable ASCII characters (no control characters); "
+                               "it is echoed in metadata and written to logs")
     return client_id
 
 
-def _prompt(msg: generation_pb2.GenerateRequest, encoder: Encoder, vocab_size: int,
+def is_printable_ascii(text: str) -> bool:
+    return text.isascii() and text.isprintable()
+
+
+def _prompt(msg: generation_pb2.GenerateRequest, encoder: Encoder, limits: ModelLimits,
             chat: ChatEncoder | None) -> tuple[str, list[int]]:
     """(field name, prompt token ids) of whichever prompt field is set."""
     which = msg.WhichOneof("input")
     if which is None:
         raise InvalidParameter("prompt", "set exactly one of prompt, prompt_token_ids or messages")
     if which == "messages":
-        return "messages", _chat_prompt(msg.messages, chat)
+        return "messages", _chat_prompt(msg.messages, chat, limits.max_prompt_bytes)
     if which == "prompt":
         if not msg.prompt:
             raise InvalidParameter("prompt", "must not be empty")
+        check_text_bytes("prompt", [msg.prompt], limits.max_prompt_bytes)
         token_ids = encoder.encode(msg.prompt)
         if not token_ids:
             raise InvalidParameter("prompt", "encodes to no tokens")
@@ -135,13 +174,14 @@ def _prompt(msg: generation_pb2.GenerateRequest, encoder: Encoder, vocab_size: i
     token_ids = list(msg.prompt_token_ids.ids)
     if not token_ids:
         raise InvalidParameter("prompt_token_ids", "must not be empty")
-    check_token_ids("prompt_token_ids", token_ids, vocab_size)
+    check_token_ids("prompt_token_ids", token_ids, limits.vocab_size)
     return "prompt_token_ids", token_ids
 
 
-def _chat_prompt(msg: generation_pb2.ChatMessages, chat: ChatEncoder | None) -> list[int]:
+def _chat_prompt(msg: generation_pb2.ChatMessages, chat: ChatEncoder | None, max_bytes: int) -> list[int]:
     if not msg.messages:
         raise InvalidParameter("messages", "must not be empty")
+    check_text_bytes("messages", [text for m in msg.messages for text in (m.role, m.content)], max_bytes)
     for index, message in enumerate(msg.messages):
         if not message.role:
             raise InvalidParameter("messages", f"message {index} has no role")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import grpc
 
+from pagedserve.bearer_auth import with_bearer
+from pagedserve.internal_token import internal_token
 from pagedserve.grpc_options import INTERNAL_CHANNEL_OPTIONS
 from pagedserve.internal import scheduler_pb2, scheduler_pb2_grpc
 
@@ -20,7 +22,8 @@ class ReplicaProbe:
     def __init__(self, scheduler_address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
         self._timeout_s = timeout_s
         # the internal channel's options: it reconnects within 2 s to a restarted scheduler
-        self._channel = grpc.insecure_channel(scheduler_address, options=INTERNAL_CHANNEL_OPTIONS)
+        self._channel = with_bearer(grpc.insecure_channel(scheduler_address, options=INTERNAL_CHANNEL_OPTIONS),
+                                    internal_token())
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
 
     def is_ready(self) -> bool:

@@ -16,6 +16,7 @@ process group when it does not exit in time.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -26,6 +27,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagedserve.bearer_auth import with_bearer
+from pagedserve.internal_token import INTERNAL_TOKEN_ENV
 from pagedserve.internal import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.serve_config import free_port
 from pagedserve.v1 import generation_pb2_grpc
@@ -39,6 +42,7 @@ class ServeProcess:
     `credentials` (TLS to the public port) are used for `channel`; `metrics=True` also serves both
     processes' Prometheus metrics on free ports (`metrics_port`, `scheduler_metrics_port`);
     `num_threads` sets OMP_NUM_THREADS for the tree (the workers' torch thread count);
+    `api_key` (the server's --api-key) is sent with every call of `channel`;
     `http_port=True` serves the OpenAI-compatible HTTP API on a free port (`http_port`, `http_url`),
     an int on that port; by default the tree has no HTTP port (serve's own default, 8000, would
     collide between trees).
@@ -48,7 +52,7 @@ class ServeProcess:
                  env: dict[str, str] | None = None, *,
                  credentials: grpc.ChannelCredentials | None = None, metrics: bool = False,
                  num_threads: int | None = None, device: str = "cpu",
-                 ready_timeout: float = 300.0, http_port: bool | int = False) -> None:
+                 ready_timeout: float = 300.0, http_port: bool | int = False, api_key: str | None = None) -> None:
         self.port = free_port()
         if http_port is True:
             http_port = free_port()
@@ -66,6 +70,8 @@ class ServeProcess:
                         *(extra_args or [])]
         full_env = dict(os.environ)
         full_env.update(env or {})
+        # the tree's internal token, known here so that stats() may call the scheduler
+        self.internal_token = full_env.setdefault(INTERNAL_TOKEN_ENV, secrets.token_urlsafe(32))
         if num_threads is not None:
             full_env["OMP_NUM_THREADS"] = str(num_threads)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -76,8 +82,11 @@ class ServeProcess:
             self.channel = grpc.insecure_channel(self.address)
         else:
             self.channel = grpc.secure_channel(self.address, credentials)
+        if api_key is not None:
+            self.channel = with_bearer(self.channel, api_key)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
-        self.scheduler_channel = grpc.insecure_channel(f"127.0.0.1:{self.scheduler_port}")
+        self.scheduler_channel = with_bearer(grpc.insecure_channel(f"127.0.0.1:{self.scheduler_port}"),
+                                             self.internal_token)
         self.scheduler = scheduler_pb2_grpc.SchedulerStub(self.scheduler_channel)
 
     def __enter__(self) -> "ServeProcess":

@@ -6,6 +6,7 @@ addresses by which the processes find each other.
     --tensor-parallel-size    scheduler, worker
     --block-size              scheduler, worker
     --plan-address, --result-address    scheduler (binds), worker (connects)
+    --metrics-host            frontend, scheduler
 
 Each process's config field is declared with the helper below, so the flag has one default, type
 and help text wherever it appears (pagedserve.config_flags checks it when `serve` adds it once).
@@ -57,3 +58,9 @@ def plan_address_option() -> Any:
 def result_address_option() -> Any:
     return option(DEFAULT_RESULT_ADDRESS, metavar="tcp://HOST:PORT",
                   help="ZeroMQ address of the workers' results (the scheduler binds it, workers connect)")
+
+
+def metrics_host_option() -> Any:
+    return option(None, metavar="HOST", serve=True,
+                  help="address of the Prometheus /metrics port, e.g. a private interface while the API "
+                       "is public (default: the process's --host)")

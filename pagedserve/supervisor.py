@@ -40,6 +40,7 @@ Which children start with which flags is decided by serve_config.py.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -48,7 +49,9 @@ import time
 
 from pagedserve.log import configure_logging
 from pagedserve.model_config import load_model_info
+from pagedserve.internal_token import INTERNAL_TOKEN_ENV, ensure_internal_token
 from pagedserve.parent_death import child_env
+from pagedserve.zmq_curve import CURVE_ENVS, ensure_curve_keys
 from pagedserve.replica_probe import ReplicaProbe
 from pagedserve.restart_policy import RestartBudget
 from pagedserve.serve_config import ServeConfig
@@ -250,6 +253,12 @@ def run_serve(config: ServeConfig) -> int:
     """Checks the deployment (a PreflightError is a ValueError: `pagedserve` prints it and exits
     2), then serves until a signal."""
     check_deployment(load_model_info(config.model), config.deployment())
+    token = ensure_internal_token()  # the children's internal gRPC token (pagedserve.internal_token)
+    ensure_curve_keys()  # and their ZeroMQ CURVE keys (pagedserve.zmq_curve)
+    if config.env is not None:
+        config.env.setdefault(INTERNAL_TOKEN_ENV, token)
+        for name in CURVE_ENVS:
+            config.env.setdefault(name, os.environ[name])
     supervisor = Supervisor(config)
 
     def on_signal(signum, frame) -> None:

@@ -32,7 +32,9 @@ from dataclasses import replace
 import grpc
 import structlog
 
+from pagedserve.bearer_auth import AioBearerTokenInterceptor
 from pagedserve.grpc_options import INTERNAL_SERVER_OPTIONS
+from pagedserve.internal_token import INTERNAL_TOKEN_ENV, INTERNAL_TOKEN_FILE_ENV, internal_token
 from pagedserve.internal import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.log import configure_logging
 from pagedserve.model_config import ModelInfo, load_model_info
@@ -71,9 +73,31 @@ def _continued(request: Request) -> dict:
             "num_finished_before": sum(c.is_finished for c in request.continuations)}
 
 
+# The frontend cancels its Submit when its client's deadline passes, a little before this end's copy
+# of the same deadline: a stream closed this close to its deadline timed out.
+DEADLINE_SLACK_S = 0.25
+
+
+def check_submitted(request: Request, vocab_size: int) -> None:
+    """The scheduler does not take a frontend's word for it: every token id (prompt and
+    continuations) must be in the vocabulary and the parameters in range, else InvalidParameter
+    (an id past the vocabulary would crash the workers' embedding lookup)."""
+    if vocab_size > 0:
+        request.sampling.validate(vocab_size=vocab_size)
+    else:
+        request.sampling.validate()
+    token_lists = [("prompt_token_ids", request.prompt_token_ids)]
+    token_lists += [(f"continuations[{c.index}].token_ids", c.token_ids) for c in request.continuations]
+    for field_name, token_ids in token_lists if vocab_size > 0 else ():
+        for position, token_id in enumerate(token_ids):
+            if not 0 <= token_id < vocab_size:
+                raise InvalidParameter(field_name, f"token id {token_id} at position {position} is outside "
+                                                   f"the vocabulary (size {vocab_size})")
+
+
 def _close_reason(context) -> str:
     remaining = context.time_remaining()
-    return "deadline_exceeded" if remaining is not None and remaining <= 0 else "stream_closed"
+    return "deadline_exceeded" if remaining is not None and remaining <= DEADLINE_SLACK_S else "stream_closed"
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
@@ -112,6 +136,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         sink = outputs.put_nowait  # called on this event loop (see loop_dispatch)
         internal = request_from_proto(request, self.model.eos_token_ids)
         try:
+            check_submitted(internal, self.model.vocab_size)
             self.engine.submit(internal, sink)
         except Exception as exc:
             await self._refuse(context, log, exc)
@@ -222,7 +247,7 @@ async def _serve(config: SchedulerServerConfig, engine_config: SchedulerConfig, 
     log = configure_logging("scheduler")
     metrics = SchedulerMetrics()
     if config.metrics_port:
-        metrics.serve(config.metrics_port, config.metrics_host)
+        metrics.serve(config.metrics_port, config.resolved_metrics_host)
 
     def on_step(engine: Engine, record) -> None:
         if record is None:  # a new scheduler: its pool size is known, its totals start at 0
@@ -242,7 +267,12 @@ async def _serve(config: SchedulerServerConfig, engine_config: SchedulerConfig, 
     engine = Engine(engine_config, link, on_step=on_step, dispatch=loop_dispatch(asyncio.get_running_loop()),
                     on_idle=on_idle)
     engine.start()
-    server = grpc.aio.server(options=INTERNAL_SERVER_OPTIONS)
+    token = internal_token()
+    interceptors = [AioBearerTokenInterceptor(token, what="the internal token")] if token else []
+    if token is None:
+        log.warning("internal_port_unauthenticated",
+                    hint=f"set {INTERNAL_TOKEN_ENV} or {INTERNAL_TOKEN_FILE_ENV} (serve sets one for its children)")
+    server = grpc.aio.server(options=INTERNAL_SERVER_OPTIONS, interceptors=interceptors)
     servicer = SchedulerServicer(engine, model, config.tensor_parallel_size, metrics)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     bound = server.add_insecure_port(f"{config.host}:{config.port}")

@@ -9,10 +9,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pagedserve.config_flags import internal, nested, option, require
+from pagedserve.config_flags import nested, option, require
 from pagedserve.scheduler.scheduler_config import SchedulerConfig
 from pagedserve.shared_options import (
-    DEFAULT_HOST, DEFAULT_SCHEDULER_PORT, model_option, plan_address_option, result_address_option,
+    DEFAULT_HOST, DEFAULT_SCHEDULER_PORT, metrics_host_option, model_option, plan_address_option, result_address_option,
     shutdown_timeout_option, tensor_parallel_size_option,
 )
 
@@ -26,11 +26,15 @@ class SchedulerServerConfig:
     result_address: str = result_address_option()
     tensor_parallel_size: int = tensor_parallel_size_option()
     metrics_port: int | None = option(None, metavar="P", help="serve Prometheus /metrics on this port")
-    metrics_host: str = internal(DEFAULT_HOST)
+    metrics_host: str | None = metrics_host_option()
     heartbeat_timeout: float = option(10.0, metavar="SECONDS",
                                       help="a worker rank not heard from this long is lost")
     shutdown_timeout: float = shutdown_timeout_option()
     engine: SchedulerConfig = nested(SchedulerConfig, title="scheduling")
+
+    @property
+    def resolved_metrics_host(self) -> str:
+        return self.metrics_host or self.host
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port"):

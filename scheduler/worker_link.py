@@ -12,6 +12,11 @@ Epochs start from the link's start time in milliseconds, so they never repeat ac
 restarts: a worker that outlived a scheduler sees the new one's first epoch as new, and takes
 its step numbers afresh.
 
+With CURVE keys in the environment (pagedserve.zmq_curve; serve sets them) both sockets are CURVE
+servers admitting only the workers' key. Every worker message is checked before it counts: one that does not parse, is empty, registers
+a rank outside the replica, or answers a step or epoch other than the one awaited is dropped and
+logged (`worker_message_dropped`), never raised into the step loop.
+
 The tensor-parallel ranks are one replica: a step is one plan published to all, and only rank 0
 answers. The replica is lost (WorkerLost) when any rank reports an error (a failed collective
 means a peer died or stalled), stops sending messages for heartbeat_timeout (checked on a clock
@@ -31,13 +36,16 @@ import time
 from dataclasses import dataclass, field
 
 import zmq
+from google.protobuf.message import DecodeError
 
 from pagedserve.internal import step_pb2
 from pagedserve.log import get_logger
 from pagedserve.plan_codec import encode_plan, result_from_proto
 from pagedserve.step_plan import StepPlan, StepResult
+from pagedserve.zmq_curve import CurveServer, curve_keys_from_env
 
 INIT_RESEND_SECONDS = 0.2
+PLAN_SNDHWM = 1000  # plans queued per subscriber before ZeroMQ drops them for it
 CLOSE_LINGER_MS = 500  # lets the last Shutdown reach the workers
 DISMISSED_SECONDS = 120.0  # registrations of a process told to exit are ignored this long
 
@@ -72,14 +80,26 @@ class WorkerLink:
     ranks: dict[int, RankState] = field(default_factory=dict)
     epoch: int = field(default_factory=lambda: time.time_ns() // 1_000_000)  # see the module docstring
     dismissed_pids: dict[int, float] = field(default_factory=dict)  # told to exit -> when
+    num_dropped: int = 0  # worker messages dropped: unparsable, empty, or not expected
 
     def __post_init__(self) -> None:
         self._context = zmq.Context.instance()
+        keys = curve_keys_from_env()
+        self._curve = CurveServer(self._context, keys) if keys is not None else None
+        if self._curve is None:
+            get_logger(component="worker_link").warning(
+                "internal_zmq_unauthenticated", hint="serve sets CURVE keys for its children (README, Security)")
         self._pub = self._context.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.SNDHWM, 0)
+        if self._curve is not None:
+            self._curve.secure(self._pub)
+        # bounded: a subscriber that stops reading loses plans (and stops on the gap) instead of
+        # growing the scheduler's memory without end
+        self._pub.setsockopt(zmq.SNDHWM, PLAN_SNDHWM)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.bind(self.plan_address)
         self._pull = self._context.socket(zmq.PULL)
+        if self._curve is not None:
+            self._curve.secure(self._pull)
         self._pull.setsockopt(zmq.RCVHWM, 0)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.bind(self.result_address)
@@ -89,11 +109,26 @@ class WorkerLink:
     # ---- receiving -------------------------------------------------------------------------
 
     def _receive(self, timeout: float) -> step_pb2.WorkerMessage | None:
+        """The next worker message, or None when none came in time or the one that came was
+        dropped (not a WorkerMessage: logged, never raised, so a stray frame cannot stop the loop)."""
         if not self._poller.poll(max(0, int(timeout * 1000))):
             return None
+        frame = self._pull.recv()
         message = step_pb2.WorkerMessage()
-        message.ParseFromString(self._pull.recv())
+        try:
+            message.ParseFromString(frame)
+        except DecodeError as exc:
+            self._drop("unparsable", num_bytes=len(frame), error=str(exc))
+            return None
+        if message.WhichOneof("kind") is None:
+            self._drop("empty", num_bytes=len(frame))
+            return None
         return message
+
+    def _drop(self, reason: str, **fields) -> None:
+        self.num_dropped += 1
+        get_logger(component="worker_link").warning("worker_message_dropped", reason=reason,
+                                                    num_dropped=self.num_dropped, **fields)
 
     def _note(self, message: step_pb2.WorkerMessage) -> StepResult | None:
         """Updates rank state from one message; returns a step result when it is one."""
@@ -118,15 +153,18 @@ class WorkerLink:
         if kind == "ready" and state is not None:
             state.ready_epoch = message.ready.epoch
         if kind == "step_result":
-            return result_from_proto(message.step_result)
+            try:
+                return result_from_proto(message.step_result)
+            except (ValueError, TypeError, KeyError, IndexError) as exc:
+                self._drop("bad_step_result", step_id=message.step_result.step_id, error=str(exc))
+                return None
         return None
 
     def _note_register(self, reg: step_pb2.Register, now: float) -> None:
-        if reg.world_size != self.world_size:
-            raise WorkerLost(f"rank {reg.rank} runs with world size {reg.world_size}, "
-                             f"the scheduler expects {self.world_size}")
-        if not 0 <= reg.rank < self.world_size:
-            raise WorkerLost(f"rank {reg.rank} is outside world size {self.world_size}")
+        if reg.world_size != self.world_size or not 0 <= reg.rank < self.world_size:
+            self._drop("unexpected_rank", rank=reg.rank, world_size=reg.world_size, pid=reg.pid,
+                       expected_world_size=self.world_size)
+            return
         if now - self.dismissed_pids.get(reg.pid, -math.inf) < DISMISSED_SECONDS:
             return  # told to exit, not yet gone
         known = self.ranks.get(reg.rank)
@@ -210,6 +248,8 @@ class WorkerLink:
                 continue
             if result.epoch == self.epoch and result.step_id == plan.step_id:
                 return result
+            self._drop("unexpected_step", step_id=result.step_id, epoch=result.epoch,
+                       expected_step_id=plan.step_id, expected_epoch=self.epoch)
 
     def drain(self) -> None:
         """Reads whatever is queued (registrations repeated as heartbeats) without blocking."""
@@ -238,3 +278,5 @@ class WorkerLink:
     def close(self) -> None:
         self._pub.close(CLOSE_LINGER_MS)
         self._pull.close(0)
+        if self._curve is not None:
+            self._curve.stop()

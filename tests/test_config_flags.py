@@ -208,3 +208,14 @@ def test_a_process_parses_its_flags_without_importing_another_process(command, f
             f"print(sorted({{'.'.join(m.split('.')[:2]) for m in sys.modules}} & set({foreign!r})))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+def test_metrics_host_binds_metrics_apart_from_the_api(model):
+    public = ServeConfig.from_args(build_parser(["serve"]).parse_args(
+        ["serve", "--model", str(model), "--host", "0.0.0.0", "--metrics-port", "9100"]))
+    assert public.frontend.resolved_metrics_host == "0.0.0.0"
+    assert public.scheduler.resolved_metrics_host == "127.0.0.1"  # the scheduler stays on loopback
+    private = ServeConfig.from_args(build_parser(["serve"]).parse_args(
+        ["serve", "--model", str(model), "--host", "0.0.0.0", "--metrics-port", "9100", "--metrics-host", "10.1.2.3"]))
+    assert private.frontend.resolved_metrics_host == private.scheduler.resolved_metrics_host == "10.1.2.3"
+    assert private.frontend.host == "0.0.0.0"

@@ -30,6 +30,7 @@ from datetime import timedelta
 
 import zmq
 
+from pagedserve.zmq_curve import CurveKeys, curve_keys_from_env, secure_client
 from pagedserve.internal import step_pb2
 from pagedserve.log import configure_logging
 from pagedserve.plan_codec import encode_result, plan_from_proto
@@ -52,9 +53,11 @@ class WorkerStopped(Exception):
 class _Pusher:
     """A PUSH socket shared by the step loop and the heartbeat thread."""
 
-    def __init__(self, context: zmq.Context, address: str) -> None:
+    def __init__(self, context: zmq.Context, address: str, curve: CurveKeys | None = None) -> None:
         self._socket = context.socket(zmq.PUSH)
         self._socket.setsockopt(zmq.LINGER, 2000)
+        if curve is not None:
+            secure_client(self._socket, curve)
         self._socket.connect(address)
         self._lock = threading.Lock()
 
@@ -133,8 +136,11 @@ def run_worker(config: WorkerConfig) -> int:
     sub = context.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.setsockopt(zmq.RCVHWM, 0)
+    curve = curve_keys_from_env()  # the scheduler's CURVE link (pagedserve.zmq_curve), when set
+    if curve is not None:
+        secure_client(sub, curve)
     sub.connect(config.plan_address)
-    pusher = _Pusher(context, config.result_address)
+    pusher = _Pusher(context, config.result_address, curve)
     state = {"epoch": 0}
     stop = threading.Event()
     register = step_pb2.WorkerMessage(register=step_pb2.Register(

@@ -120,11 +120,11 @@ def service_server(llama_checkpoint, tmp_path_factory):
 @pytest.fixture(scope="session")
 def openai_server(chat_checkpoint, tmp_path_factory):
     """One `serve` with the OpenAI-compatible HTTP port, shared by the HTTP tests: an API key,
-    metrics, and room for 4 running sequences and 2 waiting requests (so a flood gets 429)."""
+    metrics (the key also guards its gRPC port: the harness's channel sends it), and room for 4 running sequences and 2 waiting requests (so a flood gets 429)."""
     server = start_server(chat_checkpoint, tmp_path_factory, "openai", "--num-kv-blocks", "192",
                           "--max-num-batched-tokens", "512", "--max-num-seqs", "4",
                           "--max-waiting-requests", "2", "--served-model-name", "tiny-chat",
-                          "--api-key", OPENAI_API_KEY, metrics=True, http_port=True)
+                          "--api-key", OPENAI_API_KEY, metrics=True, http_port=True, api_key=OPENAI_API_KEY)
     yield server
     code = server.stop()
     assert code == 0, f"serve exited with {code}:\n{server.logs()[-3000:]}"

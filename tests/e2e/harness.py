@@ -22,6 +22,10 @@ class ServeProcess(_ServeProcess):
         """The JSON log events of every process of the tree, parsed."""
         return parse_log_events(self.logs())
 
+    def log_events_named(self, name: str) -> int:
+        """How many log events of that name the tree has written."""
+        return sum(event["event"] == name for event in self.log_events())
+
 
 def token_request(prompt_token_ids: list[int], **params) -> generation_pb2.GenerateRequest:
     return generation_pb2.GenerateRequest(

@@ -141,3 +141,15 @@ def test_bad_chat_messages_are_named(messages, chat, message):
     with pytest.raises(InvalidParameter, match=message) as info:
         validate_request(pb.GenerateRequest(messages=messages), CharEncoder(), LIMITS, chat)
     assert info.value.field_name == "messages"
+
+
+def test_text_is_refused_by_its_utf8_length_before_it_is_tokenized():
+    from pagedserve.frontend.validation import MIN_MAX_PROMPT_BYTES, check_text_bytes, max_prompt_bytes
+
+    assert max_prompt_bytes(16) == MIN_MAX_PROMPT_BYTES and max_prompt_bytes(100_000) == 1_600_000
+    check_text_bytes("prompt", ["a" * 1000], 1000)
+    check_text_bytes("prompt", ["é" * 500], 1000)  # 1000 bytes
+    for texts in (["é" * 501], ["a" * 1001], ["a" * 600, "b" * 401], ["😀" * 251]):
+        with pytest.raises(InvalidParameter) as info:
+            check_text_bytes("prompt", texts, 1000)
+        assert info.value.field_name == "prompt"

@@ -4,6 +4,7 @@ repeat across scheduler restarts."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -162,3 +163,84 @@ def test_a_pid_dismissed_long_ago_may_register_again(link):
     assert link.ranks[0].pid == 4001
     for rank in (recent, reused):
         rank.close()
+
+
+def test_garbage_and_unexpected_worker_messages_are_dropped_and_the_step_still_completes(link):
+    """Frames that do not parse, empty messages, ranks outside the replica and results of other
+    steps are dropped and counted; none of them raises, and the awaited result still arrives."""
+    from pagedserve.plan_codec import encode_result
+    from pagedserve.step_plan import StepPlan, StepResult
+
+    rank = FakeRank(link, 0, pid=5001)
+    _register_until_known(link, rank)
+    _init(link, rank)
+    for frame in (b"\xff\xff\xff", b"\x0a\x05ab", b"", b"\x12\x01"):
+        rank.push.send(frame)
+    rank.push.send(step_pb2.WorkerMessage(register=step_pb2.Register(
+        rank=3, world_size=7, num_gpu_blocks=1, pid=6666)).SerializeToString())
+    plan = StepPlan(step_id=41)
+    link.publish(plan)
+    rank.push.send(encode_result(StepResult(step_id=40, samples=[], epoch=link.epoch)))  # a stale step
+    rank.push.send(encode_result(StepResult(step_id=41, samples=[], epoch=link.epoch - 1)))  # another epoch
+    rank.push.send(encode_result(StepResult(step_id=41, samples=[], epoch=link.epoch)))
+    result = link.wait_result(plan)
+    assert (result.step_id, result.epoch) == (41, link.epoch)
+    assert link.num_dropped == 7
+    assert list(link.ranks) == [0] and link.ranks[0].pid == 5001
+    rank.close()
+
+
+def test_with_curve_keys_only_the_workers_key_gets_through(monkeypatch):
+    """A local process without the workers' secret key reads no plan and pushes no message; one
+    with another key pair is refused by the ZAP handler; the real rank serves as before."""
+    from pagedserve.zmq_curve import CURVE_ENVS, curve_keys_from_env, ensure_curve_keys, secure_client
+
+    for name in CURVE_ENVS:
+        monkeypatch.delenv(name, raising=False)
+    ensure_curve_keys()
+    keys = curve_keys_from_env()
+    for name in CURVE_ENVS:  # ensure_curve_keys wrote os.environ directly: let monkeypatch undo it
+        monkeypatch.setenv(name, os.environ[name])
+    link = _link()
+    try:
+        rank = FakeRank.__new__(FakeRank)
+        rank.rank, rank.pid = 0, 7001
+        context = zmq.Context.instance()
+        rank.sub, rank.push = context.socket(zmq.SUB), context.socket(zmq.PUSH)
+        for socket in (rank.sub, rank.push):
+            socket.setsockopt(zmq.LINGER, 0)
+            secure_client(socket, keys)
+        rank.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        rank.sub.connect(link.plan_address)
+        rank.push.connect(link.result_address)
+
+        plain = FakeRank(link, 0, pid=6001)  # no CURVE at all
+        other_public, other_secret = zmq.curve_keypair()
+        forged = FakeRank.__new__(FakeRank)
+        forged.rank, forged.pid = 0, 6002
+        forged.sub, forged.push = context.socket(zmq.SUB), context.socket(zmq.PUSH)
+        for socket in (forged.sub, forged.push):
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.curve_secretkey, socket.curve_publickey, socket.curve_serverkey = \
+                other_secret, other_public, keys.server_public
+        forged.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        forged.sub.connect(link.plan_address)
+        forged.push.connect(link.result_address)
+        registration = step_pb2.WorkerMessage(register=step_pb2.Register(
+            rank=0, world_size=1, num_gpu_blocks=32, device="cpu", pid=6000)).SerializeToString()
+        for intruder in (plain, forged):
+            for frame in (b"\xff\xff\xff", registration):
+                try:  # a PUSH with no completed handshake has nowhere to send
+                    intruder.push.send(frame, zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+
+        _register_until_known(link, rank)
+        _init(link, rank)
+        assert link.ranks[0].pid == 7001 and link.num_dropped == 0
+        for intruder in (plain, forged):
+            assert intruder.received(0.3) == []  # no plan reached it
+            intruder.close()
+        rank.close()
+    finally:
+        link.close()

@@ -1,0 +1,73 @@
+"""Hostile input on the public port of a real `serve`: a prompt of tens of megabytes is refused by
+its length before it is tokenized (quickly, and without the frontend's memory growing), on
+Generate, on Tokenize and over HTTP."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+
+from pagedserve.v1 import generation_pb2 as pb
+from tests.e2e.conftest import OPENAI_API_KEY
+from tests.e2e.harness import text_request
+
+HUGE_PROMPT_BYTES = 60 * 2**20
+MAX_SECONDS = 1.0
+MAX_RSS_GROWTH_BYTES = 100 * 2**20
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+@pytest.mark.parametrize("rpc", ["Generate", "GenerateStream", "Tokenize"])
+def test_huge_prompt_is_refused_before_tokenizing(service_server, rpc):
+    frontend_pid = service_server.child_pids()["frontend"]
+    rss_before = _rss_bytes(frontend_pid)
+    huge = "lighthouse " * (HUGE_PROMPT_BYTES // 11)
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as info:
+        if rpc == "Generate":
+            service_server.stub.Generate(text_request(huge, max_tokens=4), timeout=30)
+        elif rpc == "GenerateStream":
+            list(service_server.stub.GenerateStream(text_request(huge, max_tokens=4), timeout=30))
+        else:
+            service_server.stub.Tokenize(pb.TokenizeRequest(text=huge), timeout=30)
+    elapsed = time.monotonic() - started
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "bytes" in info.value.details()
+    assert elapsed < MAX_SECONDS, f"refused after {elapsed:.1f}s"
+    assert _rss_bytes(frontend_pid) - rss_before < MAX_RSS_GROWTH_BYTES
+    # an ordinary prompt is still served
+    assert service_server.stub.Tokenize(pb.TokenizeRequest(text="lighthouse"), timeout=10).token_ids
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", lambda text: {"model": "tiny-chat", "prompt": text, "max_tokens": 2}),
+    ("/v1/chat/completions", lambda text: {"model": "tiny-chat", "max_tokens": 2,
+                                           "messages": [{"role": "user", "content": text}]}),
+    ("/tokenize", lambda text: {"model": "tiny-chat", "prompt": text}),
+])
+def test_long_http_prompt_is_refused_before_tokenizing(openai_server, path, body):
+    # under --max-request-bytes (16 MiB), far over max_model_len x 16 bytes
+    text = "lighthouse " * (4 * 2**20 // 11)
+    request = urllib.request.Request(openai_server.http_url + path, data=json.dumps(body(text)).encode(),
+                                     headers={"Content-Type": "application/json",
+                                              "Authorization": f"Bearer {OPENAI_API_KEY}"})
+    started = time.monotonic()
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request, timeout=30)
+    elapsed = time.monotonic() - started
+    assert info.value.code == 400
+    error = json.loads(info.value.read())["error"]
+    assert "bytes" in error["message"]
+    assert elapsed < MAX_SECONDS * 2, f"refused after {elapsed:.1f}s"
