@@ -3,6 +3,7 @@ comes back (real `serve`, plus a second `pagedserve frontend` process that is ki
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagedserve.internal_token import INTERNAL_TOKEN_ENV
 from pagedserve.serve_config import free_port
 from pagedserve.v1 import generation_pb2_grpc
 from tests.e2e.harness import assert_pool_whole, token_request, wait_for
@@ -87,7 +89,8 @@ def test_killed_frontend_has_its_requests_aborted(service_server, llama_checkpoi
     proc = subprocess.Popen(
         [sys.executable, "-m", "pagedserve.cli", "frontend", "--model", str(llama_checkpoint),
          "--port", str(port), "--http-port", "0", "--scheduler-address", f"127.0.0.1:{service_server.scheduler_port}"],
-        stdout=log, stderr=subprocess.STDOUT)
+        stdout=log, stderr=subprocess.STDOUT,
+        env={**os.environ, INTERNAL_TOKEN_ENV: service_server.internal_token})  # the scheduler's token
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
         health = health_pb2_grpc.HealthStub(channel)
