@@ -4,7 +4,6 @@ repeat across scheduler restarts."""
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -195,12 +194,10 @@ def test_with_curve_keys_only_the_workers_key_gets_through(monkeypatch):
     with another key pair is refused by the ZAP handler; the real rank serves as before."""
     from pagedserve.zmq_curve import CURVE_ENVS, curve_keys_from_env, ensure_curve_keys, secure_client
 
-    for name in CURVE_ENVS:
-        monkeypatch.delenv(name, raising=False)
+    for name in CURVE_ENVS:  # recorded as they were (usually unset), so teardown removes the new keys
+        monkeypatch.setenv(name, "")
     ensure_curve_keys()
     keys = curve_keys_from_env()
-    for name in CURVE_ENVS:  # ensure_curve_keys wrote os.environ directly: let monkeypatch undo it
-        monkeypatch.setenv(name, os.environ[name])
     link = _link()
     try:
         rank = FakeRank.__new__(FakeRank)

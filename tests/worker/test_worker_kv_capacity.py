@@ -7,14 +7,15 @@ import multiprocessing
 import zmq
 
 from pagedserve.internal import step_pb2
-from pagedserve.worker.process import WorkerConfig, run_worker
+from pagedserve.worker.process import run_worker
+from pagedserve.worker.worker_config import WorkerConfig
 
 BUDGET_GIB = 1 / 256
 
 
 def _registered_blocks(checkpoint: str, **options) -> int:
     """Starts a worker, reads its first Register, then shuts it down; returns num_gpu_blocks."""
-    context = zmq.Context.instance()
+    context = zmq.Context()  # its own: the process-wide one may carry another test's ZAP handler
     plans = context.socket(zmq.PUB)
     plan_port = plans.bind_to_random_port("tcp://127.0.0.1")
     results = context.socket(zmq.PULL)
@@ -41,9 +42,14 @@ def _registered_blocks(checkpoint: str, **options) -> int:
             process.join()
         plans.close(0)
         results.close(0)
+        context.term()
 
 
-def test_fp8_worker_registers_four_times_the_float32_blocks(checkpoint_dir):
+def test_fp8_worker_registers_four_times_the_float32_blocks(checkpoint_dir, monkeypatch):
+    from pagedserve.zmq_curve import CURVE_ENVS
+
+    for name in CURVE_ENVS:  # this test's sockets are plain: so must the worker's be
+        monkeypatch.delenv(name, raising=False)
     checkpoint = str(checkpoint_dir("llama-gqa-untied"))
     float32_blocks = _registered_blocks(checkpoint)
     fp8_blocks = _registered_blocks(checkpoint, kv_cache_dtype="fp8_e4m3", quantization="int8")
