@@ -76,14 +76,7 @@ def refusing_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, deta
         context.abort(code, details)
         yield  # pragma: no cover  (makes this a generator for streaming responses)
 
-    deserializer, serializer = handler.request_deserializer, handler.response_serializer
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse_stream, deserializer, serializer)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(refuse, deserializer, serializer)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(refuse_stream, deserializer, serializer)
-    return grpc.unary_unary_rpc_method_handler(refuse, deserializer, serializer)
+    return _shaped_like(handler, refuse, refuse_stream)
 
 
 class AioBearerTokenInterceptor(grpc.aio.ServerInterceptor):
@@ -115,6 +108,11 @@ def _aio_refusing_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode,
         await context.abort(code, details)
         yield  # pragma: no cover  (an async generator, for streaming responses)
 
+    return _shaped_like(handler, refuse, refuse_stream)
+
+
+def _shaped_like(handler, refuse, refuse_stream):
+    """A method handler of handler's streaming kind whose behaviour is refuse / refuse_stream."""
     deserializer, serializer = handler.request_deserializer, handler.response_serializer
     if handler.request_streaming and handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(refuse_stream, deserializer, serializer)
