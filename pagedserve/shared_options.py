@@ -64,3 +64,8 @@ def metrics_host_option() -> Any:
     return option(None, metavar="HOST", serve=True,
                   help="address of the Prometheus /metrics port, e.g. a private interface while the API "
                        "is public (default: the process's --host)")
+
+
+def allow_insecure_internal_transport_option() -> Any:
+    return option(False, help="run a tcp:// ZeroMQ link without CURVE keys (unauthenticated, unencrypted: any "
+                              "local process or host that reaches the port can read plans and forge results)")

@@ -51,7 +51,7 @@ from pagedserve.log import configure_logging
 from pagedserve.model_config import load_model_info
 from pagedserve.internal_token import INTERNAL_TOKEN_ENV, ensure_internal_token
 from pagedserve.parent_death import child_env
-from pagedserve.zmq_curve import CURVE_ENVS, ensure_curve_keys
+from pagedserve.zmq_curve import CURVE_ENVS, curve_env_for, ensure_curve_keys
 from pagedserve.replica_probe import ReplicaProbe
 from pagedserve.restart_policy import RestartBudget
 from pagedserve.serve_config import ServeConfig
@@ -84,7 +84,9 @@ class Supervisor:
 
     def _spawn(self, name: str, args: list[str]) -> None:
         command = [*self.command, *args]
-        self.children[name] = subprocess.Popen(command, env=child_env(self.config.env))
+        role = name.split("-")[0]  # scheduler, worker-R, frontend, replica-I (a serve: every key)
+        env = curve_env_for(role, child_env(self.config.env))  # only the CURVE keys of its role
+        self.children[name] = subprocess.Popen(command, env=env)
         self._handled.discard(name)
         self._seen_ready[name] = False
         self._log.info("child_started", child=name, pid=self.children[name].pid)

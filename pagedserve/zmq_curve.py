@@ -7,21 +7,31 @@
 
 A peer without the client secret key cannot complete the handshake: it reads no plan and pushes
 no result (libzmq drops the connection; the ZAP handler logs `zmq_peer_refused`). The keys (Z85
-text, 40 characters) come from the environment, never from the command line:
+text, 40 characters) come from the environment, never from the command line, each either itself
+or as a file named by NAME_FILE (a compose or Kubernetes secret mount):
 
     PAGEDSERVE_ZMQ_SERVER_PUBLIC_KEY   scheduler and workers
     PAGEDSERVE_ZMQ_SERVER_SECRET_KEY   scheduler only
     PAGEDSERVE_ZMQ_CLIENT_PUBLIC_KEY   scheduler (the key it admits) and workers
     PAGEDSERVE_ZMQ_CLIENT_SECRET_KEY   workers only
 
-`serve` generates both pairs per run (ensure_curve_keys) and its children inherit them. Without
-them the link runs without authentication, which the scheduler logs (`internal_zmq_unauthenticated`).
+`serve` generates both pairs per run (ensure_curve_keys) and hands each child only the keys of
+its role (curve_env_for): the scheduler never holds the workers' secret, a worker never the
+scheduler's, the frontend none. A `tcp://` link without keys is refused at start (exit 2) unless
+the operator opts out with --allow-insecure-internal-transport (then logged as
+`internal_zmq_unauthenticated`); an `ipc://` link (a socket file, guarded by the file system's
+permissions) may run without keys.
+`python -m pagedserve.zmq_curve DIR` writes a fresh set of keys into DIR, one file per key
+(server_public, server_secret, client_public, client_secret, readable by the owner only), for
+deployments that start the processes themselves (compose.yaml, deploy/kubernetes).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import zmq
 
@@ -32,6 +42,12 @@ SERVER_SECRET_ENV = "PAGEDSERVE_ZMQ_SERVER_SECRET_KEY"
 CLIENT_PUBLIC_ENV = "PAGEDSERVE_ZMQ_CLIENT_PUBLIC_KEY"
 CLIENT_SECRET_ENV = "PAGEDSERVE_ZMQ_CLIENT_SECRET_KEY"
 CURVE_ENVS = (SERVER_PUBLIC_ENV, SERVER_SECRET_ENV, CLIENT_PUBLIC_ENV, CLIENT_SECRET_ENV)
+ROLE_ENVS = {  # the keys each kind of process holds
+    "scheduler": (SERVER_PUBLIC_ENV, SERVER_SECRET_ENV, CLIENT_PUBLIC_ENV),
+    "worker": (SERVER_PUBLIC_ENV, CLIENT_PUBLIC_ENV, CLIENT_SECRET_ENV),
+    "frontend": (),
+}
+INSECURE_TRANSPORT_FLAG = "--allow-insecure-internal-transport"
 ZAP_DOMAIN = b"pagedserve"
 Z85_KEY_CHARS = 40
 
@@ -50,8 +66,7 @@ class CurveKeys:
 
 def curve_keys_from_env() -> CurveKeys | None:
     """The keys of this deployment, or None when no server public key is set."""
-    values = {name: os.environ.get(name, "").strip().encode() or None
-              for name in (SERVER_PUBLIC_ENV, SERVER_SECRET_ENV, CLIENT_PUBLIC_ENV, CLIENT_SECRET_ENV)}
+    values = {name: _key_from_env(name) for name in CURVE_ENVS}
     if values[SERVER_PUBLIC_ENV] is None:
         return None
     if values[CLIENT_PUBLIC_ENV] is None:
@@ -63,15 +78,55 @@ def curve_keys_from_env() -> CurveKeys | None:
                      server_secret=values[SERVER_SECRET_ENV], client_secret=values[CLIENT_SECRET_ENV])
 
 
+def _key_from_env(name: str) -> bytes | None:
+    value = os.environ.get(name, "").strip()
+    path = os.environ.get(f"{name}_FILE")
+    if not value and path:
+        try:
+            value = Path(path).read_text().strip()
+        except OSError as exc:
+            raise CurveKeyError(f"cannot read {name}_FILE={path}: {exc}") from exc
+    return value.encode() or None
+
+
 def ensure_curve_keys() -> None:
     """Generates both key pairs into this process's environment unless they are set (serve's
     children inherit them)."""
     if os.environ.get(SERVER_PUBLIC_ENV):
         return
+    os.environ.update(new_curve_env())
+
+
+def new_curve_env() -> dict[str, str]:
+    """A fresh set of both key pairs, by environment variable name."""
     server_public, server_secret = zmq.curve_keypair()
     client_public, client_secret = zmq.curve_keypair()
-    os.environ.update({SERVER_PUBLIC_ENV: server_public.decode(), SERVER_SECRET_ENV: server_secret.decode(),
-                       CLIENT_PUBLIC_ENV: client_public.decode(), CLIENT_SECRET_ENV: client_secret.decode()})
+    return {SERVER_PUBLIC_ENV: server_public.decode(), SERVER_SECRET_ENV: server_secret.decode(),
+            CLIENT_PUBLIC_ENV: client_public.decode(), CLIENT_SECRET_ENV: client_secret.decode()}
+
+
+def curve_env_for(role: str, env: dict[str, str]) -> dict[str, str]:
+    """env without the CURVE keys a process of this role ("scheduler", "worker", "frontend") does
+    not need; any other role (a replica, which is a serve of its own) keeps them all."""
+    if role not in ROLE_ENVS:
+        return dict(env)
+    withheld = {variable for name in CURVE_ENVS if name not in ROLE_ENVS[role] for variable in (name, f"{name}_FILE")}
+    return {name: value for name, value in env.items() if name not in withheld}
+
+
+def check_internal_transport(addresses: tuple[str, ...], keys: CurveKeys | None, *,
+                             is_insecure_allowed: bool) -> bool:
+    """Whether the link runs without authentication; raises CurveKeyError (the process exits 2)
+    for a tcp:// address without keys unless the operator allowed it."""
+    if keys is not None:
+        return False
+    exposed = [address for address in addresses if not address.startswith("ipc://")]
+    if exposed and not is_insecure_allowed:
+        raise CurveKeyError(
+            f"{', '.join(exposed)}: a tcp:// ZeroMQ link needs CURVE keys ({SERVER_PUBLIC_ENV} and the others; "
+            f"`python -m pagedserve.zmq_curve` prints a set, `serve` sets them itself), or an ipc:// address, "
+            f"or {INSECURE_TRANSPORT_FLAG} to run it unauthenticated")
+    return True
 
 
 class _AllowClientKey:
@@ -118,3 +173,23 @@ def secure_client(socket: zmq.Socket, keys: CurveKeys) -> None:
     socket.curve_secretkey = keys.client_secret
     socket.curve_publickey = keys.client_public
     socket.curve_serverkey = keys.server_public
+
+
+KEY_FILES = dict(zip(CURVE_ENVS, ("server_public", "server_secret", "client_public", "client_secret")))
+
+
+def write_key_files(folder: Path) -> None:
+    """A fresh set of keys in folder, one file per key (KEY_FILES), readable by the owner only."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, value in new_curve_env().items():
+        path = folder / KEY_FILES[name]
+        path.touch(mode=0o600)
+        path.chmod(0o600)
+        path.write_text(value + "\n")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m pagedserve.zmq_curve DIR   (writes a fresh set of CURVE keys into DIR)")
+    write_key_files(Path(sys.argv[1]))
+    print(f"wrote {', '.join(KEY_FILES.values())} to {sys.argv[1]}")

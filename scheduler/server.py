@@ -47,6 +47,7 @@ from pagedserve.scheduler.scheduler_config import SchedulerConfig
 from pagedserve.scheduler.server_config import SchedulerServerConfig
 from pagedserve.scheduler.worker_link import WorkerLink
 from pagedserve.scheduler_codec import output_to_proto, request_from_proto
+from pagedserve.zmq_curve import check_internal_transport, curve_keys_from_env
 
 DRAIN_POLL_S = 0.05
 
@@ -296,7 +297,10 @@ async def _serve(config: SchedulerServerConfig, engine_config: SchedulerConfig, 
 
 def run_scheduler(config: SchedulerServerConfig) -> int:
     """`pagedserve scheduler`: serves until SIGINT/SIGTERM, then drains. max_model_len defaults to,
-    and is capped at, the model's max_position_embeddings."""
+    and is capped at, the model's max_position_embeddings. A tcp:// worker link without CURVE keys
+    is a CurveKeyError (exit 2) unless --allow-insecure-internal-transport."""
+    check_internal_transport((config.plan_address, config.result_address), curve_keys_from_env(),
+                             is_insecure_allowed=config.allow_insecure_internal_transport)
     model = load_model_info(config.model_path)
     longest = model.max_position_embeddings
     engine_config = replace(config.engine, max_model_len=min(config.engine.max_model_len or longest, longest))

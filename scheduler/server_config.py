@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pagedserve.config_flags import nested, option, require
 from pagedserve.scheduler.scheduler_config import SchedulerConfig
 from pagedserve.shared_options import (
-    DEFAULT_HOST, DEFAULT_SCHEDULER_PORT, metrics_host_option, model_option, plan_address_option, result_address_option,
+    DEFAULT_HOST, DEFAULT_SCHEDULER_PORT, allow_insecure_internal_transport_option, metrics_host_option, model_option, plan_address_option, result_address_option,
     shutdown_timeout_option, tensor_parallel_size_option,
 )
 
@@ -24,6 +24,7 @@ class SchedulerServerConfig:
     port: int = option(DEFAULT_SCHEDULER_PORT, help="internal gRPC port, which frontends connect to")
     plan_address: str = plan_address_option()
     result_address: str = result_address_option()
+    allow_insecure_internal_transport: bool = allow_insecure_internal_transport_option()
     tensor_parallel_size: int = tensor_parallel_size_option()
     metrics_port: int | None = option(None, metavar="P", help="serve Prometheus /metrics on this port")
     metrics_host: str | None = metrics_host_option()

@@ -4,7 +4,7 @@ Every `command` (with compose's `${VAR:-default}` defaults filled in) and the Do
 be accepted by `pagedserve`'s argument parser, and the services must form one replica: the
 scheduler's tensor-parallel size equals the number of worker services, ranks 0…N-1 each with one
 GPU of its own, workers and frontends pointed at the scheduler's bound ports, one rendezvous
-address on the rank-0 service.
+address on the rank-0 service; each service mounts only the secrets of its role.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import pytest
 import yaml
 
 from pagedserve.cli import build_parser
+from pagedserve.internal_token import INTERNAL_TOKEN_FILE_ENV
+from pagedserve.zmq_curve import KEY_FILES, ROLE_ENVS
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIABLE = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
@@ -112,3 +114,26 @@ def test_services_form_one_tensor_parallel_replica():
                                             ("tcp://*:1", "tcp://*:1")])
 def test_interpolation_uses_the_defaults(text, expected):
     assert _interpolate(text) == expected
+
+
+def test_each_service_mounts_only_the_secrets_of_its_role():
+    """The scheduler: the internal token, its CURVE key pair and the workers' public key; a worker:
+    its key pair and the scheduler's public key; a frontend: the token. Each from a secret file
+    named as `python -m pagedserve.zmq_curve DIR` writes it."""
+    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    declared = {name: spec["file"] for name, spec in compose["secrets"].items()}
+    for name, args in _commands().items():
+        service = _services()[name]
+        environment = service.get("environment", {})
+        mounted = set(service.get("secrets", []))
+        expected = {f"{key}_FILE" for key in ROLE_ENVS[args.command]}
+        if args.command in ("scheduler", "frontend"):
+            expected.add(f"{INTERNAL_TOKEN_FILE_ENV}")
+        assert set(environment) == expected, name
+        for variable, path in environment.items():
+            secret = path.removeprefix("/run/secrets/")
+            assert secret in mounted and secret in declared, (name, variable)
+            key = variable.removesuffix("_FILE")
+            if key in KEY_FILES:
+                assert declared[secret] == f"./secrets/zmq/{KEY_FILES[key]}", (name, variable)
+        assert len(mounted) == len(environment), f"{name} mounts a secret it does not use"

@@ -2,7 +2,8 @@
 tests/test_compose.py for compose.yaml: every container's args are accepted by `pagedserve`,
 each replica pod is one scheduler with its tensor-parallel ranks on the pod's loopback (one GPU
 each), the frontends resolve the headless Service of the replica pods at the scheduler's port,
-and the probes ask what the frontend answers (HTTP /health, grpc.health.v1)."""
+the probes ask what the frontend answers (HTTP /health, grpc.health.v1), and each container mounts
+only the items of the pagedserve-internal Secret its role needs."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import yaml
 from pagedserve.cli import build_parser
 from pagedserve.frontend.readiness import GENERATION_SERVICE
 from pagedserve.frontend.replica_set import is_dns_name
+from pagedserve.internal_token import INTERNAL_TOKEN_FILE_ENV
+from pagedserve.zmq_curve import KEY_FILES, ROLE_ENVS
 
 ROOT = Path(__file__).resolve().parent.parent
 MANIFEST = ROOT / "deploy" / "kubernetes" / "pagedserve.yaml"
@@ -104,3 +107,26 @@ def test_frontends_resolve_the_replicas_and_probe_what_the_frontend_answers():
     (public,) = [doc for (kind, name), doc in docs.items() if kind == "Service" and doc is not replicas_service]
     assert _matches(public["spec"]["selector"], frontend_deployment)
     assert {p["targetPort"] for p in public["spec"]["ports"]} == {"grpc", "http"}
+
+
+def test_each_container_mounts_only_the_secret_items_of_its_role():
+    """The internal token and CURVE keys come from the Secret as files (`python -m
+    pagedserve.zmq_curve DIR` names them); each container gets only the items of its role."""
+    for (kind, _), doc in _documents().items():
+        if kind not in ("Deployment", "StatefulSet"):
+            continue
+        volumes = {volume["name"]: volume for volume in doc["spec"]["template"]["spec"]["volumes"]}
+        for name, container in _containers(doc).items():
+            role = _parse([str(arg) for arg in container["args"]]).command
+            files = {}  # path in the container -> Secret key
+            for mount in container.get("volumeMounts", []):
+                secret = volumes[mount["name"]].get("secret")
+                if secret is not None:
+                    assert secret["secretName"] == "pagedserve-internal" and mount.get("readOnly"), name
+                    files.update({f"{mount['mountPath']}/{item['path']}": item["key"] for item in secret["items"]})
+            env = {item["name"]: item["value"] for item in container.get("env", []) if "value" in item}
+            expected = {f"{key}_FILE": KEY_FILES[key] for key in ROLE_ENVS[role]}
+            if role in ("scheduler", "frontend"):
+                expected[INTERNAL_TOKEN_FILE_ENV] = "internal-token"
+            assert {variable: files.get(path) for variable, path in env.items()} == expected, name
+            assert sorted(files.values()) == sorted(expected.values()), f"{name} mounts items it does not use"

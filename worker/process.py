@@ -30,7 +30,7 @@ from datetime import timedelta
 
 import zmq
 
-from pagedserve.zmq_curve import CurveKeys, curve_keys_from_env, secure_client
+from pagedserve.zmq_curve import CurveKeys, check_internal_transport, curve_keys_from_env, secure_client
 from pagedserve.internal import step_pb2
 from pagedserve.log import configure_logging
 from pagedserve.plan_codec import encode_result, plan_from_proto
@@ -103,6 +103,11 @@ def run_worker(config: WorkerConfig) -> int:
     from pagedserve.worker.model_runner import ModelRunner
 
     log = configure_logging("worker").bind(rank=config.rank)
+    curve = curve_keys_from_env()  # the scheduler's CURVE link (pagedserve.zmq_curve), when set
+    if check_internal_transport((config.plan_address, config.result_address), curve,
+                                is_insecure_allowed=config.allow_insecure_internal_transport):
+        log.warning("internal_zmq_unauthenticated", plan_address=config.plan_address,
+                    result_address=config.result_address)
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     device = resolve_device(config.device)
@@ -136,7 +141,6 @@ def run_worker(config: WorkerConfig) -> int:
     sub = context.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.setsockopt(zmq.RCVHWM, 0)
-    curve = curve_keys_from_env()  # the scheduler's CURVE link (pagedserve.zmq_curve), when set
     if curve is not None:
         secure_client(sub, curve)
     sub.connect(config.plan_address)

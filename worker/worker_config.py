@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from pagedserve.config_flags import option, require
 from pagedserve.shared_options import (
-    DEFAULT_DIST_INIT_ADDRESS, block_size_option, model_option, plan_address_option, result_address_option,
+    DEFAULT_DIST_INIT_ADDRESS, allow_insecure_internal_transport_option, block_size_option, model_option, plan_address_option, result_address_option,
     tensor_parallel_size_option,
 )
 
@@ -27,6 +27,7 @@ class WorkerConfig:
     world_size: int = tensor_parallel_size_option()
     plan_address: str = plan_address_option()
     result_address: str = result_address_option()
+    allow_insecure_internal_transport: bool = allow_insecure_internal_transport_option()
     dist_init_address: str = option(DEFAULT_DIST_INIT_ADDRESS, metavar="tcp://HOST:PORT",
                                     help="rendezvous of the tensor-parallel ranks: tcp://RANK0_HOST:PORT")
     dist_timeout_s: float = option(60.0, flag="--dist-timeout", metavar="SECONDS",

@@ -2,10 +2,16 @@
 ports off /proc/*/cmdline: unauthenticated internal gRPC calls are refused and logged; a Submit
 with a token id outside the vocabulary is INVALID_ARGUMENT (the scheduler does not trust its
 frontends); sockets without the workers' CURVE key read no plan and push nothing while a stream
-runs, and the stream's tokens are unaffected."""
+runs, and the stream's tokens are unaffected; each child of serve holds only the CURVE keys of its
+role; a scheduler or worker started by hand on tcp:// without keys refuses to start unless told
+--allow-insecure-internal-transport."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -16,6 +22,8 @@ from grpc_health.v1 import health_pb2
 
 from pagedserve.bearer_auth import with_bearer
 from pagedserve.internal import scheduler_pb2, scheduler_pb2_grpc, step_pb2
+from pagedserve.serve_config import free_port
+from pagedserve.zmq_curve import CURVE_ENVS, ROLE_ENVS
 from tests.e2e.conftest import VOCAB_SIZE, start_server
 from tests.e2e.harness import assert_pool_whole, token_request, wait_for
 
@@ -137,3 +145,60 @@ def _env_of(pid: int, name: str) -> str:
         if key == name.encode():
             return value.decode()
     raise KeyError(name)
+
+
+def _environ_names(pid: int) -> set[str]:
+    return {item.partition(b"=")[0].decode() for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")}
+
+
+def test_each_child_of_serve_holds_only_the_curve_keys_of_its_role(server):
+    pids = server.child_pids()
+    held = {name: _environ_names(pid) & set(CURVE_ENVS) for name, pid in pids.items()}
+    assert held["scheduler"] == {"PAGEDSERVE_ZMQ_SERVER_PUBLIC_KEY", "PAGEDSERVE_ZMQ_SERVER_SECRET_KEY",
+                                 "PAGEDSERVE_ZMQ_CLIENT_PUBLIC_KEY"}
+    assert held["worker-0"] == set(ROLE_ENVS["worker"]) and "PAGEDSERVE_ZMQ_SERVER_SECRET_KEY" not in held["worker-0"]
+    assert held["frontend"] == set()
+
+
+def _plain_env() -> dict[str, str]:
+    return {name: value for name, value in os.environ.items()
+            if not any(name.startswith(key) for key in CURVE_ENVS)}
+
+
+def _scheduler_args(checkpoint: Path, plan: str, result: str) -> list[str]:
+    return [sys.executable, "-m", "pagedserve.cli", "scheduler", "--model", str(checkpoint), "--port",
+            str(free_port()), "--plan-address", plan, "--result-address", result]
+
+
+@pytest.mark.parametrize("role", ["scheduler", "worker"])
+def test_a_tcp_link_without_curve_keys_is_refused_naming_the_fix(llama_checkpoint, role):
+    plan, result = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    args = (_scheduler_args(llama_checkpoint, plan, result) if role == "scheduler" else
+            [sys.executable, "-m", "pagedserve.cli", "worker", "--model", str(llama_checkpoint), "--device", "cpu",
+             "--plan-address", plan, "--result-address", result])
+    done = subprocess.run(args, capture_output=True, text=True, timeout=120, env=_plain_env())
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "--allow-insecure-internal-transport" in done.stderr and "CURVE" in done.stderr, done.stderr
+    assert "python -m pagedserve.zmq_curve" in done.stderr
+
+
+@pytest.mark.parametrize("transport", ["tcp-opted-out", "ipc"])
+def test_an_unauthenticated_link_runs_with_the_opt_out_or_on_ipc_and_warns(llama_checkpoint, tmp_path, transport):
+    if transport == "ipc":
+        plan, result = f"ipc://{tmp_path}/plans", f"ipc://{tmp_path}/results"
+        args = _scheduler_args(llama_checkpoint, plan, result)
+    else:
+        plan, result = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+        args = [*_scheduler_args(llama_checkpoint, plan, result), "--allow-insecure-internal-transport"]
+    log_path = tmp_path / "scheduler.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=_plain_env())
+    try:
+        assert wait_for(lambda: "scheduler_listening" in log_path.read_text() or proc.poll() is not None,
+                        timeout=120)
+        assert proc.poll() is None, log_path.read_text()[-2000:]
+        assert "internal_zmq_unauthenticated" in log_path.read_text()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(60)
+    assert code == 0, log_path.read_text()[-2000:]

@@ -4,6 +4,7 @@ shutdown timeout cuts what is still running (UNAVAILABLE, aborted in the schedul
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve.internal import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.serve_config import free_port
 from pagedserve.v1 import generation_pb2_grpc
+from pagedserve.zmq_curve import curve_env_for, new_curve_env
 from tests.e2e.harness import ServeProcess, assert_pool_whole, parse_log_events, token_request, wait_for
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -26,11 +28,11 @@ FRONTEND_SHUTDOWN_TIMEOUT_S = 1.0
 class Process:
     """One `python -m pagedserve.cli ARGS…` process, its output in log_dir/name.log."""
 
-    def __init__(self, name: str, args: list[str], log_dir: Path) -> None:
+    def __init__(self, name: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "pagedserve.cli", *args],
-                                     stdout=self._log, stderr=subprocess.STDOUT)
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=env)
 
     def events(self) -> list[dict]:
         return parse_log_events(self.log_path.read_text(errors="replace"))
@@ -59,16 +61,19 @@ class Replica:
         self.scheduler: Process | None = None
         self.worker: Process | None = None
         self.num_starts = 0
+        self.curve_env = {**os.environ, **new_curve_env()}  # the CURVE keys of the tcp:// ZeroMQ link
 
     def start(self) -> None:
         self.num_starts += 1
         plan, result, dist = (f"tcp://127.0.0.1:{free_port()}" for _ in range(3))
         self.scheduler = Process(f"scheduler-{self.num_starts}", [
             "scheduler", "--model", str(self.checkpoint), "--port", str(self.port), "--plan-address", plan,
-            "--result-address", result, "--num-kv-blocks", "128", "--shutdown-timeout", "60"], self.log_dir)
+            "--result-address", result, "--num-kv-blocks", "128", "--shutdown-timeout", "60"], self.log_dir,
+            curve_env_for("scheduler", self.curve_env))
         self.worker = Process(f"worker-{self.num_starts}", [
             "worker", "--model", str(self.checkpoint), "--plan-address", plan, "--result-address", result,
-            "--dist-init-address", dist, "--device", "cpu", "--swap-space", "0.25"], self.log_dir)
+            "--dist-init-address", dist, "--device", "cpu", "--swap-space", "0.25"], self.log_dir,
+            curve_env_for("worker", self.curve_env))
 
     @property
     def is_running(self) -> bool:

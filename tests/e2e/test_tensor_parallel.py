@@ -29,6 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.serve_config import free_port
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc
+from pagedserve.zmq_curve import curve_env_for, new_curve_env
 from tests.e2e.conftest import VOCAB_SIZE, build_checkpoint, start_server
 from tests.e2e.harness import READY_SERVICE, token_request, wait_for
 
@@ -201,10 +202,12 @@ class _Processes:
         self._log = open(log_path, "wb")
         self.log_path = log_path
         self.procs: list[subprocess.Popen] = []
+        self.curve_env = {**os.environ, **new_curve_env()}  # the CURVE keys of the tcp:// ZeroMQ link
 
     def start(self, *args: str) -> subprocess.Popen:
+        env = curve_env_for(args[0], self.curve_env)  # each process only the keys of its role
         proc = subprocess.Popen([sys.executable, "-m", "pagedserve.cli", *args], stdout=self._log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+                                stderr=subprocess.STDOUT, start_new_session=True, env=env)
         self.procs.append(proc)
         return proc
 

@@ -22,7 +22,8 @@ def _registered_blocks(checkpoint: str, **options) -> int:
     result_port = results.bind_to_random_port("tcp://127.0.0.1")
     config = WorkerConfig(model_path=checkpoint, plan_address=f"tcp://127.0.0.1:{plan_port}",
                           result_address=f"tcp://127.0.0.1:{result_port}", device="cpu", dtype="float32",
-                          swap_space_gib=0, kv_cache_memory_gib=BUDGET_GIB, num_threads=1, **options)
+                          swap_space_gib=0, kv_cache_memory_gib=BUDGET_GIB, num_threads=1,
+                          allow_insecure_internal_transport=True, **options)
     process = multiprocessing.get_context("spawn").Process(target=run_worker, args=(config,))
     process.start()
     try:
