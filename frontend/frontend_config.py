@@ -22,6 +22,7 @@ from pagedserve.shared_options import (
 DEFAULT_MAX_CONCURRENT_RPCS = 512
 DEFAULT_MAX_STREAMS_PER_CONNECTION = 128
 DEFAULT_SCHEDULER_RECOVERY_TIMEOUT_S = 60.0
+DEFAULT_MAX_UNDELIVERED_MESSAGES = 4096  # per HTTP stream; a few MB at most
 
 
 @dataclass(kw_only=True, slots=True)
@@ -49,8 +50,13 @@ class FrontendConfig:
              "in the client")
     stream_write_timeout: float = option(
         DEFAULT_STREAM_WRITE_TIMEOUT_S, metavar="S", serve=True,
-        help="a GenerateStream whose client has not taken a message for this long is aborted (its blocks "
-             "freed) and its call cancelled")
+        help="a stream (gRPC GenerateStream, HTTP SSE) whose client has not taken a message for this long "
+             "is aborted (its blocks freed) and its call cancelled (HTTP: its connection closed)")
+    max_undelivered_messages: int = option(
+        DEFAULT_MAX_UNDELIVERED_MESSAGES, metavar="N", serve=True,
+        help="updates of one HTTP stream waiting for a client that is not reading, beyond which the request "
+             "is aborted (its blocks freed; 429 in the stream). gRPC streams hold at most one: the frontend "
+             "reads the scheduler only as the client takes messages")
     scheduler_recovery_timeout: float = option(
         DEFAULT_SCHEDULER_RECOVERY_TIMEOUT_S, metavar="S", serve=True,
         help="when the scheduler dies mid-request: how long the request waits for a restarted scheduler, "
@@ -74,6 +80,7 @@ class FrontendConfig:
         require(self.max_streams_per_connection >= 1, "max_streams_per_connection", "must be >= 1")
         require(math.isfinite(self.stream_write_timeout) and self.stream_write_timeout > 0, "stream_write_timeout",
                 "must be > 0")
+        require(self.max_undelivered_messages >= 1, "max_undelivered_messages", "must be >= 1")
 
     @property
     def scheduler_addresses(self) -> list[str]:

@@ -15,12 +15,19 @@ it and posts every update into one asyncio queue of the request, tagged with the
 A pump owns its request's metrics and log lines: `request_finished` with the last update,
 `request_cancelled` (aborted), `request_cut_by_drain` (RequestCut instead of the cancellation)
 or `request_failed`.
+
+The queue holds what the client has not taken yet. A client that stops reading stalls the
+handler's writes while the pumps go on, so the run counts the updates posted and not yet read:
+past `max_undelivered` (--max-undelivered-messages) the pump that posted the last one aborts its
+request in the scheduler (blocks freed), logs `stream_backlog_exceeded` and fails the run with
+UndeliveredOutputExceeded (429 / RESOURCE_EXHAUSTED), whatever the write timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import threading
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -31,7 +38,7 @@ from pagedserve.frontend.admission import Admission
 from pagedserve.frontend.drain import RequestCut
 from pagedserve.frontend.generation import Generation, GenerationUpdate, Usage
 from pagedserve.frontend.metrics import RequestTimer
-from pagedserve.frontend.request_errors import classify
+from pagedserve.frontend.request_errors import UndeliveredOutputExceeded, classify
 from pagedserve.frontend.scheduler_client import SubmitCancelled
 from pagedserve.frontend.validation import ValidatedRequest
 
@@ -48,7 +55,9 @@ class GenerationRun:
     """Started with `start()`; read with `await next()`; `cancel()` from the loop at any time."""
 
     def __init__(self, admission: Admission, executor: Executor, loop: asyncio.AbstractEventLoop,
-                 on_pump_end: Callable[[], None] | None = None) -> None:
+                 on_pump_end: Callable[[], None] | None = None, max_undelivered: int | None = None) -> None:
+        """max_undelivered: updates posted and not yet read, beyond which a request is aborted
+        (None: no bound)."""
         self._admission = admission
         self._on_pump_end = on_pump_end  # called on the pump thread once its Generation has left
         self._executor = executor
@@ -58,6 +67,9 @@ class GenerationRun:
         self.usages: dict[int, Usage] = {}  # prompt index -> usage, once that prompt has ended
         self._num_running = 0
         self._is_cancelled = False
+        self._max_undelivered = max_undelivered
+        self._num_undelivered = 0  # updates posted, not yet returned by next()
+        self._undelivered_lock = threading.Lock()
 
     @property
     def is_finished(self) -> bool:
@@ -91,6 +103,8 @@ class GenerationRun:
                 self._num_running -= 1
                 self.cancel()
                 raise item.error
+            with self._undelivered_lock:
+                self._num_undelivered -= 1
             if item.usage is not None:
                 self.usages[index] = item.usage
             return index, item
@@ -114,6 +128,7 @@ class GenerationRun:
                 if update.usage is not None:
                     self._admission.finished(generation, timer, update.usage)
                 self._post(index, update, generation)
+                self._check_backlog()
             self._post(index, _END, generation)
         except BaseException as exc:  # noqa: BLE001 - every failure goes to the handler
             self._post(index, _Failure(self._record_failure(generation, timer, exc)), generation)
@@ -122,8 +137,22 @@ class GenerationRun:
             if self._on_pump_end is not None:
                 self._on_pump_end()
 
+    def _check_backlog(self) -> None:
+        with self._undelivered_lock:
+            self._num_undelivered += 1
+            num_undelivered = self._num_undelivered
+        if self._max_undelivered is not None and num_undelivered > self._max_undelivered:
+            raise UndeliveredOutputExceeded(
+                f"the client left {num_undelivered} messages unread (at most {self._max_undelivered}, "
+                f"--max-undelivered-messages): the request was aborted")
+
     def _record_failure(self, generation: Generation, timer: RequestTimer, exc: BaseException) -> BaseException:
         request_id = generation.request.request_id
+        if isinstance(exc, UndeliveredOutputExceeded):
+            generation.cancel()  # aborted in the scheduler: its blocks are freed
+            timer.on_done("abort")
+            log.warning("stream_backlog_exceeded", request_id=request_id, max_undelivered=self._max_undelivered)
+            return exc
         if self._admission.was_cut(generation):
             timer.on_done("error")
             log.info("request_cut_by_drain", request_id=request_id)

@@ -26,7 +26,7 @@ from typing import Any
 import structlog
 from starlette.background import BackgroundTask
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from pagedserve.frontend.admission import Admission
 from pagedserve.frontend.chat_template import ChatTemplate
@@ -40,7 +40,8 @@ from pagedserve.frontend.openai_responses import (
     ResponseHeader, TokenTexts, chat_choice, chat_logprobs, chat_response, completion_choice, completion_logprobs,
     completion_response, total_usage,
 )
-from pagedserve.frontend.openai_streaming import ChunkWriter, sse_frames
+from pagedserve.frontend.openai_streaming import ChunkWriter, WatchedStreamingResponse, sse_frames
+from pagedserve.frontend.stream_watchdog import DEFAULT_STREAM_WRITE_TIMEOUT_S
 from pagedserve.frontend.validation import ValidatedRequest, check_text_bytes, check_token_ids, validate_lengths
 from pagedserve.sampling_params import InvalidParameter
 
@@ -84,8 +85,14 @@ class ConcurrencyLimit:
 
 class OpenAIServing:
     def __init__(self, admission: Admission, metrics: FrontendMetrics, chat_template: ChatTemplate,
-                 served_model_name: str, executor: Executor, limit: ConcurrencyLimit) -> None:
+                 served_model_name: str, executor: Executor, limit: ConcurrencyLimit, *,
+                 stream_write_timeout_s: float = DEFAULT_STREAM_WRITE_TIMEOUT_S,
+                 max_undelivered_messages: int | None = None) -> None:
+        """stream_write_timeout_s: how long one SSE write may wait for a client that is not reading;
+        max_undelivered_messages: updates of a request left unread before it is aborted."""
         self._admission = admission
+        self._stream_write_timeout_s = stream_write_timeout_s
+        self._max_undelivered_messages = max_undelivered_messages
         self._metrics = metrics
         self._chat_template = chat_template
         self.served_model_name = served_model_name
@@ -127,10 +134,11 @@ class OpenAIServing:
                                      token_text=self._token_text, echo_texts=prepared.echo_texts)
                 # The background task also runs when the client left before the stream started
                 # (Starlette then never starts the frames' generator, so its cleanup cannot).
-                return StreamingResponse(sse_frames(first, run, writer, lambda exc: error_parts(exc)[1]),
-                                         media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                                         background=BackgroundTask(_cancel_unless_finished, run))
+                return WatchedStreamingResponse(
+                    sse_frames(first, run, writer, lambda exc: error_parts(exc)[1]), media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                    background=BackgroundTask(_cancel_unless_finished, run),
+                    write_timeout_s=self._stream_write_timeout_s, on_timeout=self._on_write_timeout(run, request_id))
             await _unless_disconnected(request, run.collect())
             return JSONResponse(self._whole(header, run, plan, prepared, is_chat))
         except ClientGone:
@@ -140,11 +148,20 @@ class OpenAIServing:
             run.cancel()
             return error_response(exc)
 
+    def _on_write_timeout(self, run: GenerationRun, request_id: str) -> Callable[[], None]:
+        def on_timeout() -> None:
+            log.warning("stream_write_timeout", request_id=request_id,
+                        stream_write_timeout=self._stream_write_timeout_s)
+            run.cancel()  # aborted in the scheduler: its blocks are freed
+
+        return on_timeout
+
     def _start(self, prepared: PreparedRequest, timer, loop: asyncio.AbstractEventLoop) -> GenerationRun:
         """One Generation per prompt, running; each holds a slot of the limit until its pump ends."""
         num_prompts = len(prepared.requests)
         self._limit.acquire(num_prompts)
-        run = GenerationRun(self._admission, self._executor, loop, on_pump_end=self._limit.release_one)
+        run = GenerationRun(self._admission, self._executor, loop, on_pump_end=self._limit.release_one,
+                            max_undelivered=self._max_undelivered_messages)
         timers = [timer] + [self._metrics.start_request(PROTOCOL) for _ in range(num_prompts - 1)]
         try:
             run.start(prepared.requests, timers)

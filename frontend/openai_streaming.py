@@ -9,12 +9,20 @@
  event: error\\ndata: {"error": {…}}\\n\\n   a failure after the stream began
  data: [DONE]\\n\\n
 ```
+
+A client that stops reading stalls the response's writes (uvicorn waits for the socket to drain):
+WatchedStreamingResponse gives each write --stream-write-timeout, past which it aborts the run
+(blocks freed in the scheduler) and ends the response unfinished, so the connection is closed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
+
+from starlette.responses import StreamingResponse
+from starlette.types import Send
 
 from pagedserve.frontend.completion_state import CompletionUpdate
 from pagedserve.frontend.generation import GenerationUpdate
@@ -128,3 +136,26 @@ async def sse_frames(first: tuple[int, GenerationUpdate] | None, run: Generation
         if not run.is_finished:
             run.cancel()
     yield DONE_FRAME
+
+
+class WatchedStreamingResponse(StreamingResponse):
+    """A StreamingResponse whose every body write must complete within write_timeout_s; past it
+    on_timeout() is called and the response ends unfinished (uvicorn then closes the connection)."""
+
+    def __init__(self, content: AsyncIterator[bytes], *, write_timeout_s: float, on_timeout: Callable[[], None],
+                 **options) -> None:
+        super().__init__(content, **options)
+        self._write_timeout_s = write_timeout_s
+        self._on_timeout = on_timeout
+
+    async def stream_response(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for chunk in self.body_iterator:
+            try:
+                await asyncio.wait_for(send({"type": "http.response.body", "body": chunk, "more_body": True}),
+                                       self._write_timeout_s)
+            except TimeoutError:
+                self._on_timeout()
+                await self.body_iterator.aclose()
+                return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -5,7 +5,8 @@ Both public protocols classify a failure here and only map the kind to their own
 ```
  exception                                          kind          gRPC status          HTTP
  InvalidParameter, scheduler INVALID_ARGUMENT       INVALID       INVALID_ARGUMENT     400
- SchedulerBusy (waiting queue full)                 BUSY          RESOURCE_EXHAUSTED   429
+ SchedulerBusy (waiting queue full),                BUSY          RESOURCE_EXHAUSTED   429
+   UndeliveredOutputExceeded (client not reading)
  SchedulerUnavailable (unreachable, not ready,      UNAVAILABLE   UNAVAILABLE          503
    draining), Draining, RequestCut, a completion
    the scheduler aborted on its own
@@ -27,6 +28,10 @@ from pagedserve.frontend.scheduler_client import (
     SchedulerBusy, SchedulerError, SchedulerRejected, SchedulerTimeout, SchedulerUnavailable,
 )
 from pagedserve.sampling_params import InvalidParameter
+
+
+class UndeliveredOutputExceeded(RuntimeError):
+    """The client left more output unread than --max-undelivered-messages: the request was aborted."""
 
 
 class ErrorKind(enum.Enum):
@@ -57,6 +62,8 @@ def classify(exc: BaseException) -> RequestError:
         return RequestError(ErrorKind.INVALID, str(exc), "rejected")
     if isinstance(exc, SchedulerBusy):
         return RequestError(ErrorKind.BUSY, str(exc), "rejected")
+    if isinstance(exc, UndeliveredOutputExceeded):
+        return RequestError(ErrorKind.BUSY, str(exc), "abort")
     if isinstance(exc, Draining):
         return RequestError(ErrorKind.UNAVAILABLE, str(exc), "rejected")
     if isinstance(exc, (SchedulerUnavailable, RequestCut)):

@@ -176,7 +176,9 @@ def serve_frontend(config: FrontendConfig, *, health_poll_interval_s: float = DE
             http_server = start_http_server(
                 Admission(tokenizer, client, readiness, in_flight, recovery), metrics, config.http, chat, host=host,
                 model_path=config.model_path, transport=transport,
-                max_concurrent_requests=config.max_concurrent_rpcs, grace_s=CUT_GRACE_S)
+                max_concurrent_requests=config.max_concurrent_rpcs, grace_s=CUT_GRACE_S,
+                stream_write_timeout_s=config.stream_write_timeout,
+                max_undelivered_messages=config.max_undelivered_messages)
         except HttpStartError as exc:
             client.close()
             metrics.stop()
