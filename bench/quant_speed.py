@@ -1,6 +1,6 @@
 """Weight memory and decode speed of one model under each weight format, and KV blocks per dtype.
 
-    python bench/quant_speed.py --model /tmp/smollm2-hf [--steps 32] [--repeats 3] [--threads N]
+    python bench/quant_speed.py --model /tmp/smollm2-hf [--gguf smollm2] [--steps 32] [--repeats 3] [--threads N]
 
 In-process through ModelRunner (no scheduler, no gRPC: the worker's step cost alone). Each format
 prefills 32 chat prompts, then times --steps greedy decode steps with 1 stream and with 32
@@ -12,6 +12,9 @@ steps / decode seconds. Rows:
     int8, int4 g128 quantized linear layers, float32 activations elsewhere (the quantized matmuls
                     run on bfloat16 activations: packed kernels up to 16 rows, dequantize-then-
                     matmul above); embeddings/LM head stay float32
+    GGUF kept       --gguf FILE (or `smollm2`) with --quantization auto: its Q4_0/Q4_1 linear
+                    weights packed as int4 groups of 32 as stored (Q8_0 as int8), the rest float32
+    GGUF dequant    the same file with --quantization none: every weight dequantized to float32
 
 Weight bytes are this rank's parameters (world size 1), all of them and the linear layers alone.
 The KV table gives the bytes of one block (all layers, K and V) and the blocks a 4 GiB pool holds
@@ -42,6 +45,8 @@ FORMATS = {  # name -> ModelRunner options
     "int4 g128": {"dtype": "float32", "quantization": "int4", "quantization_group_size": 128},
     "int8 (bf16 dtype)": {"dtype": "bfloat16", "quantization": "int8"},
     "int4 g128 (bf16 dtype)": {"dtype": "bfloat16", "quantization": "int4", "quantization_group_size": 128},
+    "GGUF kept": {"dtype": "float32", "quantization": "auto", "gguf": True},
+    "GGUF dequant": {"dtype": "float32", "quantization": "none", "gguf": True},
 }
 STREAMS = (1, 32)
 KV_BUDGET_GIB = 4
@@ -67,8 +72,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--gguf", default=None, help="a GGUF file (or `smollm2`) of the same model, for the GGUF rows")
     parser.add_argument("--formats", default=",".join(FORMATS), help="comma-separated subset")
     args = parser.parse_args()
+    if args.gguf is not None:
+        from pagedserve.models.resolve import resolve_model
+
+        args.gguf = resolve_model(args.gguf)
     if args.threads:
         torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
@@ -80,7 +90,12 @@ def main() -> None:
     rows = []
     shape = None
     for name in args.formats.split(","):
-        runner = ModelRunner(args.model, device="cpu", block_size=16, **FORMATS[name])
+        options = dict(FORMATS[name])
+        is_gguf = options.pop("gguf", False)
+        if is_gguf and args.gguf is None:
+            print(f"{name} skipped: no --gguf", flush=True)
+            continue
+        runner = ModelRunner(args.gguf if is_gguf else args.model, device="cpu", block_size=16, **options)
         runner.load()
         runner.init_cache(blocks_needed(prompts, args.steps + 1, runner.block_size), 0)
         shape = runner.cache_shape
@@ -104,7 +119,8 @@ def main() -> None:
                         * kv_shape.block_size})
     print_table(kv_rows, title=f"KV cache ({shape.num_layers} layers x {shape.num_kv_heads} KV heads x "
                                f"{shape.head_size}, block size {shape.block_size})")
-    report = {"machine": machine("torch"), "model": str(args.model), "threads": torch.get_num_threads(),
+    report = {"machine": machine("torch"), "model": str(args.model), "gguf": str(args.gguf),
+              "threads": torch.get_num_threads(),
               "steps": args.steps, "repeats": args.repeats, "rows": rows, "kv": kv_rows}
     for path in save_report(f"quant_speed-{timestamp()}", report):
         print(f"wrote {path}")

@@ -12,7 +12,12 @@ safetensors); each name maps to llama.cpp's:
     lm_head.weight                                 output.weight (absent when tied)
 
 Only this rank's rows (or block-aligned columns) are read from the memory-mapped file, then
-decoded with gguf.quants.dequantize. llama.cpp's converter permutes the rows of the Llama q and k
+decoded with gguf.quants.dequantize, or, with keep_quantized (--quantization auto), a linear
+layer whose slices are all Q4_0, Q4_1 or Q8_0 blocks is packed for the quantized kernels without
+passing through a dense weight: Q4 blocks become int4 groups of 32 as they are (scales and mins
+rounded to bfloat16), Q8_0 is requantized to int8 per output channel
+(pagedserve.worker.quantized_linear.pack_parts). Everything else (embeddings, norms, the LM head,
+K-quants and float tensors) is dequantized to the serving dtype. llama.cpp's converter permutes the rows of the Llama q and k
 weights (and biases) within each head, from Hugging Face's "rotate half" pair layout (i, i + d/2)
 to interleaved pairs (2i, 2i + 1); `unpermute_rows` restores the original order, as transformers'
 GGUF loader does. Qwen2 files are not permuted.
@@ -28,9 +33,11 @@ import numpy as np
 import torch
 
 from pagedserve.gguf_config import GGUFConfig, config_from_reader, find_gguf_file, open_gguf
-from pagedserve.worker.gguf_blocks import GGUFBlocks
+from pagedserve.worker.gguf_blocks import GGUFBlocks, to_int4_groups, to_int8_groups
 from pagedserve.worker.loader import CheckpointError, _check_filled, _names
 from pagedserve.worker.parallel_layers import TensorSlice
+from pagedserve.worker.quantization import QuantizedWeight
+from pagedserve.worker.quantized_linear import QuantizableLinear, pack_parts
 
 _LAYER_NAMES = {
     "input_layernorm": "attn_norm",
@@ -108,9 +115,55 @@ class GGUFCheckpoint:
                                                                       or ".attn_k." in gguf_name)
 
 
-def load_gguf_weights(model: torch.nn.Module, path: str | Path) -> int:
+def quantized_weight_of(blocks: GGUFBlocks) -> QuantizedWeight | None:
+    """Q4_0/Q4_1 blocks as 4-bit groups, Q8_0 as 8-bit groups; None for any other type."""
+    if blocks.tensor_type in ("Q4_0", "Q4_1"):
+        groups = to_int4_groups(blocks)
+        return QuantizedWeight(4, groups.values, groups.scales, groups.mins, groups.group_size)
+    if blocks.tensor_type == "Q8_0":
+        groups = to_int8_groups(blocks)
+        return QuantizedWeight(8, groups.values, groups.scales, None, groups.group_size)
+    return None
+
+
+def _load_packed(model: torch.nn.Module, checkpoint: GGUFCheckpoint, slices: list[TensorSlice]) -> tuple[set[str], int]:
+    """Packs every linear layer whose slices are all Q4_0/Q4_1/Q8_0; returns the dense parameter
+    names it replaced and the bytes of blocks read."""
+    pieces_by_param: dict[str, list[TensorSlice]] = defaultdict(list)
+    for piece in slices:
+        if piece.param_name.endswith(".weight"):
+            pieces_by_param[piece.param_name].append(piece)
+    replaced: set[str] = set()
+    num_bytes = 0
+    for param_name, pieces in pieces_by_param.items():
+        module = model.get_submodule(param_name.rsplit(".", 1)[0])
+        if not isinstance(module, QuantizableLinear):
+            continue  # embeddings and the LM head stay dense
+        blocks = [checkpoint.read(piece) for piece in sorted(pieces, key=lambda piece: piece.dst_start)]
+        parts = [quantized_weight_of(block) for block in blocks]
+        if any(part is None for part in parts):
+            continue  # a float or K-quant part (or columns cut inside a block): dequantized below
+        module.set_packed_weight(pack_parts(parts))
+        replaced.add(param_name)
+        num_bytes += sum(block.num_bytes for block in blocks)
+    return replaced, num_bytes
+
+
+def _packed_names(model: torch.nn.Module, replaced: set[str]) -> set[str]:
+    """The parameters (weight_*) that hold the packed form of the replaced dense weights."""
+    names = set()
+    for param_name in replaced:
+        module_name = param_name.rsplit(".", 1)[0]
+        module = model.get_submodule(module_name)
+        names |= {f"{module_name}.{name}" for name, _ in module.named_parameters(recurse=False)
+                  if name.startswith("weight_")}
+    return names
+
+
+def load_gguf_weights(model: torch.nn.Module, path: str | Path, *, keep_quantized: bool = False) -> int:
     """Fills every parameter of `model` from a GGUF file (or a folder holding one); returns the
-    bytes of blocks read. `model` provides checkpoint_slices() as for safetensors."""
+    bytes of blocks read. `model` provides checkpoint_slices() as for safetensors. keep_quantized:
+    linear layers stored as Q4_0/Q4_1/Q8_0 are packed for the quantized kernels (module doc)."""
     checkpoint = GGUFCheckpoint(path)
     slices = model.checkpoint_slices()
     expected = {gguf_tensor_name(piece.checkpoint_name) for piece in slices}
@@ -120,9 +173,10 @@ def load_gguf_weights(model: torch.nn.Module, path: str | Path) -> int:
     unexpected = checkpoint.tensor_names - expected
     if unexpected:
         raise CheckpointError(f"GGUF file has {len(unexpected)} unexpected tensor(s): {_names(unexpected)}")
-    params = dict(model.named_parameters())
+    replaced, num_bytes = _load_packed(model, checkpoint, slices) if keep_quantized else (set(), 0)
+    params = {name: param for name, param in model.named_parameters() if name not in _packed_names(model, replaced)}
+    slices = [piece for piece in slices if piece.param_name not in replaced]
     filled: dict[str, int] = defaultdict(int)
-    num_bytes = 0
     with torch.no_grad():
         for piece in slices:
             if piece.param_name not in params:

@@ -82,15 +82,16 @@ def _check(slices: list[TensorSlice], files: dict[str, Path], is_ignorable) -> N
         raise CheckpointError(f"checkpoint has {len(unexpected)} unexpected tensor(s): {_names(unexpected)}")
 
 
-def load_weights(model: torch.nn.Module, folder: str | Path) -> int:
+def load_weights(model: torch.nn.Module, folder: str | Path, *, keep_quantized: bool = False) -> int:
     """Fills every parameter of `model` from the checkpoint in `folder`; returns the bytes read.
 
-    `model` provides checkpoint_slices() and is_ignorable_checkpoint_tensor(name).
+    `model` provides checkpoint_slices() and is_ignorable_checkpoint_tensor(name). keep_quantized:
+    a GGUF's Q4_0/Q4_1/Q8_0 linear weights are packed for the quantized kernels, not dequantized.
     """
     if is_gguf(folder):  # a .gguf file, or a folder holding one: see pagedserve.worker.gguf_weights
         from pagedserve.worker.gguf_weights import load_gguf_weights
 
-        return load_gguf_weights(model, folder)
+        return load_gguf_weights(model, folder, keep_quantized=keep_quantized)
     slices = model.checkpoint_slices()
     files = checkpoint_files(folder)
     _check(slices, files, model.is_ignorable_checkpoint_tensor)

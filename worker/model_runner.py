@@ -52,8 +52,9 @@ class ModelRunner:
 
     dtype "auto" takes the checkpoint's torch_dtype on CUDA and float32 on CPU; max_model_len bounds
     positions (default max_position_embeddings); seed fixes the generator of unseeded sampling;
-    quantization none|int8|int4 (with quantization_group_size for int4, default 128) quantizes the
-    linear layers' weights after the load (see pagedserve.worker.quantization); kv_cache_dtype
+    quantization int8|int4 (with quantization_group_size for int4, default 128) quantizes the
+    linear layers' weights after the load, auto keeps a GGUF's Q4_0/Q4_1/Q8_0 linear weights
+    quantized as loaded, none dequantizes them (see pagedserve.worker.quantization); kv_cache_dtype
     auto|float32|bfloat16|float16|fp8_e4m3|fp8_e5m2 is the KV cache's storage dtype (auto: the
     model's), which sets the bytes per block and so the pool's size in blocks.
     """
@@ -97,7 +98,8 @@ class ModelRunner:
         tp = TensorParallelGroup(rank=self.rank, world_size=self.world_size)
         self.model = LlamaForCausalLM(self.config, tp=tp, dtype=self.dtype, device=self.device,
                                       max_positions=self.max_model_len or self.config.max_position_embeddings)
-        self.num_checkpoint_bytes_read = load_weights(self.model, self.model_path)
+        self.num_checkpoint_bytes_read = load_weights(
+            self.model, self.model_path, keep_quantized=self.quantization.keeps_checkpoint_quantization)
         quantize_model(self.model, self.quantization)
         self.model.eval()
         if self.rank == 0:

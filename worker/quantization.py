@@ -1,7 +1,9 @@
 """Weight-only quantization of linear layers: the options, the quantizers and GGUF's pre-quantized
 weights.
 
-    none   weights stay in the model dtype
+    auto   a GGUF's Q4_0/Q4_1/Q8_0 linear weights stay quantized (int4 groups of 32; int8 per
+           channel), everything else as `none` (pagedserve.worker.gguf_weights)
+    none   weights in the model dtype (a GGUF's quantized weights dequantized to it)
     int8   symmetric, one scale per output channel:        W[n, k] ~= q[n, k] * s[n],  q in -128..127
     int4   asymmetric, one (scale, min) per output channel and group of G inputs (default 128):
                W[n, k] ~= c[n, k] * s[n, g] + m[n, g],   c in 0..15,   g = k // G
@@ -37,7 +39,7 @@ from pagedserve.kernels.packed_weights import (
     PackedWeight,
 )
 
-METHODS = ("none", "int8", "int4")
+METHODS = ("auto", "none", "int8", "int4")
 DEFAULT_INT4_GROUP_SIZE = 128
 GGUF_GROUP_SIZE = 32  # Q4_0, Q4_1 and Q8_0 blocks
 _TINY_SCALE = 1e-12  # all-zero rows or groups: any positive scale reproduces them exactly
@@ -49,7 +51,7 @@ class QuantizationError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class QuantizationConfig:
-    """`method` none|int8|int4; `group_size` for int4 (None: 128), ignored by int8 (per channel)."""
+    """`method` auto|none|int8|int4; `group_size` for int4 (None: 128), ignored by int8 (per channel)."""
 
     method: str = "none"
     group_size: int | None = None
@@ -63,7 +65,13 @@ class QuantizationConfig:
 
     @property
     def is_enabled(self) -> bool:
-        return self.method != "none"
+        """Whether dense weights are quantized after the load."""
+        return self.method in ("int8", "int4")
+
+    @property
+    def keeps_checkpoint_quantization(self) -> bool:
+        """Whether a GGUF's quantized linear weights are packed as they are (auto)."""
+        return self.method == "auto"
 
     @property
     def int4_group_size(self) -> int:

@@ -117,9 +117,14 @@ def load_prequantized(model: torch.nn.Module, tensors: Mapping[str, QuantizedWei
                                         f"config implies {list(piece.checkpoint_shape)}")
             parts.append(weight.narrow(piece.dim, piece.src_start, piece.length))
             used.add(piece.checkpoint_name)
-        if all(part.has_format_of(parts[0]) for part in parts):
-            module.set_packed_weight(QuantizedWeight.cat_rows(parts).to_packed())
-        else:
-            dense = torch.cat([part.dequantize() for part in parts])
-            module.set_packed_weight(quantize(dense, QuantizationConfig("int8")))
+        module.set_packed_weight(pack_parts(parts))
     return used
+
+
+def pack_parts(parts: list[QuantizedWeight]) -> PackedWeight:
+    """One layer's pre-quantized parts (q, k, v; gate, up; or a single weight), row after row, in
+    the kernel form; parts in different formats are requantized together as int8 per channel."""
+    if all(part.has_format_of(parts[0]) for part in parts):
+        return QuantizedWeight.cat_rows(parts).to_packed()
+    dense = torch.cat([part.dequantize() for part in parts])
+    return quantize(dense, QuantizationConfig("int8"))

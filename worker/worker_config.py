@@ -16,7 +16,7 @@ from pagedserve.shared_options import (
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("none", "int8", "int4")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
 
 
@@ -45,9 +45,11 @@ class WorkerConfig:
     kv_cache_memory_gib: float | None = option(
         None, flag="--kv-cache-memory", metavar="GIB", serve=True,
         help="memory for the KV pool per rank (default: derived from the device)")
-    quantization: str = option("none", choices=QUANTIZATIONS, serve=True,
-                               help="weight-only quantization of the linear layers: int8 per output channel, "
-                                    "int4 per group (GGUF Q4/Q8 weights stay quantized as they are)")
+    quantization: str = option("auto", choices=QUANTIZATIONS, serve=True,
+                               help="weight-only quantization of the linear layers: auto keeps a GGUF's Q4_0/Q4_1 "
+                                    "(int4, groups of 32) and Q8_0 (int8) weights quantized and loads any other "
+                                    "checkpoint as none; none dequantizes to --dtype; int8 per output channel; "
+                                    "int4 per group")
     quantization_group_size: int | None = option(
         None, metavar="G", serve=True, help="int4 group size along the input dimension (default 128; 32 for GGUF)")
     kv_cache_dtype: str = option("auto", choices=KV_CACHE_DTYPES, serve=True,

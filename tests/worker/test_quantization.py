@@ -50,9 +50,11 @@ def _relative_error(actual, expected) -> float:
 
 def test_config_validates():
     assert not QuantizationConfig().is_enabled
+    assert not QuantizationConfig("auto").is_enabled and QuantizationConfig("auto").keeps_checkpoint_quantization
+    assert not QuantizationConfig("none").keeps_checkpoint_quantization
     assert QuantizationConfig("int4").int4_group_size == 128
     assert QuantizationConfig("int4", 32).int4_group_size == 32
-    with pytest.raises(QuantizationError, match="one of none, int8, int4"):
+    with pytest.raises(QuantizationError, match="one of auto, none, int8, int4"):
         QuantizationConfig("fp4")
     with pytest.raises(QuantizationError, match="group size"):
         QuantizationConfig("int4", 100)
