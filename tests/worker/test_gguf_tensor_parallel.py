@@ -4,6 +4,8 @@ matching slices of a one-rank load, and together they decode like transformers' 
 intermediate_size 96 splits the down projection's 96 columns into 48 per rank, which is not a
 whole number of 32-value blocks: that rank's columns are decoded, then cut. The o projection's 32
 columns per rank are cut between blocks. A vocabulary of 509 pads the last rank's embedding rows.
+With --quantization auto on a file whose linear layers are all Q4 in whole blocks per rank, each
+rank packs its own slice and the two ranks decode like one.
 """
 
 from __future__ import annotations
@@ -14,9 +16,12 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from conftest import make_prompts
+from plan_driver import DrivenSeq, PlanDriver
 
 from pagedserve.models.tiny_gguf import write_gguf
+from pagedserve.kernels.packed_weights import Int4Weight
 from pagedserve.models.tiny_checkpoint import build_tiny_checkpoint
+from pagedserve.worker.model_runner import ModelRunner
 
 WORLD_SIZE = 2
 VOCAB_SIZE = 509
@@ -25,13 +30,15 @@ TENSOR_TYPES = {"token_embd": "Q8_0", "attn_q": "Q4_0", "attn_k": "Q4_1", "attn_
                 "attn_output": "Q8_0", "ffn_gate": "Q4_1", "ffn_up": "F16", "ffn_down": "Q4_1", "output.": "Q8_0"}
 
 
-def _rank_main(rank: int, path: str, init_file: str, prompts: list[list[int]], out_file: str) -> None:
-    from plan_driver import DrivenSeq, tensor_parallel_rank
+def _rank_main(rank: int, path: str, init_file: str, prompts: list[list[int]], out_file: str,
+               quantization: str = "none") -> None:
+    from plan_driver import tensor_parallel_rank
 
-    with tensor_parallel_rank(path, rank, WORLD_SIZE, init_file, num_blocks=32) as (runner, driver):
+    with tensor_parallel_rank(path, rank, WORLD_SIZE, init_file, num_blocks=32,
+                              quantization=quantization) as (runner, driver):
         seqs = [DrivenSeq(seq_id=i, prompt=prompt, max_new_tokens=MAX_NEW_TOKENS) for i, prompt in enumerate(prompts)]
         driver.run_to_completion(seqs)
-        torch.save(dict(runner.model.named_parameters()), f"{out_file}.{rank}.pt")
+        torch.save({name: param.detach() for name, param in runner.model.named_parameters()}, f"{out_file}.{rank}.pt")
         with open(f"{out_file}.{rank}.json", "w") as handle:
             json.dump([seq.generated for seq in seqs], handle)
 
@@ -86,3 +93,39 @@ def test_two_ranks_load_their_slices_and_match_transformers(tp_gguf, tmp_path):
         expected = hf.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
                                max_new_tokens=MAX_NEW_TOKENS, pad_token_id=0, eos_token_id=None)
         assert tokens == expected[0, len(prompt):].tolist()
+
+
+# every linear layer Q4 and each rank's slice whole blocks: q/k/v and gate/up rows split, o's 64
+# columns 32 per rank, down's 128 columns 64 per rank
+PACKED_TYPES = {"token_embd": "Q8_0", "attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q4_1", "attn_output": "Q4_0",
+                "ffn_gate": "Q4_1", "ffn_up": "Q4_0", "ffn_down": "Q4_1", "output.": "Q8_0"}
+
+
+def test_two_ranks_keep_their_slices_quantized_and_decode_like_one(tmp_path):
+    """--quantization auto under tensor parallelism: each rank packs its own blocks (the packed
+    codes of its slice are the one-rank load's), and the two ranks generate the one-rank tokens."""
+    checkpoint = build_tiny_checkpoint(tmp_path / "checkpoint", architecture="llama", vocab_size=512,
+                                       hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
+                                       max_position_embeddings=256, seed=42)
+    path = write_gguf(checkpoint, tmp_path / "model.gguf", tensor_types=PACKED_TYPES)
+    prompts = [[token % 512 for token in prompt] for prompt in make_prompts(seed=7, lengths=(5, 33))]
+    out_file = str(tmp_path / "rank")
+    mp.spawn(_rank_main, args=(str(path), str(tmp_path / "rendezvous"), prompts, out_file, "auto"),
+             nprocs=WORLD_SIZE, join=True)
+    ranks = [torch.load(f"{out_file}.{rank}.pt") for rank in range(WORLD_SIZE)]
+    one = ModelRunner(path, device="cpu", dtype="float32", quantization="auto")
+    one.load()
+    for rank, params in enumerate(ranks):
+        assert "layers.0.mlp.down_proj.weight" not in params and "layers.0.mlp.down_proj.weight_packed" in params
+        down = one.model.layers[0].mlp.down_proj.packed.dequantize()  # [64, 128]
+        local = params["layers.0.mlp.down_proj.weight_scales_and_zeros"]  # [groups, 64, 2] of this rank's inputs
+        assert local.shape[0] == 2  # 64 inputs in groups of 32
+        packed = Int4Weight(params["layers.0.mlp.down_proj.weight_packed"], local, 32, 64)
+        assert torch.equal(packed.dequantize(), down[:, rank * 64:(rank + 1) * 64])
+    generated = [json.loads(open(f"{out_file}.{rank}.json").read()) for rank in range(WORLD_SIZE)]
+    assert generated[0] == generated[1]
+    one.init_cache(32, 0)
+    driver = PlanDriver(one, 32)
+    seqs = [DrivenSeq(seq_id=i, prompt=prompt, max_new_tokens=MAX_NEW_TOKENS) for i, prompt in enumerate(prompts)]
+    driver.run_to_completion(seqs)
+    assert generated[0] == [seq.generated for seq in seqs]
