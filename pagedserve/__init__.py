@@ -22,6 +22,8 @@ folder (frontend/, scheduler/, worker/, with kernels/ for the worker) and import
   model_config.py         what every process reads from a checkpoint folder (no torch)
   models/                 --model names: resolve.py, the `demo` checkpoint (demo.py,
                           tiny_checkpoint.py, tiny_tokenizer.py)
+  internal_token.py, zmq_curve.py   the internal transport's secrets: the scheduler's gRPC
+                          token, the ZeroMQ CURVE keys (each process only those of its role)
   log.py                  structured JSON logs
   protogen.py             regenerates internal/ and v1/ (the public API) from proto/
 """

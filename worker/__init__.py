@@ -9,6 +9,7 @@ KV pool, swap and headroom; resident_memory.py: memory in the logs) -> model_run
                       rotary.py and layernorm.py
   cache_engine.py     KV tensors on the device and in host swap space, their block operations
   sampler.py          the next token per SampleSpec, logprobs, beam candidates
-  loader.py           checkpoint tensors -> this rank's slices
+  loader.py           checkpoint tensors -> this rank's slices (gguf_weights.py for GGUF:
+                      dequantized, or Q4/Q8 linear weights kept packed by quantized_linear.py)
 tensor_parallel.py: the process group and the arithmetic of splitting a dimension across ranks.
 """
