@@ -59,6 +59,7 @@ from pagedserve.serve_preflight import check_deployment
 
 STOP_TIMEOUT_SECONDS = 10.0  # frontend and scheduler get their drain plus this; workers this alone
 CONFIG_ERROR_EXIT = 2  # what `pagedserve` exits with on a usage or configuration error
+CONFIG_ERROR_GRACE_S = 2.0  # how long an early crash waits for another child's configuration error
 POLL_SECONDS = 0.2
 PROBE_SECONDS = 0.5
 
@@ -198,6 +199,18 @@ class Supervisor:
         for budget in self._budgets.values():
             budget.note_ready(now)
 
+    def _config_error_follows(self, name: str) -> tuple[str, subprocess.Popen, int] | None:
+        """The child that exits with a configuration error within CONFIG_ERROR_GRACE_S of `name`'s
+        exit, if any: ranks failing together on one bad setting do not exit at the same instant."""
+        deadline = time.monotonic() + CONFIG_ERROR_GRACE_S
+        while True:
+            for other, child in list(self.children.items()):
+                if other != name and other not in self._handled and child.poll() == CONFIG_ERROR_EXIT:
+                    return other, child, CONFIG_ERROR_EXIT
+            if time.monotonic() >= deadline or self._stopping:
+                return None
+            time.sleep(POLL_SECONDS)
+
     def _on_exit(self, name: str, child: subprocess.Popen, code: int) -> int | None:
         """Deals with one child's exit; returns serve's exit code when serving cannot go on."""
         is_worker = name.startswith("worker")
@@ -214,6 +227,11 @@ class Supervisor:
             self._log.error("child_exited", **event, consequence="serve stops")
             return 1
         if not self._has_served:
+            explaining = self._config_error_follows(name)
+            if explaining is not None:  # handled in its place: its message explains this exit
+                self._log.info("child_exited", **event, consequence="another child reports a configuration error")
+                self._handled.add(explaining[0])
+                return self._on_exit(*explaining)
             self._log.error("child_exited", **event,
                             consequence="serve stops: the replica never became ready, restarts are "
                                         "for a replica that was serving")

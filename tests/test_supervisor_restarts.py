@@ -111,8 +111,9 @@ def test_a_configuration_error_at_start_ends_serve_with_2():
 
 
 def test_a_configuration_error_explains_the_other_ranks_exits():
+    # rank 0 fails first, as a rank does when its peer's configuration error breaks their rendezvous
     running = Running(FakeConfig(worker_args=[["worker", "--rank", "0", "--exit", "1", "--after", "0.3"],
-                                              ["worker", "--rank", "1", "--exit", "2", "--after", "0.3"]]))
+                                              ["worker", "--rank", "1", "--exit", "2", "--after", "1.0"]]))
     assert running.wait_code() == 2
 
 
