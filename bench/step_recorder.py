@@ -7,6 +7,7 @@ import threading
 
 import grpc
 
+from pagedserve.bearer_auth import with_bearer
 from pagedserve.internal import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.serve_process import ServeProcess
 
@@ -17,7 +18,7 @@ class StepRecorder:
 
     def __init__(self, server: ServeProcess, interval: float = 0.5) -> None:
         self._channel = grpc.insecure_channel(f"127.0.0.1:{server.scheduler_port}")
-        self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+        self._stub = scheduler_pb2_grpc.SchedulerStub(with_bearer(self._channel, server.internal_token))
         self._interval = interval
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._poll, name="step-recorder", daemon=True)
