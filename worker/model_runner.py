@@ -50,7 +50,8 @@ class RunnerStateError(RuntimeError):
 class ModelRunner:
     """One rank's model, KV cache and (rank 0) sampler.
 
-    dtype "auto" takes the checkpoint's torch_dtype on CUDA and float32 on CPU; max_model_len bounds
+    dtype "auto" takes the checkpoint's torch_dtype on CUDA, and on CPU bfloat16 with native bfloat16
+    (pagedserve.cpu_features), else float32; max_model_len bounds
     positions (default max_position_embeddings); seed fixes the generator of unseeded sampling;
     quantization none|int8|int4 (with quantization_group_size for int4, default 128) quantizes the
     linear layers' weights after the load (see pagedserve.worker.quantization); kv_cache_dtype

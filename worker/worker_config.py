@@ -36,7 +36,8 @@ class WorkerConfig:
     block_size: int = block_size_option()
     device: str = option("auto", choices=DEVICES, serve=True, help="where the model runs (auto: cuda if present)")
     dtype: str = option("auto", choices=DTYPES, serve=True,
-                        help="weights and KV cache (auto: the checkpoint's dtype on CUDA, float32 on CPU)")
+                        help="weights and KV cache (auto: the checkpoint's dtype on CUDA; on CPU bfloat16 where the "
+                             "cores compute it natively (AVX-512 BF16, AMX), else float32)")
     swap_space_gib: float | None = option(
         None, flag="--swap-space", metavar="GIB", serve=True,
         help="CPU swap space per rank for preempted KV blocks (default: 4 on CUDA; 0 on a CPU device, "

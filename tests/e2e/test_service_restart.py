@@ -68,7 +68,8 @@ class Replica:
             "--result-address", result, "--num-kv-blocks", "128", "--shutdown-timeout", "60"], self.log_dir)
         self.worker = Process(f"worker-{self.num_starts}", [
             "worker", "--model", str(self.checkpoint), "--plan-address", plan, "--result-address", result,
-            "--dist-init-address", dist, "--device", "cpu", "--swap-space", "0.25"], self.log_dir)
+            "--dist-init-address", dist, "--device", "cpu", "--dtype", "float32", "--swap-space", "0.25"],
+            self.log_dir)
 
     @property
     def is_running(self) -> bool:
