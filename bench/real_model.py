@@ -21,6 +21,9 @@ Q4_1 GGUF dequantized) in the same precision:
                  Skipped, with a note, when the binary is not found (--llama-server or
                  $LLAMA_SERVER, default: the build under ~/.cache/pagedserve/llama.cpp)
 
+HF's torch threads wait passively (OMP_WAIT_POLICY=PASSIVE, as `pagedserve worker` sets for itself);
+llama.cpp keeps its own thread pool's defaults.
+
 Output tokens/s = requested output tokens / wall time from the first submission to the last
 token. The roofline (bench/roofline.py on SmolLM2's shapes, --threads threads) gives the model
 FLOP utilization of pagedserve's 32-stream decode phase. Targets (issue "Performance on a real
@@ -36,9 +39,13 @@ import os
 import time
 from pathlib import Path
 
-import torch
+# HF runs in this process: its OpenMP threads wait passively, as pagedserve's workers do (spinning
+# waits stall a 2-thread torch whenever anything else wants a core; see worker_config.py)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from gguf_convert import convert_gguf
+import torch  # noqa: E402
+
+from gguf_convert import convert_gguf  # noqa: E402
 from llama_server import LlamaServer, default_llama_server
 from machine_info import machine
 from offline_throughput import decode_phase, step_summary
