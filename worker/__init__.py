@@ -10,5 +10,6 @@ KV pool, swap and headroom; resident_memory.py: memory in the logs) -> model_run
   cache_engine.py     KV tensors on the device and in host swap space, their block operations
   sampler.py          the next token per SampleSpec, logprobs, beam candidates
   loader.py           checkpoint tensors -> this rank's slices
+  prepacked_weights.py after the load: bfloat16 CPU weights prepacked once for oneDNN
 tensor_parallel.py: the process group and the arithmetic of splitting a dimension across ranks.
 """

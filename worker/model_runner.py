@@ -32,6 +32,7 @@ from pagedserve.worker.loader import load_weights, resolve_dtype
 from pagedserve.worker.model_input import build_model_input
 from pagedserve.worker.models.llama import LlamaForCausalLM
 from pagedserve.worker.models.llama_config import LlamaModelConfig
+from pagedserve.worker.prepacked_weights import prepack_model
 from pagedserve.worker.quantization import QuantizationConfig
 from pagedserve.worker.quantized_linear import quantize_model
 from pagedserve.worker.sampler import Sampler
@@ -85,6 +86,7 @@ class ModelRunner:
         self.sampler: Sampler | None = None
         self.dtype: torch.dtype | None = None
         self.num_checkpoint_bytes_read = 0
+        self.num_prepacked_bytes = 0
 
     def load(self) -> None:
         """Reads config.json, builds this rank's shard of the model and loads its weights."""
@@ -100,6 +102,7 @@ class ModelRunner:
                                       max_positions=self.max_model_len or self.config.max_position_embeddings)
         self.num_checkpoint_bytes_read = load_weights(self.model, self.model_path)
         quantize_model(self.model, self.quantization)
+        self.num_prepacked_bytes = prepack_model(self.model)
         self.model.eval()
         if self.rank == 0:
             self.sampler = Sampler(self.device, seed=self.seed)
@@ -111,8 +114,10 @@ class ModelRunner:
 
     @property
     def num_weight_bytes(self) -> int:
-        """Bytes of this rank's parameters (its shard; a tied LM head counted once)."""
-        return sum(param.numel() * param.element_size() for param in self._require_model().parameters())
+        """Bytes of this rank's parameters (its shard; a tied LM head counted once) and of their
+        prepacked copies (worker/prepacked_weights.py)."""
+        parameters = sum(param.numel() * param.element_size() for param in self._require_model().parameters())
+        return parameters + self.num_prepacked_bytes
 
     @property
     def cache_shape(self) -> CacheShape:
