@@ -49,11 +49,11 @@ class CompletionTrace:
 
 class LlamaServer:
     def __init__(self, binary: Path, gguf: Path, log_path: Path, *, num_slots: int, context_per_slot: int,
-                 num_threads: int) -> None:
+                 num_threads: int, extra_args: list[str] | None = None) -> None:
         self.port = free_port()
         self.command = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port),
                         "-t", str(num_threads), "-tb", str(num_threads), "-np", str(num_slots),
-                        "-c", str(num_slots * context_per_slot), "--no-webui"]
+                        "-c", str(num_slots * context_per_slot), "--no-webui", *(extra_args or [])]
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log_path
         self._log = open(log_path, "wb")
