@@ -9,7 +9,7 @@ step (bench/overheads.py serving_step_row: schedule -> plan codec -> execute (in
 sampling) -> result codec -> process_result), medians over --steps steps. Then --steps more
 forwards under torch.profiler, the ops' self CPU time grouped into classes:
 
-    matmul        aten::mm / addmm / bmm (the projections and the LM head)
+    matmul        aten::mm / addmm / bmm, mkldnn::_linear_pointwise (the projections and the LM head)
     attention     scaled_dot_product_attention's kernels
     kv gather     index_select / index_copy_ / where / index: reading K/V out of the paged cache
                   and writing the new K/V into it
@@ -34,7 +34,7 @@ from output import print_table, save_report, timestamp
 from overheads import decode_scheduler, serving_step_row
 
 CLASSES = {
-    "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int8pack_mm",
+    "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "aten::_weight_int8pack_mm",
                "aten::_weight_int4pack_mm_for_cpu"),
     "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
                   "aten::_softmax", "aten::baddbmm"),
