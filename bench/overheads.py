@@ -135,12 +135,12 @@ class PartTimer:
         return timed
 
 
-def serving_step_row(num_seqs: int, num_steps: int, model_path: Path) -> dict:
+def serving_step_row(num_seqs: int, num_steps: int, model_path: Path, *, dtype: str = "float32") -> dict:
     """The in-process serving loop at num_seqs decodes; medians per part over num_steps steps."""
     from pagedserve.worker import model_runner as runner_module
     from pagedserve.worker.model_runner import ModelRunner
 
-    runner = ModelRunner(model_path, device="cpu", dtype="float32", block_size=16)
+    runner = ModelRunner(model_path, device="cpu", dtype=dtype, block_size=16)
     runner.load()
     scheduler = decode_scheduler(num_seqs)
     runner.init_cache(scheduler.config.num_gpu_blocks, 0)

@@ -7,21 +7,23 @@ import threading
 
 import grpc
 
+from pagedserve.bearer_auth import with_bearer
 from pagedserve.internal import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.serve_process import ServeProcess
 
 
 class StepRecorder:
     """Polls the scheduler's recent step records (the last 256 steps) while the block runs;
-    `records` holds every step seen, by step id."""
+    `records` holds every step of the block seen, by step id."""
 
     def __init__(self, server: ServeProcess, interval: float = 0.5) -> None:
         self._channel = grpc.insecure_channel(f"127.0.0.1:{server.scheduler_port}")
-        self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+        self._stub = scheduler_pb2_grpc.SchedulerStub(with_bearer(self._channel, server.internal_token))
         self._interval = interval
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._poll, name="step-recorder", daemon=True)
         self.records: dict[int, scheduler_pb2.StepSummary] = {}
+        self._earlier: set[int] = set()
 
     def _collect(self) -> None:
         request = scheduler_pb2.GetStatsRequest(max_recent_steps=256)
@@ -33,6 +35,9 @@ class StepRecorder:
             self._collect()
 
     def __enter__(self) -> "StepRecorder":
+        self._collect()
+        self._earlier = set(self.records)  # steps before the block (an earlier run's) are left out
+        self.records.clear()
         self._thread.start()
         return self
 
@@ -41,3 +46,5 @@ class StepRecorder:
         self._thread.join()
         self._collect()
         self._channel.close()
+        for step_id in self._earlier:
+            self.records.pop(step_id, None)

@@ -9,6 +9,7 @@ folder (frontend/, scheduler/, worker/, with kernels/ for the worker) and import
   restart_policy.py       serve's back-off and restart budgets; replica_probe.py: is it serving
   parent_death.py         children of serve exit with it (PR_SET_PDEATHSIG)
   host_memory.py          the host's memory and the CPU defaults of KV pool and swap space
+  cpu_features.py         what the CPU computes natively (--dtype auto on CPU: bfloat16 or float32)
   config_flags.py         config dataclass fields -> CLI flags, parsed args -> configs -> argv
   shared_options.py       flags several processes share; grpc_options.py: gRPC limits, keepalive
   serve_process.py        `serve` as a child process tree (tests, benchmarks, embedding)

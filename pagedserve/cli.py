@@ -81,8 +81,10 @@ def _run_scheduler(args: argparse.Namespace) -> int:
 
 
 def _run_worker(args: argparse.Namespace) -> int:
+    from pagedserve.worker.worker_config import WorkerConfig, use_passive_openmp_waits
+
+    use_passive_openmp_waits()  # before torch loads
     from pagedserve.worker.process import run_worker
-    from pagedserve.worker.worker_config import WorkerConfig
 
     return run_worker(_resolved(from_args(WorkerConfig, args)))
 

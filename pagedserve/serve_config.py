@@ -51,15 +51,15 @@ def free_port(host: str = DEFAULT_HOST) -> int:
 
 
 def threads_per_rank(num_ranks: int) -> int:
-    """CPU threads for each of num_ranks workers on this host. One core is left to the frontend
-    and the scheduler, and the rest is split between the ranks: a worker's parallel regions end
-    in barriers, so one of its threads descheduled by a neighbour (or by another rank's threads)
-    holds every other thread, and every all-reduce, back."""
+    """CPU threads for each of num_ranks workers on this host: the cores split between the ranks.
+    The frontend and the scheduler work mostly while the worker waits for its next plan; the
+    workers' OpenMP threads wait passively (worker_config.use_passive_openmp_waits), so a thread
+    that finished its share of a parallel region leaves its core to them instead of spinning."""
     try:
         num_cores = len(os.sched_getaffinity(0))
     except AttributeError:
         num_cores = os.cpu_count() or 1
-    return max(1, (num_cores - 1) // num_ranks)
+    return max(1, num_cores // num_ranks)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -8,8 +8,8 @@ is a message and exit code 2 at once, not workers that fail, are restarted and f
     memory              on a CPU device, explicit --kv-cache-memory, --num-kv-blocks x the block
                         size in bytes, and --swap-space (any device), per rank, with the weights,
                         within the host's memory (pagedserve.host_memory); the weights counted at
-                        the dtype they will run in (--dtype, "auto": float32 on a CPU device, the
-                        checkpoint's on CUDA)
+                        the dtype they will run in (--dtype, "auto": on a CPU device bfloat16
+                        where the cores compute it natively, else float32; the checkpoint's on CUDA)
 
 No torch: the model is read by pagedserve.model_config, the sizes are arithmetic. `--device auto`
 counts as CUDA where the NVIDIA driver is loaded (/proc/driver/nvidia).
@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedserve.cpu_features import cpu_auto_dtype
 from pagedserve.host_memory import GIB, cpu_kv_pool_bytes, total_memory
 from pagedserve.model_config import ModelInfo
 
@@ -94,7 +95,7 @@ def _dtype_bytes(model: ModelInfo, deployment: Deployment) -> tuple[int, int]:
     stored = DTYPE_BYTES.get(model.torch_dtype.removeprefix("torch."), 4)
     if deployment.dtype != "auto":
         return DTYPE_BYTES[deployment.dtype], stored
-    return (stored if deployment.device_type == "cuda" else 4), stored
+    return (stored if deployment.device_type == "cuda" else DTYPE_BYTES[cpu_auto_dtype()]), stored
 
 
 def weight_bytes(model: ModelInfo, deployment: Deployment) -> int:

@@ -151,7 +151,7 @@ def test_serve_decides_ports_recovery_and_threads(model, monkeypatch):
     assert serve.scheduler.engine.worker_recovery_timeout == serve_config.WORKER_RECOVERY_SECONDS
     assert [worker.rank for worker in serve.workers] == [0, 1]
     assert [args[args.index("--rank") + 1] for args in serve.worker_args] == ["0", "1"]  # what `ps` shows
-    assert {worker.num_threads for worker in serve.workers} == {3}
+    assert {worker.num_threads for worker in serve.workers} == {4}
     assert {(w.plan_address, w.result_address) for w in serve.workers} == {
         (serve.scheduler.plan_address, serve.scheduler.result_address)}
     no_restarts = ServeConfig.from_args(build_parser(["serve"]).parse_args(

@@ -10,9 +10,8 @@ from pagedserve.serve_config import ServeConfig, threads_per_rank
 
 
 @pytest.mark.parametrize("num_cores, num_ranks, expected", [
-    (1, 1, 1), (2, 1, 1), (2, 2, 1), (4, 1, 3), (4, 2, 1), (16, 1, 15), (16, 2, 7), (16, 4, 3)])
-def test_threads_per_rank_leaves_a_core_to_the_frontend_and_scheduler(monkeypatch, num_cores, num_ranks,
-                                                                       expected):
+    (1, 1, 1), (2, 1, 2), (2, 2, 1), (4, 1, 4), (4, 2, 2), (4, 8, 1), (16, 1, 16), (16, 2, 8), (16, 4, 4)])
+def test_threads_per_rank_splits_the_cores_between_the_ranks(monkeypatch, num_cores, num_ranks, expected):
     monkeypatch.setattr(serve_config.os, "sched_getaffinity", lambda pid: set(range(num_cores)))
     assert threads_per_rank(num_ranks) == expected
 
@@ -26,8 +25,8 @@ def _worker_args(tmp_path, monkeypatch, *extra: str) -> list[list[str]]:
 
 def test_every_worker_gets_its_share_of_threads(tmp_path, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    for workers, expected in ((_worker_args(tmp_path, monkeypatch), "3"),
-                              (_worker_args(tmp_path, monkeypatch, "--tensor-parallel-size", "2"), "1")):
+    for workers, expected in ((_worker_args(tmp_path, monkeypatch), "4"),
+                              (_worker_args(tmp_path, monkeypatch, "--tensor-parallel-size", "2"), "2")):
         for worker in workers:
             assert worker[worker.index("--num-threads") + 1] == expected
 
@@ -36,3 +35,17 @@ def test_an_operator_set_omp_num_threads_is_left_to_torch(tmp_path, monkeypatch)
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     (worker,) = _worker_args(tmp_path, monkeypatch)
     assert "--num-threads" not in worker
+
+
+def test_a_worker_waits_passively_unless_the_operator_chose(monkeypatch):
+    import subprocess
+    import sys
+
+    code = ("import os, sys; from pagedserve.worker.worker_config import use_passive_openmp_waits; "
+            "use_passive_openmp_waits(); print(os.environ['OMP_WAIT_POLICY'], 'torch' in sys.modules)")
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.split() == ["PASSIVE", "False"]
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.split() == ["ACTIVE", "False"]

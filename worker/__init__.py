@@ -11,5 +11,6 @@ KV pool, swap and headroom; resident_memory.py: memory in the logs) -> model_run
   sampler.py          the next token per SampleSpec, logprobs, beam candidates
   loader.py           checkpoint tensors -> this rank's slices (gguf_weights.py for GGUF:
                       dequantized, or Q4/Q8 linear weights kept packed by quantized_linear.py)
+  prepacked_weights.py after the load: bfloat16 CPU weights prepacked once for oneDNN
 tensor_parallel.py: the process group and the arithmetic of splitting a dimension across ranks.
 """

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from pagedserve.cpu_features import cpu_auto_dtype
 from pagedserve.gguf_config import is_gguf
 from pagedserve.worker.parallel_layers import TensorSlice, VocabParallelEmbedding
 
@@ -30,11 +31,12 @@ class CheckpointError(ValueError):
 
 
 def resolve_dtype(requested: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
-    """auto: the checkpoint's torch_dtype on CUDA, float32 on CPU; otherwise the dtype named."""
+    """auto: the checkpoint's torch_dtype on CUDA; on CPU bfloat16 where the cores compute it
+    natively (pagedserve.cpu_features), else float32; otherwise the dtype named."""
     name = _DTYPE_ALIASES.get(requested, requested)
     if name == "auto":
         if device.type != "cuda":
-            return torch.float32
+            return DTYPES[cpu_auto_dtype()]
         name = _DTYPE_ALIASES.get(str(checkpoint_dtype), str(checkpoint_dtype)).removeprefix("torch.")
         return DTYPES.get(name, torch.float32)
     if name not in DTYPES:

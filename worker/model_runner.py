@@ -32,6 +32,7 @@ from pagedserve.worker.loader import load_weights, resolve_dtype
 from pagedserve.worker.model_input import build_model_input
 from pagedserve.worker.models.llama import LlamaForCausalLM
 from pagedserve.worker.models.llama_config import LlamaModelConfig
+from pagedserve.worker.prepacked_weights import prepack_model
 from pagedserve.worker.quantization import QuantizationConfig
 from pagedserve.worker.quantized_linear import quantize_model
 from pagedserve.worker.sampler import Sampler
@@ -50,7 +51,8 @@ class RunnerStateError(RuntimeError):
 class ModelRunner:
     """One rank's model, KV cache and (rank 0) sampler.
 
-    dtype "auto" takes the checkpoint's torch_dtype on CUDA and float32 on CPU; max_model_len bounds
+    dtype "auto" takes the checkpoint's torch_dtype on CUDA, and on CPU bfloat16 with native bfloat16
+    (pagedserve.cpu_features), else float32; max_model_len bounds
     positions (default max_position_embeddings); seed fixes the generator of unseeded sampling;
     quantization int8|int4 (with quantization_group_size for int4, default 128) quantizes the
     linear layers' weights after the load, auto keeps a GGUF's Q4_0/Q4_1/Q8_0 linear weights
@@ -85,6 +87,7 @@ class ModelRunner:
         self.sampler: Sampler | None = None
         self.dtype: torch.dtype | None = None
         self.num_checkpoint_bytes_read = 0
+        self.num_prepacked_bytes = 0
 
     def load(self) -> None:
         """Reads config.json, builds this rank's shard of the model and loads its weights."""
@@ -101,6 +104,7 @@ class ModelRunner:
         self.num_checkpoint_bytes_read = load_weights(
             self.model, self.model_path, keep_quantized=self.quantization.keeps_checkpoint_quantization)
         quantize_model(self.model, self.quantization)
+        self.num_prepacked_bytes = prepack_model(self.model)
         self.model.eval()
         if self.rank == 0:
             self.sampler = Sampler(self.device, seed=self.seed)
@@ -112,8 +116,10 @@ class ModelRunner:
 
     @property
     def num_weight_bytes(self) -> int:
-        """Bytes of this rank's parameters (its shard; a tied LM head counted once)."""
-        return sum(param.numel() * param.element_size() for param in self._require_model().parameters())
+        """Bytes of this rank's parameters (its shard; a tied LM head counted once) and of their
+        prepacked copies (worker/prepacked_weights.py)."""
+        parameters = sum(param.numel() * param.element_size() for param in self._require_model().parameters())
+        return parameters + self.num_prepacked_bytes
 
     @property
     def cache_shape(self) -> CacheShape:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pagedserve.kernels.prepacked_linear_cpu import prepacked_linear
 from pagedserve.worker.quantized_linear import QuantizableLinear
 from pagedserve.worker.tensor_parallel import ShardRange, TensorParallelGroup
 
@@ -155,13 +156,18 @@ class ParallelLMHead(torch.nn.Module):
         else:
             self.embedding = VocabParallelEmbedding(vocab_size, hidden_size, tp=tp, dtype=dtype, device=device)
 
+    onednn_weight: torch.Tensor | None = None  # the weight prepacked (worker/prepacked_weights.py)
+
     @property
     def weight(self) -> torch.Tensor:  # [rows_per_rank, hidden]
         return self.embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [L, hidden] -> logits [L, vocab_size] on rank 0, None on the others."""
-        logits = F.linear(hidden, self.embedding.weight)  # [L, rows_per_rank]
+        if self.onednn_weight is not None:
+            logits = prepacked_linear(hidden, self.onednn_weight, None)  # [L, rows_per_rank]
+        else:
+            logits = F.linear(hidden, self.embedding.weight)  # [L, rows_per_rank]
         logits = self.tp.gather_to_first(logits, dim=-1)  # [L, rows_per_rank * world_size] on rank 0
         if logits is None or logits.shape[-1] == self.vocab_size:
             return logits

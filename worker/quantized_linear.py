@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from pagedserve.kernels import ops
 from pagedserve.kernels.packed_weights import PackedWeight
+from pagedserve.kernels.prepacked_linear_cpu import prepacked_linear
 from pagedserve.worker.quantization import (
     QuantizationConfig,
     QuantizationError,
@@ -36,10 +37,13 @@ class QuantizableLinear(torch.nn.Module):
     """Subclasses create `self.weight` and `self.bias` and describe their input shard."""
 
     packed: PackedWeight | None = None
+    onednn_weight: torch.Tensor | None = None  # the dense weight prepacked (worker/prepacked_weights.py)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # [T, in] -> [T, out]
         if self.packed is not None:
             return ops.quantized_linear(x, self.packed, bias)
+        if self.onednn_weight is not None:
+            return prepacked_linear(x, self.onednn_weight, bias)
         return F.linear(x, self.weight, bias)
 
     def input_range(self) -> tuple[int, int, int]:
@@ -64,6 +68,7 @@ class QuantizableLinear(torch.nn.Module):
         tensors = {name: getattr(self, f"weight_{name}") for name in packed.tensors()}
         self.packed = type(packed)(**{**_fields(packed), **tensors})
         self.weight = None
+        self.onednn_weight = None
 
     def quantize_weight(self, config: QuantizationConfig, layer_name: str = "") -> None:
         if self.weight is None:

@@ -12,11 +12,12 @@ from pagedserve.v1 import generation_pb2
 
 
 class ServeProcess(_ServeProcess):
-    """`serve` on the CPU with a small swap space (preemption tests swap into it)."""
+    """`serve` on the CPU in float32 (the HF-equality oracle's precision; `--dtype auto` would pick
+    bfloat16 on CPUs with native bfloat16) with a small swap space (preemption tests swap into it)."""
 
     def __init__(self, model: str | Path, log_path: Path, extra_args: list[str] | None = None,
                  env: dict[str, str] | None = None, **options) -> None:
-        super().__init__(model, log_path, ["--swap-space", "0.25", *(extra_args or [])], env, **options)
+        super().__init__(model, log_path, ["--dtype", "float32", "--swap-space", "0.25", *(extra_args or [])], env, **options)
 
     def log_events(self) -> list[dict]:
         """The JSON log events of every process of the tree, parsed."""

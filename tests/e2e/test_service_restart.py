@@ -72,8 +72,8 @@ class Replica:
             curve_env_for("scheduler", self.curve_env))
         self.worker = Process(f"worker-{self.num_starts}", [
             "worker", "--model", str(self.checkpoint), "--plan-address", plan, "--result-address", result,
-            "--dist-init-address", dist, "--device", "cpu", "--swap-space", "0.25"], self.log_dir,
-            curve_env_for("worker", self.curve_env))
+            "--dist-init-address", dist, "--device", "cpu", "--dtype", "float32", "--swap-space", "0.25"],
+            self.log_dir, curve_env_for("worker", self.curve_env))
 
     @property
     def is_running(self) -> bool:

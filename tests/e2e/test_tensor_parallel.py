@@ -245,7 +245,7 @@ def test_ranks_started_one_by_one_recover_after_a_restart(checkpoints, tmp_path)
             "--plan-address", f"tcp://127.0.0.1:{plan_port}",
             "--result-address", f"tcp://127.0.0.1:{result_port}",
             "--dist-init-address", f"tcp://127.0.0.1:{dist_port}",
-            "--device", "cpu", "--num-threads", "1", "--swap-space", "0.1")
+            "--device", "cpu", "--dtype", "float32", "--num-threads", "1", "--swap-space", "0.1")
 
     processes = _Processes(tmp_path / "processes.log")
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")

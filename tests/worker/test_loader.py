@@ -11,6 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pagedserve.model_config import ModelConfigError
+from pagedserve.cpu_features import has_native_bfloat16
 from pagedserve.worker.loader import CheckpointError, load_weights, resolve_dtype
 from pagedserve.worker.models.llama import LlamaForCausalLM
 from pagedserve.worker.models.llama_config import LlamaModelConfig
@@ -60,7 +61,9 @@ def test_dtype_conversion(checkpoint_dir):
     model = _load(checkpoint_dir(NAME), dtype=torch.bfloat16)
     expected = _tensors(checkpoint_dir(NAME))["model.norm.weight"].to(torch.bfloat16)
     assert model.norm.weight.dtype == torch.bfloat16 and torch.equal(model.norm.weight, expected)
-    assert resolve_dtype("auto", "bfloat16", torch.device("cpu")) == torch.float32
+    expected_cpu = torch.bfloat16 if has_native_bfloat16() else torch.float32
+    assert resolve_dtype("auto", "bfloat16", torch.device("cpu")) == expected_cpu
+    assert resolve_dtype("auto", "float32", torch.device("cpu")) == expected_cpu
     assert resolve_dtype("auto", "bfloat16", torch.device("cuda")) == torch.bfloat16
     assert resolve_dtype("fp16", None, torch.device("cpu")) == torch.float16
     with pytest.raises(CheckpointError, match="dtype"):

@@ -83,3 +83,38 @@ def test_capacity_and_state_errors(checkpoint_dir):
     assert fresh.profile_num_blocks(kv_cache_memory_gib=bytes_per_block * 10 / 2**30) == 10
     assert fresh.num_blocks_for_bytes(bytes_per_block * 3) == 3
     assert fresh.profile_num_blocks() > 0
+
+
+def test_bfloat16_prepacked_weights_give_the_logits_of_the_dense_ones(checkpoint_dir, monkeypatch):
+    import torch
+
+    from pagedserve.kernels.prepacked_linear_cpu import can_prepack
+    from pagedserve.worker.prepacked_weights import prepack_model
+
+    if not can_prepack(torch.zeros(2, 2, dtype=torch.bfloat16)):
+        pytest.skip("this CPU or torch build has no oneDNN bfloat16 matmul")
+    bf16 = ModelRunner(checkpoint_dir(NAME), device="cpu", dtype="bfloat16", block_size=16)
+    bf16.load()
+    model = bf16.model
+    prepacked = [module for module in model.modules() if getattr(module, "onednn_weight", None) is not None]
+    assert len(prepacked) == 2 * len(model.layers) * 2 + 1  # qkv, o, gate_up, down per layer; the LM head
+    dense_bytes = sum(param.numel() * param.element_size() for param in model.parameters())
+    assert bf16.num_prepacked_bytes > 0 and bf16.num_weight_bytes == dense_bytes + bf16.num_prepacked_bytes
+    bf16.init_cache(64, 0)
+    prompt = make_prompts(seed=5, lengths=(21,))[0]
+    seq = ScheduledSeq(seq_id=1, token_ids=prompt, start_position=0, block_table=[0, 1], sample=SampleSpec())
+    from pagedserve.worker.model_input import build_model_input
+
+    inputs = build_model_input([seq], block_size=16, num_blocks=64, max_positions=model.max_positions,
+                               device=bf16.device)
+    with torch.inference_mode():
+        packed_logits = model.compute_logits(model(inputs.token_ids, inputs.metadata, bf16.cache.gpu_cache))
+        for module in prepacked:
+            module.onednn_weight = None
+        dense_logits = model.compute_logits(model(inputs.token_ids, inputs.metadata, bf16.cache.gpu_cache))
+        assert torch.equal(packed_logits, dense_logits)
+        monkeypatch.setenv("PAGEDSERVE_KERNELS", "reference")
+        assert prepack_model(model) == 0
+    float32 = ModelRunner(checkpoint_dir(NAME), device="cpu", dtype="float32", block_size=16)
+    float32.load()
+    assert float32.num_prepacked_bytes == 0

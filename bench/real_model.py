@@ -1,0 +1,261 @@
+"""The real model against its real peers: pagedserve, Hugging Face transformers and llama.cpp's
+llama-server on SmolLM2-135M-Instruct, in one run.
+
+    python bench/real_model.py [--dtypes float32,bfloat16] [--streams 1,32] [--systems pagedserve,hf,llama.cpp]
+                               [--threads 2] [--num-single-requests 4] [--llama-server PATH]
+
+Workload: the 32 chat prompts of bench/data/quant_prompts.json through the model's chat template
+(37-80 tokens), output lengths uniform in 48-128 (seed 0), greedy, EOS ignored, so every system
+produces exactly the requested tokens. "32 streams": all 32 requests at once; "1 stream": the
+first --num-single-requests requests one after another. Every system gets the same weights (the
+Q4_1 GGUF dequantized) in the same precision:
+
+    pagedserve   `pagedserve serve --model smollm2 --dtype D` and nothing else: its DEFAULT flags
+                 (threads, batch sizes, KV pool); requests over GenerateStream (gRPC), token ids in
+    hf           transformers `generate` on the GGUF's weights dequantized once into a float32
+                 folder (cached), loaded in D, --threads torch threads; 32 streams = one static batch of 32, left-padded, run to the longest
+                 output (only requested tokens count); 1 stream = batch 1
+    llama.cpp    `llama-server -t T -tb T -np S -c S*256` on the GGUF dequantized to D
+                 (bench/gguf_convert.py; F32 or BF16 weights, its default F16 KV cache);
+                 `/completion` with token-id prompts, n_predict, ignore_eos, temperature 0.
+                 Twice: with its defaults (its threads spin-wait: --poll 50) and with --poll 0
+                 (they sleep), the better of the two is the "llama.cpp best" the targets use.
+                 Skipped, with a note, when the binary is not found (--llama-server or
+                 $LLAMA_SERVER, default: the build under ~/.cache/pagedserve/llama.cpp)
+
+HF's torch threads wait passively (OMP_WAIT_POLICY=PASSIVE, as `pagedserve worker` sets for itself);
+llama.cpp keeps its own thread pool's defaults.
+
+Output tokens/s = requested output tokens / wall time from the first submission to the last
+token. The roofline (bench/roofline.py on SmolLM2's shapes, --threads threads) gives the model
+FLOP utilization of pagedserve's 32-stream decode phase. Targets (issue "Performance on a real
+model"): 32 streams >= 1.5x llama.cpp and >= 1.5x HF, >= 75 % of the roofline in decode-heavy
+steps; 1 stream >= 1.0x llama.cpp. A table goes to stdout, JSON to bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+# HF runs in this process: its OpenMP threads wait passively, as pagedserve's workers do (spinning
+# waits stall a 2-thread torch whenever anything else wants a core; see worker_config.py)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+from gguf_convert import convert_gguf  # noqa: E402
+from llama_server import LlamaServer, default_llama_server
+from machine_info import machine
+from offline_throughput import decode_phase, step_summary
+from output import RESULTS_DIR, print_table, save_report, timestamp
+from pagedserve.models.smollm2 import ensure_smollm2
+from pagedserve.serve_process import ServeProcess
+from roofline import measure_matmul
+from step_recorder import StepRecorder
+from stream_client import run_requests
+from workload import BenchRequest, ModelShape
+
+DATA = Path(__file__).resolve().parent / "data"
+SMOLLM2 = ModelShape(hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, intermediate_size=1536,
+                     vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True)
+SYSTEMS = ("pagedserve", "hf", "llama.cpp", "llama.cpp-poll0")
+LLAMA_ARGS = {"llama.cpp": [], "llama.cpp-poll0": ["--poll", "0"]}  # --poll 0: its threads wait without spinning
+OUTPUT_LENS = (48, 128)
+CONTEXT_PER_SLOT = 256
+TARGETS = {32: {"llama.cpp best": 1.5, "hf": 1.5}, 1: {"llama.cpp best": 1.0}}
+ROOFLINE_TARGET = 0.75
+WARMUP_TOKENS = 8
+
+
+def make_workload(gguf: Path, seed: int = 0) -> list[BenchRequest]:
+    import random
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    rng = random.Random(seed)
+    requests = []
+    for text in json.loads((DATA / "quant_prompts.json").read_text()):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+        requests.append(BenchRequest(list(ids), rng.randint(*OUTPUT_LENS)))
+    return requests
+
+
+def timed(traces) -> dict:
+    start = min(trace.sent_at for trace in traces)
+    end = max(trace.finished_at for trace in traces)
+    num_tokens = sum(trace.num_tokens for trace in traces)
+    return {"seconds": end - start, "num_output_tokens": num_tokens, "tokens_per_second": num_tokens / (end - start),
+            "load_average": os.getloadavg()[0]}
+
+
+def run_pagedserve(dtype: str, workloads: dict[int, tuple[list[BenchRequest], bool]], log_dir: Path,
+                   serve_args: list[str]) -> dict:
+    results = {"config": f"pagedserve serve --model smollm2 --dtype {dtype} {' '.join(serve_args)}".strip()}
+    with ServeProcess("smollm2", log_dir / f"serve-{dtype}.log", ["--dtype", dtype, *serve_args]) as server:
+        run_requests(server.address, [BenchRequest(workloads[max(workloads)][0][0].prompt_token_ids, WARMUP_TOKENS)])
+        for streams, (requests, concurrent) in workloads.items():
+            with StepRecorder(server) as recorder:
+                if concurrent:
+                    traces = run_requests(server.address, requests)
+                else:
+                    traces = [trace for request in requests for trace in run_requests(server.address, [request])]
+            results[streams] = timed(traces)
+            results[streams]["steps"] = step_summary(list(recorder.records.values()), len(requests))
+            if concurrent and len(requests) > 1:
+                results[streams]["decode_phase"] = decode_phase(traces, SMOLLM2)
+    return results
+
+
+def hf_folder(gguf: Path) -> Path:
+    """A plain float32 Hugging Face folder of the GGUF's weights (transformers keeps a GGUF's
+    weights packed and dequantizes them in every matmul); built once into the cache."""
+    from pagedserve.models.demo import cache_dir
+    from quant_accuracy import build_from_gguf
+
+    folder = cache_dir() / f"{gguf.stem}-hf-float32"
+    if not (folder / "model.safetensors").is_file():
+        build_from_gguf(gguf, folder)
+    return folder
+
+
+def run_hf(gguf: Path, dtype: str, workloads: dict[int, tuple[list[BenchRequest], bool]]) -> dict:
+    from offline_throughput import _static_batch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_folder(gguf), dtype=getattr(torch, dtype)).eval()
+    model.generation_config.eos_token_id = None
+    results = {"config": f"transformers generate, {dtype}, {torch.get_num_threads()} torch threads, "
+                         f"32 streams: one static batch of 32 (left-padded), 1 stream: batch 1"}
+    _static_batch(model, [BenchRequest(workloads[max(workloads)][0][0].prompt_token_ids, WARMUP_TOKENS)])
+    for streams, (requests, concurrent) in workloads.items():
+        batches = [requests] if concurrent else [[request] for request in requests]
+        start = time.perf_counter()
+        for batch in batches:
+            _static_batch(model, batch)
+        seconds = time.perf_counter() - start
+        num_tokens = sum(request.max_tokens for request in requests)
+        results[streams] = {"seconds": seconds, "num_output_tokens": num_tokens,
+                            "tokens_per_second": num_tokens / seconds, "load_average": os.getloadavg()[0]}
+    return results
+
+
+def run_llama_cpp(binary: Path, gguf: Path, dtype: str, threads: int,
+                  workloads: dict[int, tuple[list[BenchRequest], bool]], log_dir: Path,
+                  extra_args: list[str]) -> dict:
+    converted = convert_gguf(gguf, dtype)
+    results = {"config": f"llama-server -m {converted.name} -t {threads} -tb {threads} -np S -c S*{CONTEXT_PER_SLOT} "
+                         f"{' '.join(extra_args)} (S = streams; F16 KV cache, its default)".replace("  ", " ")}
+    for streams, (requests, concurrent) in workloads.items():
+        name = "-".join(["llama-server", dtype, str(streams), *[arg.strip("-") for arg in extra_args]])
+        with LlamaServer(binary, converted, log_dir / f"{name}.log", num_slots=streams,
+                         context_per_slot=CONTEXT_PER_SLOT, num_threads=threads, extra_args=extra_args) as server:
+            server.run([BenchRequest(requests[0].prompt_token_ids, WARMUP_TOKENS)])
+            results[streams] = timed(server.run(requests, concurrent=concurrent))
+    return results
+
+
+def summary_rows(report: dict) -> list[dict]:
+    rows = []
+    for dtype, entry in report["dtypes"].items():
+        for streams in report["streams"]:
+            row = {"dtype": dtype, "streams": streams}
+            for system in SYSTEMS:
+                run = entry["systems"].get(system, {}).get(streams)
+                row[system] = run["tokens_per_second"] if run else ""
+            ours = row["pagedserve"]
+            llama_runs = [row[name] for name in LLAMA_ARGS if row[name]]
+            row["llama.cpp best"] = max(llama_runs) if llama_runs else ""  # its better configuration in this run
+            for peer, target in TARGETS.get(streams, {}).items():
+                if ours and row[peer]:
+                    ratio = ours / row[peer]
+                    row[f"vs {peer}"] = f"{ratio:.2f}x (target {target}x: {'met' if ratio >= target else 'NOT met'})"
+            mfu = entry.get("mfu_decode", {}).get(streams)
+            if mfu is not None:
+                row["roofline"] = (f"{100 * mfu:.0f}% (target {100 * ROOFLINE_TARGET:.0f}%: "
+                                   f"{'met' if mfu >= ROOFLINE_TARGET else 'NOT met'})")
+            rows.append(row)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--streams", default="1,32", help="1 and/or the number of requests sent at once")
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                        help="threads of HF and llama.cpp (pagedserve keeps its defaults)")
+    parser.add_argument("--num-single-requests", type=int, default=4, help="requests of the 1-stream runs")
+    parser.add_argument("--llama-server", type=Path, default=default_llama_server())
+    parser.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[],
+                        help="extra flags for pagedserve serve (the table is then not 'default flags')")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    systems = [system for system in args.systems.split(",") if system]
+    if set(systems) - set(SYSTEMS):
+        parser.error(f"unknown systems: {', '.join(sorted(set(systems) - set(SYSTEMS)))}")
+    notes = []
+    if any(system in LLAMA_ARGS for system in systems) and not args.llama_server.is_file():
+        notes.append(f"llama.cpp skipped: no llama-server at {args.llama_server} (build it, or pass --llama-server "
+                     f"or set $LLAMA_SERVER)")
+        systems = [system for system in systems if system not in LLAMA_ARGS]
+    if "OMP_NUM_THREADS" in os.environ:
+        notes.append(f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} is set: pagedserve's workers follow it")
+    gguf = ensure_smollm2()
+    requests = make_workload(gguf)
+    streams_list = [int(value) for value in args.streams.split(",")]
+    workloads = {streams: (requests[:streams], True) if streams > 1 else (requests[:args.num_single_requests], False)
+                 for streams in streams_list}
+    stamp = timestamp()
+    log_dir = RESULTS_DIR / f"real_model-{stamp}-logs"
+    prompt_lens = [request.prompt_len for request in requests]
+    report = {"machine": machine("torch", "transformers"), "threads": args.threads, "model": str(gguf),
+              "workload": {"num_requests": len(requests), "prompt_lens": [min(prompt_lens), max(prompt_lens)],
+                           "output_lens": list(OUTPUT_LENS), "num_single_requests": args.num_single_requests},
+              "streams": streams_list, "dtypes": {}, "notes": notes, "load_average_start": os.getloadavg()}
+    print(f"{report['machine']['cpu']}, {report['machine']['num_cores']} cores, torch {torch.__version__}; "
+          f"SmolLM2-135M-Instruct; {len(requests)} prompts of {min(prompt_lens)}-{max(prompt_lens)} tokens, "
+          f"outputs {OUTPUT_LENS[0]}-{OUTPUT_LENS[1]}; load average {os.getloadavg()[0]:.2f}", flush=True)
+    for note in notes:
+        print(f"note: {note}", flush=True)
+    started = time.perf_counter()
+    for dtype in args.dtypes.split(","):
+        entry = {"roofline": measure_matmul(SMOLLM2, getattr(torch, dtype)), "systems": {}, "mfu_decode": {}}
+        report["dtypes"][dtype] = entry
+        for system in systems:
+            if system == "pagedserve":
+                run = run_pagedserve(dtype, workloads, log_dir, args.serve_args)
+                for streams in streams_list:
+                    if "decode_phase" in run[streams]:
+                        entry["mfu_decode"][streams] = (run[streams]["decode_phase"]["gflops_per_second"]
+                                                        / entry["roofline"]["peak_gflops"])
+            elif system == "hf":
+                run = run_hf(gguf, dtype, workloads)
+            else:
+                run = run_llama_cpp(args.llama_server, gguf, dtype, args.threads, workloads, log_dir,
+                                    LLAMA_ARGS[system])
+            entry["systems"][system] = run
+            print(f"  {dtype} {system}: " + ", ".join(f"{streams} stream(s) {run[streams]['tokens_per_second']:.1f} tok/s"
+                                                      for streams in streams_list), flush=True)
+    report["wall_seconds"] = time.perf_counter() - started
+    report["load_average_end"] = os.getloadavg()
+    print()
+    print_table(summary_rows(report), title="output tokens/s (pagedserve with its default flags)")
+    for dtype, entry in report["dtypes"].items():
+        print(f"{dtype}: matmul roofline {entry['roofline']['peak_gflops']:.1f} GFLOP/s ({args.threads} threads)")
+        for system, run in entry["systems"].items():
+            print(f"  {system}: {run['config']}")
+    for note in notes:
+        print(f"note: {note}")
+    paths = save_report(f"real_model-{stamp}", report)
+    print(f"load average {report['load_average_start'][0]:.2f} at the start, {report['load_average_end'][0]:.2f} "
+          f"at the end; wrote {paths[0]} ({report['wall_seconds']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
