@@ -47,6 +47,14 @@ class CompletionTrace:
     num_tokens: int = 0
 
 
+class LlamaServerExited(RuntimeError):
+    """llama-server ended before it was ready; `returncode` is negative for a signal."""
+
+    def __init__(self, returncode: int, message: str):
+        super().__init__(message)
+        self.returncode = returncode
+
+
 class LlamaServer:
     def __init__(self, binary: Path, gguf: Path, log_path: Path, *, num_slots: int, context_per_slot: int,
                  num_threads: int, extra_args: list[str] | None = None) -> None:
@@ -79,8 +87,8 @@ class LlamaServer:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode}; log {self.log_path}:\n"
-                                   f"{self.log_path.read_text(errors='replace')[-3000:]}")
+                raise LlamaServerExited(self.proc.returncode, f"llama-server exited with {self.proc.returncode}; "
+                                        f"log {self.log_path}:\n{self.log_path.read_text(errors='replace')[-3000:]}")
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
                     if response.status == 200:

@@ -1,22 +1,26 @@
 """The real model against its real peers: pagedserve, Hugging Face transformers and llama.cpp's
 llama-server on SmolLM2-135M-Instruct, in one run.
 
-    python bench/real_model.py [--dtypes float32,bfloat16] [--streams 1,32] [--systems pagedserve,hf,llama.cpp]
+    python bench/real_model.py [--dtypes float32,bfloat16,q4_1] [--streams 1,32] [--systems pagedserve,hf,llama.cpp]
                                [--threads 2] [--num-single-requests 4] [--llama-server PATH]
 
 Workload: the 32 chat prompts of bench/data/quant_prompts.json through the model's chat template
 (37-80 tokens), output lengths uniform in 48-128 (seed 0), greedy, EOS ignored, so every system
 produces exactly the requested tokens. "32 streams": all 32 requests at once; "1 stream": the
-first --num-single-requests requests one after another. Every system gets the same weights (the
-Q4_1 GGUF dequantized) in the same precision:
+first --num-single-requests requests one after another. Every system gets the same weights in the
+same precision: for D = float32 and bfloat16 the Q4_1 GGUF dequantized, for D = q4_1 the GGUF
+as it is (pagedserve and llama.cpp; HF has no Q4_1 kernels and is not run):
 
-    pagedserve   `pagedserve serve --model smollm2 --dtype D` and nothing else: its DEFAULT flags
+    pagedserve   `pagedserve serve --model smollm2 --dtype D --quantization none`, for q4_1
+                 `pagedserve serve --model smollm2` (its defaults: the GGUF's Q4_1 linear weights
+                 kept as int4, --dtype auto activations); nothing else: its DEFAULT flags
                  (threads, batch sizes, KV pool); requests over GenerateStream (gRPC), token ids in
     hf           transformers `generate` on the GGUF's weights dequantized once into a float32
                  folder (cached), loaded in D, --threads torch threads; 32 streams = one static batch of 32, left-padded, run to the longest
                  output (only requested tokens count); 1 stream = batch 1
     llama.cpp    `llama-server -t T -tb T -np S -c S*256` on the GGUF dequantized to D
-                 (bench/gguf_convert.py; F32 or BF16 weights, its default F16 KV cache);
+                 (bench/gguf_convert.py; F32 or BF16 weights, its default F16 KV cache), for
+                 q4_1 on the GGUF itself;
                  `/completion` with token-id prompts, n_predict, ignore_eos, temperature 0.
                  Twice: with its defaults (its threads spin-wait: --poll 50) and with --poll 0
                  (they sleep), the better of the two is the "llama.cpp best" the targets use.
@@ -38,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -48,7 +53,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 from gguf_convert import convert_gguf  # noqa: E402
-from llama_server import LlamaServer, default_llama_server
+from llama_server import LlamaServer, LlamaServerExited, default_llama_server
 from machine_info import machine
 from offline_throughput import decode_phase, step_summary
 from output import RESULTS_DIR, print_table, save_report, timestamp
@@ -67,6 +72,7 @@ LLAMA_ARGS = {"llama.cpp": [], "llama.cpp-poll0": ["--poll", "0"]}  # --poll 0: 
 OUTPUT_LENS = (48, 128)
 CONTEXT_PER_SLOT = 256
 TARGETS = {32: {"llama.cpp best": 1.5, "hf": 1.5}, 1: {"llama.cpp best": 1.0}}
+QUANTIZED = "q4_1"  # the GGUF's own format: no dequantization, no HF run, no roofline
 ROOFLINE_TARGET = 0.75
 WARMUP_TOKENS = 8
 
@@ -96,8 +102,9 @@ def timed(traces) -> dict:
 
 def run_pagedserve(dtype: str, workloads: dict[int, tuple[list[BenchRequest], bool]], log_dir: Path,
                    serve_args: list[str]) -> dict:
-    results = {"config": f"pagedserve serve --model smollm2 --dtype {dtype} {' '.join(serve_args)}".strip()}
-    with ServeProcess("smollm2", log_dir / f"serve-{dtype}.log", ["--dtype", dtype, *serve_args]) as server:
+    precision_args = [] if dtype == QUANTIZED else ["--dtype", dtype, "--quantization", "none"]
+    results = {"config": " ".join(["pagedserve serve --model smollm2", *precision_args, *serve_args])}
+    with ServeProcess("smollm2", log_dir / f"serve-{dtype}.log", [*precision_args, *serve_args]) as server:
         run_requests(server.address, [BenchRequest(workloads[max(workloads)][0][0].prompt_token_ids, WARMUP_TOKENS)])
         for streams, (requests, concurrent) in workloads.items():
             with StepRecorder(server) as recorder:
@@ -148,15 +155,29 @@ def run_hf(gguf: Path, dtype: str, workloads: dict[int, tuple[list[BenchRequest]
 def run_llama_cpp(binary: Path, gguf: Path, dtype: str, threads: int,
                   workloads: dict[int, tuple[list[BenchRequest], bool]], log_dir: Path,
                   extra_args: list[str]) -> dict:
-    converted = convert_gguf(gguf, dtype)
-    results = {"config": f"llama-server -m {converted.name} -t {threads} -tb {threads} -np S -c S*{CONTEXT_PER_SLOT} "
-                         f"{' '.join(extra_args)} (S = streams; F16 KV cache, its default)".replace("  ", " ")}
+    converted = gguf if dtype == QUANTIZED else convert_gguf(gguf, dtype)
+    results = {}
     for streams, (requests, concurrent) in workloads.items():
         name = "-".join(["llama-server", dtype, str(streams), *[arg.strip("-") for arg in extra_args]])
-        with LlamaServer(binary, converted, log_dir / f"{name}.log", num_slots=streams,
-                         context_per_slot=CONTEXT_PER_SLOT, num_threads=threads, extra_args=extra_args) as server:
+        try:
+            server = LlamaServer(binary, converted, log_dir / f"{name}.log", num_slots=streams,
+                                 context_per_slot=CONTEXT_PER_SLOT, num_threads=threads, extra_args=extra_args)
+            server.__enter__()
+        except LlamaServerExited as error:
+            if error.returncode != -signal.SIGILL or "--no-repack" in extra_args:
+                raise
+            # its default weight repacking for quantized types runs AMX/AVX-512 code that some
+            # virtual machines refuse (SIGILL at load); without repacking it runs
+            print(f"  llama-server died with SIGILL at load ({dtype}); again with --no-repack", flush=True)
+            extra_args = [*extra_args, "--no-repack"]
+            server = LlamaServer(binary, converted, log_dir / f"{name}-no-repack.log", num_slots=streams,
+                                 context_per_slot=CONTEXT_PER_SLOT, num_threads=threads, extra_args=extra_args)
+            server.__enter__()
+        with server:
             server.run([BenchRequest(requests[0].prompt_token_ids, WARMUP_TOKENS)])
             results[streams] = timed(server.run(requests, concurrent=concurrent))
+    results["config"] = (f"llama-server -m {converted.name} -t {threads} -tb {threads} -np S -c S*{CONTEXT_PER_SLOT} "
+                         f"{' '.join(extra_args)} (S = streams; F16 KV cache, its default)").replace("  ", " ")
     return results
 
 
@@ -185,7 +206,7 @@ def summary_rows(report: dict) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--dtypes", default=f"float32,bfloat16,{QUANTIZED}")
     parser.add_argument("--streams", default="1,32", help="1 and/or the number of requests sent at once")
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
@@ -225,13 +246,16 @@ def main() -> None:
         print(f"note: {note}", flush=True)
     started = time.perf_counter()
     for dtype in args.dtypes.split(","):
-        entry = {"roofline": measure_matmul(SMOLLM2, getattr(torch, dtype)), "systems": {}, "mfu_decode": {}}
+        roofline = None if dtype == QUANTIZED else measure_matmul(SMOLLM2, getattr(torch, dtype))
+        entry = {"roofline": roofline, "systems": {}, "mfu_decode": {}}
         report["dtypes"][dtype] = entry
         for system in systems:
+            if system == "hf" and dtype == QUANTIZED:
+                continue
             if system == "pagedserve":
                 run = run_pagedserve(dtype, workloads, log_dir, args.serve_args)
                 for streams in streams_list:
-                    if "decode_phase" in run[streams]:
+                    if roofline is not None and "decode_phase" in run[streams]:
                         entry["mfu_decode"][streams] = (run[streams]["decode_phase"]["gflops_per_second"]
                                                         / entry["roofline"]["peak_gflops"])
             elif system == "hf":
@@ -247,7 +271,10 @@ def main() -> None:
     print()
     print_table(summary_rows(report), title="output tokens/s (pagedserve with its default flags)")
     for dtype, entry in report["dtypes"].items():
-        print(f"{dtype}: matmul roofline {entry['roofline']['peak_gflops']:.1f} GFLOP/s ({args.threads} threads)")
+        if entry["roofline"] is not None:
+            print(f"{dtype}: matmul roofline {entry['roofline']['peak_gflops']:.1f} GFLOP/s ({args.threads} threads)")
+        else:
+            print(f"{dtype}:")
         for system, run in entry["systems"].items():
             print(f"  {system}: {run['config']}")
     for note in notes:
