@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.e2e.conftest import VOCAB_SIZE, start_server
+from tests.e2e.conftest import VOCAB_SIZE, build_checkpoint, start_server
 from tests.e2e.harness import token_request
 
 MAX_TOKENS = 40
@@ -91,3 +91,22 @@ def test_parallel_seeded_samples_are_the_same_with_and_without_speculation(llama
             assert _counter(metrics, "pagedserve_spec_decode_num_drafts_total") > 0
     assert outputs[0] == outputs[1]
     assert len(set(map(tuple, outputs[0].values()))) > 1  # the samples differ from each other
+
+
+def test_ngram_speculation_with_two_tensor_parallel_ranks_gives_hf_greedy_tokens(hf_reference, tmp_path_factory):
+    checkpoint = build_checkpoint(tmp_path_factory.mktemp("spec-tp"), "qwen2", hidden_size=64, num_layers=2,
+                                  num_heads=4, num_kv_heads=2, intermediate_size=128,
+                                  max_position_embeddings=1024, tie_word_embeddings=True)
+    server = start_server(checkpoint, tmp_path_factory, "spec-tp2", *SPEC_ARGS, "--tensor-parallel-size", "2",
+                          "--num-kv-blocks", "128", metrics=True)
+    try:
+        prompts = _prompts()[:5]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            responses = list(pool.map(lambda p: server.stub.Generate(token_request(p, max_tokens=MAX_TOKENS),
+                                                                     timeout=300), prompts))
+        metrics = server.metrics("scheduler")
+    finally:
+        assert server.stop() == 0, server.logs()[-3000:]
+    for prompt, response in zip(prompts, responses):
+        assert list(response.completions[0].token_ids) == hf_reference(checkpoint, prompt, MAX_TOKENS)
+    assert _counter(metrics, "pagedserve_spec_decode_accepted_tokens_total") > 0

@@ -1,0 +1,152 @@
+"""Speculative decoding (n-gram prompt lookup) on a real model: one stream and 32 streams.
+
+    python bench/speculative.py [--model smollm2] [--max-tokens 160] [--threads 2] [--ks 4]
+                                [--streams 32] [--skip-streams]
+
+Workloads, greedy, through the public gRPC API with the model's chat template:
+  grounded   rewrite / summarize / edit a given passage, edit given code: the answer copies long
+             runs of the prompt, which is what prompt lookup proposes
+  chat       open-ended questions: little to copy
+One stream: the requests one after the other; output tokens/s over the run. 32 streams: 32
+requests at once (grounded and chat mixed), output tokens/s over the run. Each configuration is
+its own `pagedserve serve`: speculation off, ngram with K proposals per step and
+--speculative-disable-batch-size high enough to speculate at every batch size, and (streams)
+ngram at the default threshold. Acceptance rate (accepted / proposed) and mean accepted length
+(tokens emitted per verifying sequence step: accepted + 1) come from the scheduler's metrics.
+A table goes to stdout and JSON to bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from machine_info import machine
+from output import print_table, save_report, timestamp
+from pagedserve.serve_process import ServeProcess
+from pagedserve.v1 import generation_pb2 as pb
+from workload import RESULTS_DIR
+
+PASSAGE = (
+    "The old lighthouse stood at the edge of the cliff for more than a hundred years. Every night its "
+    "keeper climbed the spiral stairs, trimmed the wick and polished the great lens, so that ships "
+    "passing the rocks below could find their way home. When the electric lamp arrived, the keeper was "
+    "no longer needed, but he stayed in the cottage beside the tower and still climbed the stairs each "
+    "evening to watch the light come on by itself.")
+CODE = '''def average(values):
+    total = 0
+    for value in values:
+        total = total + value
+    return total / len(values)
+
+
+def largest(values):
+    best = values[0]
+    for value in values:
+        if value > best:
+            best = value
+    return best
+'''
+GROUNDED = [
+    f"Rewrite the following paragraph, keeping every sentence but replacing 'keeper' with 'guardian':\n\n{PASSAGE}",
+    f"Summarize this paragraph in three sentences, reusing its own words:\n\n{PASSAGE}",
+    f"Correct the spelling in this text and return the full corrected text:\n\nThe old lighthouse stood at the "
+    f"edge of the clif for more then a hundred years. Every nigt its keeper climbed the spiral stairs, trimed "
+    f"the wick and polished the great lens, so that ships passing the rocks below could find there way home.",
+    f"Rename the variable 'values' to 'numbers' in this Python code and return the whole code:\n\n{CODE}",
+    f"Add a docstring to each function of this Python code and return the whole code:\n\n{CODE}",
+    f"Make this code return 0 for an empty list and return the whole code:\n\n{CODE}",
+]
+CHAT = [
+    "Write a short story about a dragon who learns to bake bread.",
+    "What are the main benefits of regular exercise? Explain in a few paragraphs.",
+    "Give me some ideas for a birthday party for a ten year old.",
+    "Explain how a rainbow forms.",
+    "Describe a day in the life of a medieval blacksmith.",
+    "Why is the sky blue? Answer for a curious child.",
+]
+
+
+def chat_request(text: str, max_tokens: int) -> pb.GenerateRequest:
+    return pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=text)]),
+                              params=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0))
+
+
+def spec_counters(server: ServeProcess) -> dict:
+    url = f"http://127.0.0.1:{server.scheduler_metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+
+    def total(name: str) -> float:
+        return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE))
+    return {"drafts": total("pagedserve_spec_decode_num_drafts_total"),
+            "proposed": total("pagedserve_spec_decode_draft_tokens_total"),
+            "accepted": total("pagedserve_spec_decode_accepted_tokens_total")}
+
+
+def run(server: ServeProcess, prompts: list[str], max_tokens: int, concurrency: int) -> dict:
+    before = spec_counters(server)
+    started = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        responses = list(pool.map(lambda text: server.stub.Generate(chat_request(text, max_tokens), timeout=3600),
+                                  prompts))
+    seconds = time.perf_counter() - started
+    after = spec_counters(server)
+    delta = {key: after[key] - before[key] for key in after}
+    num_tokens = sum(r.usage.completion_tokens for r in responses)
+    return {"num_requests": len(prompts), "num_output_tokens": num_tokens, "seconds": seconds,
+            "tokens_per_second": num_tokens / seconds,
+            "acceptance_rate": delta["accepted"] / delta["proposed"] if delta["proposed"] else None,
+            "mean_accepted_length": (delta["accepted"] + delta["drafts"]) / delta["drafts"] if delta["drafts"] else None,
+            "outputs": [list(r.completions[0].token_ids) for r in responses]}
+
+
+def serve(args, log_name: str, extra: list[str]) -> ServeProcess:
+    return ServeProcess(args.model, RESULTS_DIR / "logs" / f"speculative-{log_name}.log",
+                        ["--max-num-seqs", "64", *extra], metrics=True, num_threads=args.threads)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--ks", default="4", help="comma-separated numbers of proposed tokens")
+    parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--skip-streams", action="store_true")
+    args = parser.parse_args()
+    configs = [("off", [])] + [(f"ngram K={k}", ["--speculative-method", "ngram", "--num-speculative-tokens", str(k),
+                                                 "--speculative-disable-batch-size", "1024"])
+                               for k in map(int, args.ks.split(","))]
+    if not args.skip_streams:
+        configs.append(("ngram K=4, default threshold", ["--speculative-method", "ngram"]))
+    many = [(GROUNDED + CHAT)[i % (len(GROUNDED) + len(CHAT))] for i in range(args.streams)]
+    rows, baseline = [], {}
+    for name, extra in configs:
+        with serve(args, name.replace(" ", "_").replace(",", "").replace("=", ""), extra) as server:
+            run(server, GROUNDED[:1], 8, 1)  # warm-up
+            workloads = [] if name.endswith("threshold") else [("grounded", GROUNDED, 1), ("chat", CHAT, 1)]
+            if not args.skip_streams:
+                workloads.append((f"{args.streams} streams", many, args.streams))
+            for workload, prompts, concurrency in workloads:
+                result = run(server, prompts, args.max_tokens, concurrency)
+                key = (workload,)
+                if name == "off":
+                    baseline[key] = result
+                else:
+                    result["is_same_output"] = result["outputs"] == baseline[key]["outputs"]
+                result["speedup"] = result["tokens_per_second"] / baseline[key]["tokens_per_second"]
+                rows.append({"config": name, "workload": workload, **{k: v for k, v in result.items() if k != "outputs"}})
+                print(rows[-1], flush=True)
+    print_table(rows, ["config", "workload", "num_output_tokens", "seconds", "tokens_per_second", "speedup",
+                       "acceptance_rate", "mean_accepted_length", "is_same_output"],
+                title="n-gram speculative decoding")
+    save_report(f"speculative-{timestamp()}", {"machine": machine("torch"), "args": vars(args), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
