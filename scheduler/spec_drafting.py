@@ -18,7 +18,8 @@ sequences. How many: at most num_speculative_tokens, and never past the last out
 request may produce (max_tokens, max_model_len); while min_tokens still suppresses the stop ids
 only as many as keep every verified row on the same side of min_tokens, so the worker applies
 one suppression to all rows. Proposals never exceed the step's token budget; a sequence whose
-chunk is not scheduled whole drops its drafts before the plan is sent.
+chunk is not scheduled whole drops its drafts before the plan is sent, and a group whose drafts
+need blocks the pool lacks drops them all rather than preempt another group for them.
 """
 
 from __future__ import annotations

@@ -205,6 +205,10 @@ class StepBuilder:
             chunks = plan_chunks(group, self.num_tokens_left - num_reserved, self.num_seqs_left)
             while is_drafting and drop_unscheduled_drafts(group, chunks):
                 chunks = plan_chunks(group, self.num_tokens_left - num_reserved, self.num_seqs_left)
+            if is_drafting and gpu.num_available < self.block_manager.count_blocks_needed(
+                    ((chunk.seq, chunk.num_tokens) for chunk in chunks), gpu):
+                drop_group_drafts(group)  # proposals never preempt anyone
+                chunks = plan_chunks(group, self.num_tokens_left - num_reserved, self.num_seqs_left)
             if chunks:
                 num_needed = self.block_manager.count_blocks_needed(
                     ((chunk.seq, chunk.num_tokens) for chunk in chunks), gpu)
