@@ -1,17 +1,18 @@
 """Speculative decoding (n-gram prompt lookup) on a real model: one stream and 32 streams.
 
-    python bench/speculative.py [--model smollm2] [--max-tokens 160] [--threads 2] [--ks 4]
-                                [--streams 32] [--skip-streams]
+    python bench/speculative.py [--model smollm2] [--max-tokens 160] [--threads 2] [--k 4]
+                                [--streams 32] [--rounds 2] [--skip-streams]
 
 Workloads, greedy, through the public gRPC API with the model's chat template:
   grounded   rewrite / summarize / edit a given passage, edit given code: the answer copies long
              runs of the prompt, which is what prompt lookup proposes
   chat       open-ended questions: little to copy
-One stream: the requests one after the other; output tokens/s over the run. 32 streams: 32
-requests at once (grounded and chat mixed), output tokens/s over the run. Each configuration is
-its own `pagedserve serve`: speculation off, ngram with K proposals per step and
---speculative-disable-batch-size high enough to speculate at every batch size, and (streams)
-ngram at the default threshold. Acceptance rate (accepted / proposed) and mean accepted length
+Each configuration is its own `pagedserve serve`, all started before the runs: speculation off,
+ngram with K proposals per step and --speculative-disable-batch-size high enough to speculate at
+every batch size, and (streams) ngram at the default threshold. One stream: each request is sent
+to every server in turn, one request at a time, so all configurations see the same machine load
+(the host may be shared); output tokens / summed request time. 32 streams: 32 requests at once
+(grounded and chat mixed) on each server in turn, --rounds times; output tokens / summed time. Acceptance rate (accepted / proposed) and mean accepted length
 (tokens emitted per verifying sequence step: accepted + 1) come from the scheduler's metrics.
 A table goes to stdout and JSON to bench/results/.
 """
@@ -23,7 +24,6 @@ import re
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 from machine_info import machine
 from output import print_table, save_report, timestamp
@@ -88,26 +88,65 @@ def spec_counters(server: ServeProcess) -> dict:
             "accepted": total("pagedserve_spec_decode_accepted_tokens_total")}
 
 
-def run(server: ServeProcess, prompts: list[str], max_tokens: int, concurrency: int) -> dict:
-    before = spec_counters(server)
-    started = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        responses = list(pool.map(lambda text: server.stub.Generate(chat_request(text, max_tokens), timeout=3600),
-                                  prompts))
-    seconds = time.perf_counter() - started
-    after = spec_counters(server)
+def run_one_stream(servers: dict[str, ServeProcess], prompts: list[str], max_tokens: int) -> dict[str, dict]:
+    """Each prompt on every server in turn (the same machine load for all of them), one at a time."""
+    totals = {name: {"seconds": 0.0, "num_output_tokens": 0, "outputs": []} for name in servers}
+    before = {name: spec_counters(server) for name, server in servers.items()}
+    for text in prompts:
+        for name, server in servers.items():
+            started = time.perf_counter()
+            response = server.stub.Generate(chat_request(text, max_tokens), timeout=3600)
+            totals[name]["seconds"] += time.perf_counter() - started
+            totals[name]["num_output_tokens"] += response.usage.completion_tokens
+            totals[name]["outputs"].append(list(response.completions[0].token_ids))
+    return {name: finish(totals[name], before[name], spec_counters(server), len(prompts))
+            for name, server in servers.items()}
+
+
+def run_streams(servers: dict[str, ServeProcess], prompts: list[str], max_tokens: int, rounds: int) -> dict[str, dict]:
+    """All prompts at once on each server in turn, `rounds` times, alternating the servers."""
+    totals = {name: {"seconds": 0.0, "num_output_tokens": 0, "outputs": []} for name in servers}
+    before = {name: spec_counters(server) for name, server in servers.items()}
+    for round_index in range(rounds):
+        for name, server in servers.items():
+            started = time.perf_counter()
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                responses = list(pool.map(
+                    lambda text: server.stub.Generate(chat_request(text, max_tokens), timeout=3600), prompts))
+            totals[name]["seconds"] += time.perf_counter() - started
+            totals[name]["num_output_tokens"] += sum(r.usage.completion_tokens for r in responses)
+            if round_index == 0:
+                totals[name]["outputs"] = [list(r.completions[0].token_ids) for r in responses]
+    return {name: finish(totals[name], before[name], spec_counters(server), len(prompts) * rounds)
+            for name, server in servers.items()}
+
+
+def finish(total: dict, before: dict, after: dict, num_requests: int) -> dict:
     delta = {key: after[key] - before[key] for key in after}
-    num_tokens = sum(r.usage.completion_tokens for r in responses)
-    return {"num_requests": len(prompts), "num_output_tokens": num_tokens, "seconds": seconds,
-            "tokens_per_second": num_tokens / seconds,
+    return {"num_requests": num_requests, "num_output_tokens": total["num_output_tokens"],
+            "seconds": total["seconds"], "tokens_per_second": total["num_output_tokens"] / total["seconds"],
             "acceptance_rate": delta["accepted"] / delta["proposed"] if delta["proposed"] else None,
             "mean_accepted_length": (delta["accepted"] + delta["drafts"]) / delta["drafts"] if delta["drafts"] else None,
-            "outputs": [list(r.completions[0].token_ids) for r in responses]}
+            "outputs": total["outputs"]}
 
 
 def serve(args, log_name: str, extra: list[str]) -> ServeProcess:
-    return ServeProcess(args.model, RESULTS_DIR / "logs" / f"speculative-{log_name}.log",
-                        ["--max-num-seqs", "64", *extra], metrics=True, num_threads=args.threads)
+    server = ServeProcess(args.model, RESULTS_DIR / "logs" / f"speculative-{log_name}.log",
+                          ["--max-num-seqs", "64", *extra], metrics=True, num_threads=args.threads)
+    server.wait_ready()
+    server.stub.Generate(chat_request(GROUNDED[0], 8), timeout=600)  # warm-up
+    return server
+
+
+def add_rows(rows: list[dict], workload: str, results: dict[str, dict]) -> None:
+    baseline = results["off"]
+    for name, result in results.items():
+        row = {"config": name, "workload": workload, **{k: v for k, v in result.items() if k != "outputs"},
+               "speedup": result["tokens_per_second"] / baseline["tokens_per_second"]}
+        if name != "off":
+            row["is_same_output"] = result["outputs"] == baseline["outputs"]
+        rows.append(row)
+        print(row, flush=True)
 
 
 def main() -> None:
@@ -115,33 +154,28 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--ks", default="4", help="comma-separated numbers of proposed tokens")
+    parser.add_argument("--k", type=int, default=4, help="proposed tokens per step")
     parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of the streams workload per server")
     parser.add_argument("--skip-streams", action="store_true")
     args = parser.parse_args()
-    configs = [("off", [])] + [(f"ngram K={k}", ["--speculative-method", "ngram", "--num-speculative-tokens", str(k),
-                                                 "--speculative-disable-batch-size", "1024"])
-                               for k in map(int, args.ks.split(","))]
-    if not args.skip_streams:
-        configs.append(("ngram K=4, default threshold", ["--speculative-method", "ngram"]))
+    ngram = ["--speculative-method", "ngram", "--num-speculative-tokens", str(args.k)]
+    always = f"ngram K={args.k}"
+    rows: list[dict] = []
+    servers = {"off": serve(args, "off", []),
+               always: serve(args, "ngram-always", [*ngram, "--speculative-disable-batch-size", "1024"])}
     many = [(GROUNDED + CHAT)[i % (len(GROUNDED) + len(CHAT))] for i in range(args.streams)]
-    rows, baseline = [], {}
-    for name, extra in configs:
-        with serve(args, name.replace(" ", "_").replace(",", "").replace("=", ""), extra) as server:
-            run(server, GROUNDED[:1], 8, 1)  # warm-up
-            workloads = [] if name.endswith("threshold") else [("grounded", GROUNDED, 1), ("chat", CHAT, 1)]
-            if not args.skip_streams:
-                workloads.append((f"{args.streams} streams", many, args.streams))
-            for workload, prompts, concurrency in workloads:
-                result = run(server, prompts, args.max_tokens, concurrency)
-                key = (workload,)
-                if name == "off":
-                    baseline[key] = result
-                else:
-                    result["is_same_output"] = result["outputs"] == baseline[key]["outputs"]
-                result["speedup"] = result["tokens_per_second"] / baseline[key]["tokens_per_second"]
-                rows.append({"config": name, "workload": workload, **{k: v for k, v in result.items() if k != "outputs"}})
-                print(rows[-1], flush=True)
+    try:
+        add_rows(rows, "grounded, 1 stream", run_one_stream(servers, GROUNDED, args.max_tokens))
+        add_rows(rows, "chat, 1 stream", run_one_stream(servers, CHAT, args.max_tokens))
+        if not args.skip_streams:
+            add_rows(rows, f"{args.streams} streams", run_streams(servers, many, args.max_tokens, args.rounds))
+            servers.pop(always).stop()
+            servers[f"ngram K={args.k}, default threshold"] = serve(args, "ngram-default", ngram)
+            add_rows(rows, f"{args.streams} streams", run_streams(servers, many, args.max_tokens, args.rounds))
+    finally:
+        for server in servers.values():
+            server.stop()
     print_table(rows, ["config", "workload", "num_output_tokens", "seconds", "tokens_per_second", "speedup",
                        "acceptance_rate", "mean_accepted_length", "is_same_output"],
                 title="n-gram speculative decoding")

@@ -65,8 +65,6 @@ class SchedulerConfig:
              "(prompt lookup), verified by the target model in one forward; draft: not supported yet")
     num_speculative_tokens: int = option(4, metavar="K", serve=True,
                                          help="tokens proposed per sequence and step when speculating")
-    speculative_model: str | None = option(
-        None, metavar="PATH", serve=True, help="the draft model of --speculative-method draft (not supported yet)")
     ngram_min: int = option(1, metavar="N", serve=True, help="shortest suffix n-gram to look up (ngram)")
     ngram_max: int = option(4, metavar="M", serve=True, help="longest suffix n-gram to look up (ngram)")
     speculative_disable_batch_size: int = option(
@@ -110,8 +108,6 @@ class SchedulerConfig:
         if self.speculative_method == "draft":
             raise SchedulerConfigError(
                 "speculative_method", "draft (a draft model) is not supported; use ngram or none")
-        if self.speculative_model is not None:
-            raise SchedulerConfigError("speculative_model", "draft models are not supported; use --speculative-method ngram")
         _require_int("num_speculative_tokens", self.num_speculative_tokens, minimum=1)
         _require_int("ngram_min", self.ngram_min, minimum=1)
         _require_int("ngram_max", self.ngram_max, minimum=1)
