@@ -54,6 +54,8 @@ class Sequence:
     # Speculation: while a step is in flight, the last num_draft_tokens of token_ids are proposals
     # being verified (spec_drafting.py); they are removed when its result comes back.
     num_draft_tokens: int = 0
+    num_spec_misses: int = 0  # verifying steps in a row that accepted nothing
+    num_spec_pauses_left: int = 0  # decode steps to go without proposals (after misses)
 
     @property
     def num_tokens(self) -> int:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from pagedserve.request_types import CompletionDelta
 from pagedserve.scheduler.errors import StepOrderError
 from pagedserve.scheduler.sequence import Sequence, SequenceGroup
+from pagedserve.scheduler.spec_drafting import record_verification
 from pagedserve.step_plan import SeqSample
 
 if TYPE_CHECKING:
@@ -61,6 +62,7 @@ def apply_verified(processor: OutputProcessor, group: SequenceGroup, seq: Sequen
             sample.token_id != draft for sample, draft in zip(samples[:num_accepted], drafts)):
         raise StepOrderError(f"sequence {seq.seq_id}: {len(samples)} tokens do not verify {num_drafts} drafts")
     scheduler.spec_stats.record(num_drafts, num_accepted)
+    record_verification(seq, num_accepted)
     seq.num_computed_tokens = len(seq.token_ids) + num_accepted  # the last real token and the accepted drafts
     manager.truncate(seq)
     token_ids, logprobs = [], []

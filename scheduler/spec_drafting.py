@@ -12,6 +12,12 @@ copy-on-write of a shared last block and new blocks come for free; they are neve
 in the prefix cache while in flight (StepBuilder.build skips drafting sequences), and the result
 (spec_acceptance.py) removes them again, keeps the accepted ones and frees rejected slots.
 
+Back-off: verifying k drafts is not free (k more rows in the forward), so a sequence whose
+verification accepted nothing pauses proposing for 1, 2, 4, then at most MAX_PAUSE_STEPS decode
+steps (consecutive misses double the pause; any accepted draft ends it). Open-ended text, where
+proposals rarely match, then pays for few verifications; text that copies its input keeps
+proposing while it copies. This only decides when to propose, never what is emitted.
+
 Who drafts: every sequence of a running, non-beam group whose shared prefix is forked (n > 1
 drafts per sample), in a step that starts with at most speculative_disable_batch_size running
 sequences. How many: at most num_speculative_tokens, and never past the last output token the
@@ -32,6 +38,18 @@ from pagedserve.scheduler.sequence import Sequence, SequenceGroup
 if TYPE_CHECKING:
     from pagedserve.scheduler.scheduler import Scheduler
     from pagedserve.scheduler.step_builder import Chunk
+
+
+MAX_PAUSE_STEPS = 8
+
+
+def record_verification(seq: Sequence, num_accepted: int) -> None:
+    """Updates seq's back-off after a verification that accepted num_accepted drafts."""
+    if num_accepted:
+        seq.num_spec_misses = 0
+        return
+    seq.num_spec_pauses_left = min(1 << seq.num_spec_misses, MAX_PAUSE_STEPS)
+    seq.num_spec_misses += 1
 
 
 class Drafter:
@@ -65,6 +83,9 @@ class Drafter:
         for seq in decoding:
             if budget <= 0:
                 break
+            if seq.num_spec_pauses_left:
+                seq.num_spec_pauses_left -= 1
+                continue
             limit = min(self.num_speculative_tokens, budget, self._max_drafts(group, seq))
             drafts = propose_ngram(seq.token_ids, ngram_min=self.ngram_min, ngram_max=self.ngram_max,
                                    max_num_tokens=limit)

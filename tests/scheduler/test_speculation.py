@@ -18,6 +18,8 @@ from pagedserve.scheduler.errors import SchedulerConfigError
 from pagedserve.scheduler.ngram_proposer import propose_ngram
 from pagedserve.scheduler.scheduler import Scheduler
 from pagedserve.scheduler.scheduler_config import SchedulerConfig
+from pagedserve.scheduler.sequence import Sequence
+from pagedserve.scheduler.spec_drafting import MAX_PAUSE_STEPS, record_verification
 
 SMALL_VOCAB = 5  # the worker's tokens repeat often, so proposals are often accepted
 
@@ -107,3 +109,15 @@ def test_a_repetitive_request_accepts_proposals_and_saves_steps() -> None:
     assert len(speculated.plans) < len(plain.plans)
     drafted = [seq for plan in speculated.plans for seq in plan.seqs if seq.num_draft_tokens]
     assert all(len(seq.token_ids) == seq.num_draft_tokens + 1 for seq in drafted)
+
+
+def test_a_sequence_whose_proposals_miss_pauses_longer_each_time() -> None:
+    seq = Sequence(seq_id=0, output_index=0, token_ids=[1, 2, 3], num_prompt_tokens=3)
+    pauses = []
+    for _ in range(5):
+        record_verification(seq, 0)
+        pauses.append(seq.num_spec_pauses_left)
+    assert pauses == [1, 2, 4, MAX_PAUSE_STEPS, MAX_PAUSE_STEPS]
+    record_verification(seq, 1)
+    record_verification(seq, 0)
+    assert seq.num_spec_pauses_left == 1  # an accepted draft starts the back-off over
