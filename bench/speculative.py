@@ -1,7 +1,7 @@
 """Speculative decoding (n-gram prompt lookup) on a real model: one stream and 32 streams.
 
     python bench/speculative.py [--model smollm2] [--max-tokens 160] [--threads 2] [--k 4]
-                                [--streams 32] [--rounds 2] [--skip-streams]
+                                [--streams 32] [--rounds 2] [--skip-streams] [--skip-one-stream]
 
 Workloads, greedy, through the public gRPC API with the model's chat template:
   grounded   rewrite / summarize / edit a given passage, edit given code: the answer copies long
@@ -158,6 +158,7 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2, help="rounds of the streams workload per server")
     parser.add_argument("--skip-streams", action="store_true")
+    parser.add_argument("--skip-one-stream", action="store_true")
     args = parser.parse_args()
     ngram = ["--speculative-method", "ngram", "--num-speculative-tokens", str(args.k)]
     always = f"ngram K={args.k}"
@@ -166,8 +167,9 @@ def main() -> None:
                always: serve(args, "ngram-always", [*ngram, "--speculative-disable-batch-size", "1024"])}
     many = [(GROUNDED + CHAT)[i % (len(GROUNDED) + len(CHAT))] for i in range(args.streams)]
     try:
-        add_rows(rows, "grounded, 1 stream", run_one_stream(servers, GROUNDED, args.max_tokens))
-        add_rows(rows, "chat, 1 stream", run_one_stream(servers, CHAT, args.max_tokens))
+        if not args.skip_one_stream:
+            add_rows(rows, "grounded, 1 stream", run_one_stream(servers, GROUNDED, args.max_tokens))
+            add_rows(rows, "chat, 1 stream", run_one_stream(servers, CHAT, args.max_tokens))
         if not args.skip_streams:
             add_rows(rows, f"{args.streams} streams", run_streams(servers, many, args.max_tokens, args.rounds))
             servers.pop(always).stop()
