@@ -13,6 +13,7 @@ from pagedserve.step_plan import SampleSpec, ScheduledSeq, StepPlan
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.rejection_sampler import num_accepted_one_hot, rejection_sample
 from pagedserve.worker.sampler import Sampler, restrict_support
+from pagedserve.worker.spec_verify import row_specs
 
 NAME = "llama-gqa-untied"
 VOCAB = 50
@@ -121,29 +122,39 @@ def test_drafts_verify_to_the_greedy_tokens_of_hf(runner, hf_greedy):
 
 def test_seeded_sampling_with_penalties_is_the_same_with_drafts(runner):
     prompt = make_prompts(seed=6, lengths=(20,))[0]
-    spec = SampleSpec(temperature=0.7, top_k=40, seed=1234, repetition_penalty=1.3, frequency_penalty=0.4,
-                      prompt_token_ids=prompt)
+    # seeded rows draw the noise of their position, so the tokens must not depend on the step
+    # that computes them (test_rows_count_the_drafts... checks the penalty history directly)
+    spec = SampleSpec(temperature=0.3, top_k=40, seed=1234, repetition_penalty=1.5, frequency_penalty=3.0,
+                      presence_penalty=3.0, prompt_token_ids=prompt)
     plain_driver = PlanDriver(runner, 64)
-    plain = DrivenSeq(seq_id=1, prompt=prompt, max_new_tokens=10, spec=spec)
+    plain = DrivenSeq(seq_id=1, prompt=prompt, max_new_tokens=16, spec=spec)
     plain_driver.step([(plain, len(prompt))])
     while not plain.is_finished:  # penalties count every output so far
         plain.spec = SampleSpec(**{**_fields(spec), "output_token_ids": plain.generated})
         plain_driver.step([(plain, 1)])
-    expected = plain.generated[:10]
+    expected = plain.generated[:16]
 
     driver = PlanDriver(runner, 64)
-    seq = DrivenSeq(seq_id=2, prompt=prompt, max_new_tokens=10, spec=spec)
+    seq = DrivenSeq(seq_id=2, prompt=prompt, max_new_tokens=16, spec=spec)
     driver.step([(seq, len(prompt))])
-    while len(seq.generated) < 10:
+    while len(seq.generated) < 16:
         seq.spec = SampleSpec(**{**_fields(spec), "output_token_ids": seq.generated})
         position = len(seq.generated)
-        drafts = expected[position:position + 2] + [3]  # two right (while they last), then one wrong
+        drafts = expected[position:position + 3] + [3]  # three right (while they last), then one wrong
         emitted = _verify(driver, seq, drafts)
         assert 1 <= len(emitted) <= len(drafts) + 1
         seq.tokens += emitted
         seq.num_computed = len(seq.tokens) - 1
-    assert seq.generated[:10] == expected
+    assert seq.generated[:16] == expected
 
 
 def _fields(spec: SampleSpec) -> dict:
     return {name: getattr(spec, name) for name in SampleSpec.__slots__}
+
+
+def test_rows_count_the_drafts_before_them_as_outputs_for_penalties():
+    penalised = SampleSpec(temperature=0.5, frequency_penalty=1.0, output_token_ids=[7])
+    plain = SampleSpec(temperature=0.5)
+    rows = row_specs([penalised, penalised, penalised, plain, plain], [[4, 5], [9]])
+    assert [row.output_token_ids for row in rows[:3]] == [[7], [7, 4], [7, 4, 5]]
+    assert rows[3] is plain and rows[4] is plain  # nothing to count: the spec object is shared
