@@ -88,6 +88,8 @@ class CompletionState:
             return None
         if delta.finish_reason is FinishReason.ABORT:
             raise SchedulerAbortedCompletion(f"the scheduler aborted completion {self.index}")
+        if len(delta.token_ids) > 1 and self._params.stop and not self._params.is_beam_search:
+            return self._apply_per_token(delta)
         new_token_ids = list(delta.token_ids)
         new_logprobs = list(delta.logprobs) if self._params.logprobs > 0 else []
         self.token_ids.extend(new_token_ids)
@@ -118,3 +120,29 @@ class CompletionState:
         self.finish = update.finish
         self.stop_sequence = update.stop_sequence
         return update
+
+    def _apply_per_token(self, delta: CompletionDelta) -> CompletionUpdate | None:
+        """Several tokens of one step (speculative decoding) against stop strings: one token at a
+        time, so a stop string ends the completion at the token that completes it, as it would
+        without speculation. The cumulative log-probability of a token inside the step is known
+        only when logprobs were asked for; otherwise a completion ended there reports the step's."""
+        token_ids, logprobs = list(delta.token_ids), list(delta.logprobs)
+        cumulative = [delta.cumulative_logprob] * len(token_ids)
+        if len(logprobs) == len(token_ids):
+            for index in range(len(token_ids) - 2, -1, -1):
+                cumulative[index] = cumulative[index + 1] - logprobs[index + 1].logprob
+        merged: CompletionUpdate | None = None
+        for index, token_id in enumerate(token_ids):
+            is_last = index == len(token_ids) - 1
+            update = self.apply(CompletionDelta(
+                delta.index, [token_id], logprobs[index:index + 1], cumulative[index],
+                delta.finish_reason if is_last else None))
+            if update is None:
+                break
+            if merged is None:
+                merged = update
+            else:
+                merged.merge(update)
+            if self.is_finished:
+                break
+        return merged

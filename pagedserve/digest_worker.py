@@ -10,7 +10,8 @@ hit) changes the context values and therefore the tokens, so a run under memory 
 give exactly the tokens of a run with a huge pool. Plans a real worker would get wrong (a
 sequence scheduled twice, a slot written twice in a step, a read of an unwritten slot or of a
 slot another sequence writes in the same step, a block table of the wrong length) raise
-DigestWorkerError.
+DigestWorkerError. A sequence with speculative drafts is verified greedily: its emitted tokens are
+exactly those it would have sampled one step at a time.
 
 Candidates are ranked best first: by default a seeded shuffle of the vocabulary with random
 logprobs in decreasing order; with logit_std, seeded Gaussian logits over the vocabulary (a
@@ -69,7 +70,10 @@ class DigestWorker:
         written: dict[tuple[int, int], int] = {}
         for seq in plan.seqs:
             self._write(seq, written)
-        samples = [self._sample(seq, written) for seq in plan.seqs if seq.sample is not None]
+        samples = []
+        for seq in plan.seqs:
+            if seq.sample is not None:
+                samples += self._verify(seq, written)
         return StepResult(step_id=plan.step_id, samples=samples, epoch=plan.epoch)
 
     def _slot(self, seq: ScheduledSeq, position: int) -> tuple[int, int]:
@@ -101,8 +105,21 @@ class DigestWorker:
             raise DigestWorkerError(f"sequence {seq.seq_id} reads unwritten block {block} slot {slot}")
         return value
 
-    def _sample(self, seq: ScheduledSeq, written: dict[tuple[int, int], int]) -> SeqSample:
-        context = tuple(self._read(seq, position, written) for position in range(seq.context_len))
+    def _verify(self, seq: ScheduledSeq, written: dict[tuple[int, int], int]) -> list[SeqSample]:
+        """One sample, or for k drafts the greedy verification: a sample after the last real token
+        and after each accepted draft, up to the first that differs from the next draft."""
+        num_drafts = seq.num_draft_tokens
+        first_draft = len(seq.token_ids) - num_drafts
+        samples = []
+        for index in range(num_drafts + 1):
+            sample = self._sample(seq, written, seq.context_len - num_drafts + index)
+            samples.append(sample)
+            if index == num_drafts or sample.token_id != seq.token_ids[first_draft + index]:
+                break
+        return samples
+
+    def _sample(self, seq: ScheduledSeq, written: dict[tuple[int, int], int], context_len: int) -> SeqSample:
+        context = tuple(self._read(seq, position, written) for position in range(context_len))
         spec = seq.sample
         seed = -1 if spec.seed is None else spec.seed  # hash(None) differs between processes
         rng = random.Random(hash((context, spec.output_index, seed)))

@@ -103,6 +103,8 @@ def plan_to_proto(plan: StepPlan) -> step_pb2.StepPlan:
             by_object[id(spec)] = index
         sample_index.append(index)
     msg.sample_index.extend(sample_index)
+    if any(seq.num_draft_tokens for seq in seqs):
+        msg.num_draft_tokens.extend([seq.num_draft_tokens for seq in seqs])
     _pairs_to_proto(plan.blocks_to_swap_out, msg.blocks_to_swap_out)
     _pairs_to_proto(plan.blocks_to_swap_in, msg.blocks_to_swap_in)
     _pairs_to_proto(plan.blocks_to_copy, msg.blocks_to_copy)
@@ -122,6 +124,8 @@ def plan_from_proto(msg: step_pb2.StepPlan) -> StepPlan:
                                  block_ids[block_start:block_end],
                                  specs[sample_index] if sample_index >= 0 else None))
         token_start, block_start = token_end, block_end
+    for seq, num_drafts in zip(seqs, msg.num_draft_tokens):
+        seq.num_draft_tokens = num_drafts
     return StepPlan(
         step_id=msg.step_id,
         seqs=seqs,

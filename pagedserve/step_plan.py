@@ -44,6 +44,10 @@ class ScheduledSeq:
     start_position: int  # position of token_ids[0]
     block_table: list[int]  # physical blocks covering [0, start_position + len(token_ids))
     sample: SampleSpec | None = None  # None: a prefill chunk that is not the prompt's last
+    # Speculation: the last num_draft_tokens of token_ids are proposals. The worker samples a row
+    # at the last real token and at each draft, and answers with one SeqSample per emitted token
+    # (the accepted drafts, then the token drawn at the first rejection or the bonus token).
+    num_draft_tokens: int = 0
 
     @property
     def num_new_tokens(self) -> int:

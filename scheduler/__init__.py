@@ -12,5 +12,7 @@ requests in, step plans out, results back):
   block_manager.py    block tables: copy-on-write, forking, swapping; over block_pool.py (ref
                       counts, free list, cached blocks) and prefix_cache.py
   invariants.py       the accounting checks tests run after every step
+  spec_drafting.py    speculation: n-gram proposals (ngram_proposer.py) appended as extra
+                      scheduled tokens; spec_acceptance.py: the verified tokens, KV rollback
 scheduler_config.py, scheduler_stats.py and errors.py hold the core's config, counters and errors.
 """

@@ -116,6 +116,15 @@ class BlockManager:
         seq.num_computed_tokens = len(blocks) * self.block_size
         seq.num_registered_blocks = len(blocks)
 
+    def truncate(self, seq: Sequence) -> None:
+        """Releases the GPU blocks past seq's computed tokens (slots of rejected speculative
+        tokens; the sequence wrote them in this step, so it owns them alone)."""
+        table = seq.block_table
+        num_kept = -(-seq.num_computed_tokens // self.block_size)
+        release = self.gpu_pool.release
+        while len(table) > num_kept:
+            release(table.pop())
+
     def free(self, seq: Sequence, *, on_cpu: bool = False) -> None:
         """Releases seq's table, last block first so a request's tail is evicted before its head."""
         release = (self.cpu_pool if on_cpu else self.gpu_pool).release

@@ -42,7 +42,17 @@ class SchedulerMetrics:
                                          ["reason"], registry=r)
         for reason in REJECT_REASONS:
             self.requests_rejected.labels(reason=reason)
-        self._last = {"swap": 0, "recompute": 0, "queries": 0, "hits": 0}
+        self.spec_drafts = Counter("pagedserve_spec_decode_num_drafts",
+                                   "Sequence steps that verified speculative proposals", registry=r)
+        self.spec_draft_tokens = Counter("pagedserve_spec_decode_draft_tokens",
+                                         "Speculative tokens proposed and verified", registry=r)
+        self.spec_accepted_tokens = Counter("pagedserve_spec_decode_accepted_tokens",
+                                            "Speculative tokens accepted", registry=r)
+        self.spec_accepted_per_position = Counter(
+            "pagedserve_spec_decode_accepted_tokens_per_position",
+            "Speculative tokens accepted, by position in the proposal (0: the first)", ["position"], registry=r)
+        self._last = {"swap": 0, "recompute": 0, "queries": 0, "hits": 0, "drafts": 0, "draft_tokens": 0,
+                      "accepted": 0}
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         start_http_server(port, addr=host, registry=self.registry)
@@ -58,6 +68,12 @@ class SchedulerMetrics:
                       stats.num_preemptions_recompute)
         self._advance(self.prefix_queries, "queries", stats.num_prefix_cache_queries)
         self._advance(self.prefix_hits, "hits", stats.num_prefix_cache_hits)
+        self._advance(self.spec_drafts, "drafts", stats.num_spec_drafts)
+        self._advance(self.spec_draft_tokens, "draft_tokens", stats.num_spec_draft_tokens)
+        self._advance(self.spec_accepted_tokens, "accepted", stats.num_spec_accepted_tokens)
+        for position, total in enumerate(stats.num_spec_accepted_per_position):
+            self._advance(self.spec_accepted_per_position.labels(position=str(position)),
+                          f"accepted_at_{position}", total)
         if step_seconds is not None:
             self.step_seconds.observe(step_seconds)
         for seconds in queue_seconds:
@@ -71,7 +87,7 @@ class SchedulerMetrics:
 
     def _advance(self, counter, key: str, total: int) -> None:
         """Counters follow the scheduler's running totals (which restart with a new pool)."""
-        delta = total - self._last[key]
+        delta = total - self._last.get(key, 0)
         if delta > 0:
             counter.inc(delta)
         self._last[key] = total

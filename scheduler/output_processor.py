@@ -1,6 +1,7 @@
 """Applies a StepResult: appends sampled tokens, applies stops, advances beam searches (scored in
 beam_search.py, forked in beam_forking.py), forks followers whose shared prefix is now computed,
-and reports deltas.
+and reports deltas. A sequence that verified speculative drafts gets several tokens at once
+(spec_acceptance.py).
 
 Stops, checked on the token just appended (it is part of the output, like HF's EOS):
 
@@ -18,6 +19,7 @@ from pagedserve.scheduler.beam_forking import fork_beams
 from pagedserve.scheduler.beam_search import BeamCandidate, BeamHypothesis
 from pagedserve.scheduler.errors import StepOrderError
 from pagedserve.scheduler.sequence import GroupStatus, Sequence, SequenceGroup
+from pagedserve.scheduler.spec_acceptance import apply_verified
 from pagedserve.step_plan import SeqSample, StepResult
 
 if TYPE_CHECKING:
@@ -33,6 +35,7 @@ class OutputProcessor:
         """Outputs of the step's groups. A group whose sampling failed on the worker, or whose
         output handling raises here, fails alone (Scheduler.fail_group); the others go on."""
         samples = {sample.seq_id: sample for sample in result.samples}
+        verified = samples_by_seq(result.samples) if step.num_draft_tokens else {}
         worker_failures = {failure.seq_id: failure.message for failure in result.failures}
         failed: dict[SequenceGroup, str] = {}
         deltas_of: dict[SequenceGroup, list[CompletionDelta]] = {}
@@ -51,7 +54,10 @@ class OutputProcessor:
                 beam_samples.setdefault(group, []).append(sample)
                 continue
             try:
-                delta = self._append(group, seq, sample)
+                if seq.num_draft_tokens:
+                    delta = apply_verified(self, group, seq, verified[seq.seq_id])
+                else:
+                    delta = self._append(group, seq, sample)
             except Exception as exc:
                 failed[group] = f"handling the sampled token failed: {type(exc).__name__}: {exc}"
                 continue
@@ -133,3 +139,11 @@ class OutputProcessor:
                                 finish_reason=FinishReason.STOP if hypothesis.is_stopped_by_token
                                 else FinishReason.LENGTH)
                 for index, hypothesis in enumerate(state.finished)]
+
+
+def samples_by_seq(samples: list[SeqSample]) -> dict[int, list[SeqSample]]:
+    """A drafting sequence has one sample per emitted token, in order."""
+    by_seq: dict[int, list[SeqSample]] = {}
+    for sample in samples:
+        by_seq.setdefault(sample.seq_id, []).append(sample)
+    return by_seq

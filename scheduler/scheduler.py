@@ -20,6 +20,7 @@ from pagedserve.scheduler.request_intake import build_group
 from pagedserve.scheduler.scheduler_config import SchedulerConfig
 from pagedserve.scheduler.scheduler_stats import PoolStats, SchedulerStats
 from pagedserve.scheduler.sequence import GroupStatus, Sequence, SequenceGroup
+from pagedserve.scheduler.spec_acceptance import SpecDecodeStats
 from pagedserve.scheduler.step_builder import ScheduledStep, StepBuilder
 from pagedserve.step_plan import StepResult
 
@@ -47,6 +48,7 @@ class Scheduler:
         self.num_steps = 0
         self.num_preemptions_swap = 0
         self.num_preemptions_recompute = 0
+        self.spec_stats = SpecDecodeStats()
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -150,6 +152,7 @@ class Scheduler:
         groups = sorted(self.running + self.swapped + self.waiting, key=_queue_key)
         for group in groups:
             for seq in group.seqs:
+                seq.drop_drafts()  # a step in flight was lost with its proposals
                 seq.reset_computation()
             group.plan_shared_prefix()
             group.status = GroupStatus.WAITING
@@ -189,7 +192,10 @@ class Scheduler:
             gpu=PoolStats.of(self.block_manager.gpu_pool), cpu=PoolStats.of(self.block_manager.cpu_pool),
             num_steps=self.num_steps, num_preemptions_swap=self.num_preemptions_swap,
             num_preemptions_recompute=self.num_preemptions_recompute,
-            num_prefix_cache_queries=prefix_cache.num_queries, num_prefix_cache_hits=prefix_cache.num_hits)
+            num_prefix_cache_queries=prefix_cache.num_queries, num_prefix_cache_hits=prefix_cache.num_hits,
+            num_spec_drafts=self.spec_stats.num_drafts, num_spec_draft_tokens=self.spec_stats.num_draft_tokens,
+            num_spec_accepted_tokens=self.spec_stats.num_accepted_tokens,
+            num_spec_accepted_per_position=tuple(self.spec_stats.num_accepted_per_position))
 
     def check_invariants(self) -> None:
         """Raises InvariantError when block accounting or queues are inconsistent."""

@@ -14,6 +14,7 @@ from pagedserve.shared_options import block_size_option
 
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
 DEFAULT_MAX_WAITING_TOKENS = 1 << 20
 
 
@@ -57,6 +58,18 @@ class SchedulerConfig:
         "fcfs", choices=SCHEDULING_POLICIES, serve=True,
         help="fcfs: first come, first served; priority: lower request priority first, then arrival, "
              "and a waiting request preempts running ones of strictly lower priority")
+    # Speculative decoding (spec_drafting.py, spec_acceptance.py):
+    speculative_method: str = option(
+        "none", choices=SPECULATIVE_METHODS, serve=True,
+        help="none; ngram: propose the tokens that followed the context's suffix earlier in the request "
+             "(prompt lookup), verified by the target model in one forward; draft: not supported yet")
+    num_speculative_tokens: int = option(4, metavar="K", serve=True,
+                                         help="tokens proposed per sequence and step when speculating")
+    ngram_min: int = option(1, metavar="N", serve=True, help="shortest suffix n-gram to look up (ngram)")
+    ngram_max: int = option(4, metavar="M", serve=True, help="longest suffix n-gram to look up (ngram)")
+    speculative_disable_batch_size: int = option(
+        16, metavar="N", serve=True,
+        help="no speculation in a step when more sequences than this are running")
     swap_seconds_per_block: float = internal(3.3e-5)
     recompute_seconds_per_token: float = internal(5.4e-5)
     # The step loop (engine.py) and its admission control:
@@ -90,6 +103,17 @@ class SchedulerConfig:
             raise SchedulerConfigError("preemption_mode", f"must be one of {', '.join(PREEMPTION_MODES)}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise SchedulerConfigError("scheduling_policy", f"must be one of {', '.join(SCHEDULING_POLICIES)}")
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise SchedulerConfigError("speculative_method", f"must be one of {', '.join(SPECULATIVE_METHODS)}")
+        if self.speculative_method == "draft":
+            raise SchedulerConfigError(
+                "speculative_method", "draft (a draft model) is not supported; use ngram or none")
+        _require_int("num_speculative_tokens", self.num_speculative_tokens, minimum=1)
+        _require_int("ngram_min", self.ngram_min, minimum=1)
+        _require_int("ngram_max", self.ngram_max, minimum=1)
+        if self.ngram_max < self.ngram_min:
+            raise SchedulerConfigError("ngram_max", f"must be >= ngram_min ({self.ngram_min})")
+        _require_int("speculative_disable_batch_size", self.speculative_disable_batch_size, minimum=0)
         for name in ("swap_seconds_per_block", "recompute_seconds_per_token", "worker_recovery_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
@@ -105,6 +129,10 @@ class SchedulerConfig:
         for name in ("num_gpu_blocks", "max_model_len"):
             if getattr(self, name) is None:
                 raise SchedulerConfigError(name, "must be known before a Scheduler is built")
+
+    @property
+    def is_speculating(self) -> bool:
+        return self.speculative_method != "none"
 
     @property
     def is_priority_policy(self) -> bool:

@@ -33,3 +33,7 @@ class SchedulerStats:
     num_preemptions_recompute: int
     num_prefix_cache_queries: int  # full prompt blocks looked up
     num_prefix_cache_hits: int  # of those, blocks reused
+    num_spec_drafts: int = 0  # sequences that verified speculative proposals, counted per step
+    num_spec_draft_tokens: int = 0  # proposals verified
+    num_spec_accepted_tokens: int = 0  # of those, accepted
+    num_spec_accepted_per_position: tuple[int, ...] = ()  # [i]: proposal i + 1 accepted

@@ -51,6 +51,11 @@ class Sequence:
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     sample_spec: SampleSpec | None = None  # reused while nothing in it changes
+    # Speculation: while a step is in flight, the last num_draft_tokens of token_ids are proposals
+    # being verified (spec_drafting.py); they are removed when its result comes back.
+    num_draft_tokens: int = 0
+    num_spec_misses: int = 0  # verifying steps in a row that accepted nothing
+    num_spec_pauses_left: int = 0  # decode steps to go without proposals (after misses)
 
     @property
     def num_tokens(self) -> int:
@@ -67,6 +72,12 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None
+
+    def drop_drafts(self) -> None:
+        """Removes proposals not yet verified from token_ids."""
+        if self.num_draft_tokens:
+            del self.token_ids[-self.num_draft_tokens:]
+            self.num_draft_tokens = 0
 
     def reset_computation(self) -> None:
         """Forgets the KV state (table already released): everything is recomputed later."""

@@ -19,6 +19,9 @@ Order of service, first come first served inside each pass (under --scheduling-p
     budget:  max_num_batched_tokens  [ decodes ][ prefill chunks ........ ][ unused ]
              max_num_seqs            one slot per scheduled sequence
 
+Speculation (spec_drafting.py): in pass 1 a running group's decoding sequences may get proposals
+appended before its chunks are planned; they are verified as one chunk of k + 1 tokens each.
+
 Beam search steps all live beams together: a beam group samples only in a step where every beam
 computes its whole tail; otherwise its beams compute up to their last token and sample later.
 """
@@ -32,6 +35,7 @@ from typing import TYPE_CHECKING
 from pagedserve.scheduler.preemption import choose_victim, preempt
 from pagedserve.scheduler.sample_specs import sample_spec_for
 from pagedserve.scheduler.sequence import GroupStatus, Sequence, SequenceGroup
+from pagedserve.scheduler.spec_drafting import Drafter, drop_group_drafts, drop_unscheduled_drafts
 from pagedserve.step_plan import ScheduledSeq, StepPlan
 
 if TYPE_CHECKING:
@@ -46,8 +50,9 @@ class ScheduledStep:
     sampled: list[tuple[SequenceGroup, Sequence]]  # aligned with the plan's sequences that sample
     groups: list[SequenceGroup]  # every group with a sequence in the plan
     num_prefill_tokens: int = 0  # tokens of sequences with more than one token in this step
-    num_decode_tokens: int = 0
+    num_decode_tokens: int = 0  # a sequence verifying drafts counts one, its drafts not
     num_preemptions: int = 0
+    num_draft_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -135,6 +140,7 @@ class StepBuilder:
         self.blocks_to_copy: list[tuple[int, int]] = []
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
+        self.num_draft_tokens = 0  # speculative proposals verified in this step
         self.num_preemptions = 0
         self.num_priority_preemptions = 0  # of num_preemptions, those made for a higher priority
 
@@ -156,7 +162,8 @@ class StepBuilder:
         # would read KV that this step's forward is still writing.
         register = self.block_manager.prefix_cache.register_computed
         for _, seq in self.emitted:
-            register(seq)
+            if not seq.num_draft_tokens:  # drafting sequences register after verification
+                register(seq)
         if not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in):
             return None
         plan = StepPlan(step_id=step_id, seqs=self.scheduled, blocks_to_swap_out=self.blocks_to_swap_out,
@@ -164,13 +171,15 @@ class StepBuilder:
                         epoch=epoch)
         return ScheduledStep(plan=plan, sampled=self.sampled, groups=self.groups,
                              num_prefill_tokens=self.num_prefill_tokens,
-                             num_decode_tokens=self.num_decode_tokens, num_preemptions=self.num_preemptions)
+                             num_decode_tokens=self.num_decode_tokens, num_preemptions=self.num_preemptions,
+                             num_draft_tokens=self.num_draft_tokens)
 
     # -- pass 1: running groups ---------------------------------------------------------------
     def _schedule_running(self) -> None:
         running = self.scheduler.running
         gpu = self.block_manager.gpu_pool
         size = self.block_manager.block_size
+        drafter = Drafter.for_step(self.scheduler)
         decode_tokens = [num_decode_tokens(group) for group in running]
         num_reserved = sum(decode_tokens)
         index = 0
@@ -178,7 +187,8 @@ class StepBuilder:
             group = running[index]
             num_reserved -= decode_tokens[index]
             seqs = group.seqs
-            if len(seqs) == 1 and group.fork_at is None and self.num_seqs_left > 0:
+            is_drafting = drafter is not None and drafter.add_drafts(group, self.num_tokens_left - num_reserved)
+            if not is_drafting and len(seqs) == 1 and group.fork_at is None and self.num_seqs_left > 0:
                 seq = seqs[0]  # fast path: one sequence decoding in place, the common case
                 computed = seq.num_computed_tokens
                 if len(seq.token_ids) - computed == 1 and self.num_tokens_left > num_reserved:
@@ -193,11 +203,19 @@ class StepBuilder:
                         index += 1
                         continue
             chunks = plan_chunks(group, self.num_tokens_left - num_reserved, self.num_seqs_left)
+            while is_drafting and drop_unscheduled_drafts(group, chunks):
+                chunks = plan_chunks(group, self.num_tokens_left - num_reserved, self.num_seqs_left)
+            if is_drafting and gpu.num_available < self.block_manager.count_blocks_needed(
+                    ((chunk.seq, chunk.num_tokens) for chunk in chunks), gpu):
+                drop_group_drafts(group)  # proposals never preempt anyone
+                chunks = plan_chunks(group, self.num_tokens_left - num_reserved, self.num_seqs_left)
             if chunks:
                 num_needed = self.block_manager.count_blocks_needed(
                     ((chunk.seq, chunk.num_tokens) for chunk in chunks), gpu)
                 while gpu.num_available < num_needed:
                     victim = choose_victim(running)
+                    if victim is group:
+                        drop_group_drafts(group)  # preemption keeps token_ids: no proposal may stay
                     self._preempt(victim)
                     if victim is group:
                         return
@@ -368,8 +386,11 @@ class StepBuilder:
                 spec = sample_spec_for(group, seq)
                 self.sampled.append((group, seq))
             scheduled.append(ScheduledSeq(seq.seq_id, seq.token_ids[start:start + num_tokens], start,
-                                          list(seq.block_table), spec))
-            if num_tokens == 1:
+                                          list(seq.block_table), spec, seq.num_draft_tokens))
+            if seq.num_draft_tokens:
+                self.num_decode_tokens += 1
+                self.num_draft_tokens += seq.num_draft_tokens
+            elif num_tokens == 1:
                 self.num_decode_tokens += 1
             else:
                 self.num_prefill_tokens += num_tokens

@@ -87,3 +87,14 @@ def test_columns_keep_each_sequence_its_own_tokens_and_blocks() -> None:
             for i in range(40)]
     plan = StepPlan(step_id=2, seqs=seqs)
     assert plan_from_proto(step_pb2.SchedulerMessage.FromString(encode_plan(plan)).step_plan) == plan
+
+
+def test_draft_counts_round_trip_and_cost_nothing_without_drafts() -> None:
+    spec = SampleSpec(temperature=0.5)
+    plan = StepPlan(step_id=3, seqs=[ScheduledSeq(1, [5, 6, 7], 9, [0], spec, 2),
+                                     ScheduledSeq(2, [8], 4, [1], spec)])
+    msg = plan_to_proto(plan)
+    assert list(msg.num_draft_tokens) == [2, 0]
+    assert [seq.num_draft_tokens for seq in plan_from_proto(msg).seqs] == [2, 0]
+    plain = StepPlan(step_id=4, seqs=[ScheduledSeq(2, [8], 4, [1], spec)])
+    assert not plan_to_proto(plain).num_draft_tokens

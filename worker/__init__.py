@@ -9,6 +9,8 @@ KV pool, swap and headroom; resident_memory.py: memory in the logs) -> model_run
                       rotary.py and layernorm.py
   cache_engine.py     KV tensors on the device and in host swap space, their block operations
   sampler.py          the next token per SampleSpec, logprobs, beam candidates
+  spec_verify.py      speculative drafts verified row by row (rejection_sampler.py: the
+                      rejection sampler of speculative decoding as pure functions)
   loader.py           checkpoint tensors -> this rank's slices (gguf_weights.py for GGUF:
                       dequantized, or Q4/Q8 linear weights kept packed by quantized_linear.py)
   prepacked_weights.py after the load: bfloat16 CPU weights prepacked once for oneDNN

@@ -5,7 +5,9 @@ For sequences s with new-token counts q_s and start positions p_s:
     token rows        [ s0: q0 rows ][ s1: q1 rows ] ...      query_start_loc = [0, q0, q0 + q1, ...]
     positions         p_s, p_s + 1, ..., p_s + q_s - 1        seq_lens        = p_s + q_s
     slot of a token   block_table_s[pos // block_size] * block_size + pos % block_size
-    logits rows       the last row of each sequence that samples
+    logits rows       the last row of each sequence that samples; a sequence verifying k
+                      speculative drafts samples its last k + 1 rows (its last real token, then
+                      each draft), in order
 
 Built with numpy over whole arrays; the only Python loops are over sequences.
 """
@@ -33,6 +35,8 @@ class ModelInput:
     sample_seq_ids: list[int]  # one per logits row, in row order
     sample_specs: list[SampleSpec]
     sample_positions: list[int]  # position of the token each logits row samples
+    # Speculation: per sampling sequence, its drafts (empty for most); its rows are consecutive
+    sample_draft_ids: list[list[int]] | None = None  # None: no sequence of the step drafts
 
     @property
     def num_sampled(self) -> int:
@@ -73,6 +77,9 @@ def build_model_input(seqs: list[ScheduledSeq], *, block_size: int, num_blocks: 
 
     sampled = [row for row, seq in enumerate(seqs) if seq.sample is not None]
     logits_indices = query_start_loc[1:][sampled] - 1  # [num_sampled]
+    if any(seqs[row].num_draft_tokens for row in sampled):
+        return _with_drafts(seqs, sampled, token_ids, positions, slot_mapping, block_tables, seq_lens,
+                            query_start_loc, device)
     metadata = AttentionMetadata(
         positions=torch.from_numpy(positions).to(device),
         slot_mapping=torch.from_numpy(slot_mapping).to(device),
@@ -88,3 +95,34 @@ def build_model_input(seqs: list[ScheduledSeq], *, block_size: int, num_blocks: 
         sample_specs=[seqs[row].sample for row in sampled],
         sample_positions=[int(seq_lens[row]) for row in sampled],
     )
+
+
+def _with_drafts(seqs: list[ScheduledSeq], sampled: list[int], token_ids: np.ndarray, positions: np.ndarray,
+                 slot_mapping: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray,
+                 query_start_loc: np.ndarray, device: torch.device) -> ModelInput:
+    """The input of a step where some sequences verify drafts: k + 1 logits rows for each."""
+    rows, row_seq_ids, row_specs, row_positions, draft_ids = [], [], [], [], []
+    for row in sampled:
+        seq = seqs[row]
+        num_drafts = seq.num_draft_tokens
+        if not 0 <= num_drafts < len(seq.token_ids):
+            raise PlanError(f"sequence {seq.seq_id}: {num_drafts} drafts among {len(seq.token_ids)} new tokens")
+        end = int(query_start_loc[row + 1])
+        length = int(seq_lens[row])
+        for offset in range(num_drafts, -1, -1):
+            rows.append(end - 1 - offset)
+            row_seq_ids.append(seq.seq_id)
+            row_specs.append(seq.sample)
+            row_positions.append(length - offset)
+        draft_ids.append(seq.token_ids[len(seq.token_ids) - num_drafts:])
+    metadata = AttentionMetadata(
+        positions=torch.from_numpy(positions).to(device),
+        slot_mapping=torch.from_numpy(slot_mapping).to(device),
+        block_tables=torch.from_numpy(block_tables).to(device),
+        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
+        query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(device),
+        logits_indices=torch.tensor(rows, dtype=torch.int64).to(device),
+    )
+    return ModelInput(token_ids=torch.from_numpy(token_ids).to(device), metadata=metadata,
+                      sample_seq_ids=row_seq_ids, sample_specs=row_specs, sample_positions=row_positions,
+                      sample_draft_ids=draft_ids)

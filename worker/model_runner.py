@@ -36,6 +36,7 @@ from pagedserve.worker.prepacked_weights import prepack_model
 from pagedserve.worker.quantization import QuantizationConfig
 from pagedserve.worker.quantized_linear import quantize_model
 from pagedserve.worker.sampler import Sampler
+from pagedserve.worker.spec_verify import sample_verifying
 from pagedserve.worker.tensor_parallel import TensorParallelGroup
 
 DEFAULT_PROFILE_TOKENS = 2048
@@ -198,7 +199,9 @@ class ModelRunner:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             result.forward_seconds = time.perf_counter() - started
-            if self.sampler is not None and logits is not None:
+            if self.sampler is not None and logits is not None and inputs.sample_draft_ids is not None:
+                result.samples, result.failures = sample_verifying(self.sampler, logits, inputs)
+            elif self.sampler is not None and logits is not None:
                 result.samples, result.failures = self.sampler.sample_isolating_failures(
                     logits, inputs.sample_specs, inputs.sample_seq_ids, inputs.sample_positions)
         return result

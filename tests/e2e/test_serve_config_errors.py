@@ -66,3 +66,10 @@ def test_a_child_exiting_2_while_starting_ends_serve_with_2(llama_checkpoint, tm
     assert '"child": "worker-0", "exit_code": 2' in output and "configuration error" in output
     assert output.count('"child_started"') == 3  # scheduler, worker, frontend: no restart
     assert seconds < CONFIG_ERROR_WITHIN_S
+
+
+def test_draft_model_speculation_is_refused_before_anything_starts(llama_checkpoint):
+    code, output, _ = _serve(llama_checkpoint, "--speculative-method", "draft")
+    assert code == 2, output
+    assert "draft (a draft model) is not supported" in output
+    assert "child_started" not in output

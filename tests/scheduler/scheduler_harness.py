@@ -18,9 +18,9 @@ VOCAB_SIZE = 24
 EOS_TOKEN_ID = 0
 
 
-def digest_worker(config: SchedulerConfig) -> DigestWorker:
+def digest_worker(config: SchedulerConfig, vocab_size: int = VOCAB_SIZE) -> DigestWorker:
     """A digest worker with this config's pools and the tests' small vocabulary."""
-    return DigestWorker.for_config(config, vocab_size=VOCAB_SIZE)
+    return DigestWorker.for_config(config, vocab_size=vocab_size)
 
 
 @dataclass
@@ -82,13 +82,14 @@ def collect(records: dict[str, RequestRecord], outputs: list[RequestOutput]) -> 
 
 def run_workload(config: SchedulerConfig, specs: list[RequestSpec], *, max_steps: int = 5000,
                  on_step: Callable[[Scheduler, StepPlan], None] | None = None,
-                 reset_steps: frozenset[int] = frozenset()) -> RunResult:
+                 reset_steps: frozenset[int] = frozenset(), vocab_size: int = VOCAB_SIZE) -> RunResult:
     """Drives a scheduler until every request ended; checks invariants after every step.
 
     At each of reset_steps the workers "restart": scheduler.reset() and a fresh fake KV cache.
+    vocab_size: the worker's (a small one makes speculative proposals often right).
     """
     scheduler = Scheduler(config)
-    worker = digest_worker(config)
+    worker = digest_worker(config, vocab_size)
     records = {spec.request_id: RequestRecord() for spec in specs}
     plans: list[StepPlan] = []
     step_index = 0
@@ -103,7 +104,7 @@ def run_workload(config: SchedulerConfig, specs: list[RequestSpec], *, max_steps
                 records[spec.request_id].finished_indices.add(spec.finish_index)
         if step_index in reset_steps:
             scheduler.reset()
-            worker = digest_worker(config)
+            worker = digest_worker(config, vocab_size)
         scheduler.check_invariants()
         step = scheduler.schedule()
         if step is None:

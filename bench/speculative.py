@@ -1,0 +1,188 @@
+"""Speculative decoding (n-gram prompt lookup) on a real model: one stream and 32 streams.
+
+    python bench/speculative.py [--model smollm2] [--max-tokens 160] [--threads 2] [--k 4]
+                                [--streams 32] [--rounds 2] [--skip-streams] [--skip-one-stream]
+
+Workloads, greedy, through the public gRPC API with the model's chat template:
+  grounded   rewrite / summarize / edit a given passage, edit given code: the answer copies long
+             runs of the prompt, which is what prompt lookup proposes
+  chat       open-ended questions: little to copy
+Each configuration is its own `pagedserve serve`, all started before the runs: speculation off,
+ngram with K proposals per step and --speculative-disable-batch-size high enough to speculate at
+every batch size, and (streams) ngram at the default threshold. One stream: each request is sent
+to every server in turn, one request at a time, so all configurations see the same machine load
+(the host may be shared); output tokens / summed request time. 32 streams: 32 requests at once
+(grounded and chat mixed) on each server in turn, --rounds times; output tokens / summed time. Acceptance rate (accepted / proposed) and mean accepted length
+(tokens emitted per verifying sequence step: accepted + 1) come from the scheduler's metrics.
+A table goes to stdout and JSON to bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+from machine_info import machine
+from output import print_table, save_report, timestamp
+from pagedserve.serve_process import ServeProcess
+from pagedserve.v1 import generation_pb2 as pb
+from workload import RESULTS_DIR
+
+PASSAGE = (
+    "The old lighthouse stood at the edge of the cliff for more than a hundred years. Every night its "
+    "keeper climbed the spiral stairs, trimmed the wick and polished the great lens, so that ships "
+    "passing the rocks below could find their way home. When the electric lamp arrived, the keeper was "
+    "no longer needed, but he stayed in the cottage beside the tower and still climbed the stairs each "
+    "evening to watch the light come on by itself.")
+CODE = '''def average(values):
+    total = 0
+    for value in values:
+        total = total + value
+    return total / len(values)
+
+
+def largest(values):
+    best = values[0]
+    for value in values:
+        if value > best:
+            best = value
+    return best
+'''
+GROUNDED = [
+    f"Rewrite the following paragraph, keeping every sentence but replacing 'keeper' with 'guardian':\n\n{PASSAGE}",
+    f"Summarize this paragraph in three sentences, reusing its own words:\n\n{PASSAGE}",
+    f"Correct the spelling in this text and return the full corrected text:\n\nThe old lighthouse stood at the "
+    f"edge of the clif for more then a hundred years. Every nigt its keeper climbed the spiral stairs, trimed "
+    f"the wick and polished the great lens, so that ships passing the rocks below could find there way home.",
+    f"Rename the variable 'values' to 'numbers' in this Python code and return the whole code:\n\n{CODE}",
+    f"Add a docstring to each function of this Python code and return the whole code:\n\n{CODE}",
+    f"Make this code return 0 for an empty list and return the whole code:\n\n{CODE}",
+]
+CHAT = [
+    "Write a short story about a dragon who learns to bake bread.",
+    "What are the main benefits of regular exercise? Explain in a few paragraphs.",
+    "Give me some ideas for a birthday party for a ten year old.",
+    "Explain how a rainbow forms.",
+    "Describe a day in the life of a medieval blacksmith.",
+    "Why is the sky blue? Answer for a curious child.",
+]
+
+
+def chat_request(text: str, max_tokens: int) -> pb.GenerateRequest:
+    return pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=text)]),
+                              params=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0))
+
+
+def spec_counters(server: ServeProcess) -> dict:
+    url = f"http://127.0.0.1:{server.scheduler_metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+
+    def total(name: str) -> float:
+        return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE))
+    return {"drafts": total("pagedserve_spec_decode_num_drafts_total"),
+            "proposed": total("pagedserve_spec_decode_draft_tokens_total"),
+            "accepted": total("pagedserve_spec_decode_accepted_tokens_total")}
+
+
+def run_one_stream(servers: dict[str, ServeProcess], prompts: list[str], max_tokens: int) -> dict[str, dict]:
+    """Each prompt on every server in turn (the same machine load for all of them), one at a time."""
+    totals = {name: {"seconds": 0.0, "num_output_tokens": 0, "outputs": []} for name in servers}
+    before = {name: spec_counters(server) for name, server in servers.items()}
+    for text in prompts:
+        for name, server in servers.items():
+            started = time.perf_counter()
+            response = server.stub.Generate(chat_request(text, max_tokens), timeout=3600)
+            totals[name]["seconds"] += time.perf_counter() - started
+            totals[name]["num_output_tokens"] += response.usage.completion_tokens
+            totals[name]["outputs"].append(list(response.completions[0].token_ids))
+    return {name: finish(totals[name], before[name], spec_counters(server), len(prompts))
+            for name, server in servers.items()}
+
+
+def run_streams(servers: dict[str, ServeProcess], prompts: list[str], max_tokens: int, rounds: int) -> dict[str, dict]:
+    """All prompts at once on each server in turn, `rounds` times, alternating the servers."""
+    totals = {name: {"seconds": 0.0, "num_output_tokens": 0, "outputs": []} for name in servers}
+    before = {name: spec_counters(server) for name, server in servers.items()}
+    for round_index in range(rounds):
+        for name, server in servers.items():
+            started = time.perf_counter()
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                responses = list(pool.map(
+                    lambda text: server.stub.Generate(chat_request(text, max_tokens), timeout=3600), prompts))
+            totals[name]["seconds"] += time.perf_counter() - started
+            totals[name]["num_output_tokens"] += sum(r.usage.completion_tokens for r in responses)
+            if round_index == 0:
+                totals[name]["outputs"] = [list(r.completions[0].token_ids) for r in responses]
+    return {name: finish(totals[name], before[name], spec_counters(server), len(prompts) * rounds)
+            for name, server in servers.items()}
+
+
+def finish(total: dict, before: dict, after: dict, num_requests: int) -> dict:
+    delta = {key: after[key] - before[key] for key in after}
+    return {"num_requests": num_requests, "num_output_tokens": total["num_output_tokens"],
+            "seconds": total["seconds"], "tokens_per_second": total["num_output_tokens"] / total["seconds"],
+            "acceptance_rate": delta["accepted"] / delta["proposed"] if delta["proposed"] else None,
+            "mean_accepted_length": (delta["accepted"] + delta["drafts"]) / delta["drafts"] if delta["drafts"] else None,
+            "outputs": total["outputs"]}
+
+
+def serve(args, log_name: str, extra: list[str]) -> ServeProcess:
+    server = ServeProcess(args.model, RESULTS_DIR / "logs" / f"speculative-{log_name}.log",
+                          ["--max-num-seqs", "64", *extra], metrics=True, num_threads=args.threads)
+    server.wait_ready()
+    server.stub.Generate(chat_request(GROUNDED[0], 8), timeout=600)  # warm-up
+    return server
+
+
+def add_rows(rows: list[dict], workload: str, results: dict[str, dict]) -> None:
+    baseline = results["off"]
+    for name, result in results.items():
+        row = {"config": name, "workload": workload, **{k: v for k, v in result.items() if k != "outputs"},
+               "speedup": result["tokens_per_second"] / baseline["tokens_per_second"]}
+        if name != "off":
+            row["is_same_output"] = result["outputs"] == baseline["outputs"]
+        rows.append(row)
+        print(row, flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--k", type=int, default=4, help="proposed tokens per step")
+    parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of the streams workload per server")
+    parser.add_argument("--skip-streams", action="store_true")
+    parser.add_argument("--skip-one-stream", action="store_true")
+    args = parser.parse_args()
+    ngram = ["--speculative-method", "ngram", "--num-speculative-tokens", str(args.k)]
+    always = f"ngram K={args.k}"
+    rows: list[dict] = []
+    servers = {"off": serve(args, "off", []),
+               always: serve(args, "ngram-always", [*ngram, "--speculative-disable-batch-size", "1024"])}
+    many = [(GROUNDED + CHAT)[i % (len(GROUNDED) + len(CHAT))] for i in range(args.streams)]
+    try:
+        if not args.skip_one_stream:
+            add_rows(rows, "grounded, 1 stream", run_one_stream(servers, GROUNDED, args.max_tokens))
+            add_rows(rows, "chat, 1 stream", run_one_stream(servers, CHAT, args.max_tokens))
+        if not args.skip_streams:
+            add_rows(rows, f"{args.streams} streams", run_streams(servers, many, args.max_tokens, args.rounds))
+            servers.pop(always).stop()
+            servers[f"ngram K={args.k}, default threshold"] = serve(args, "ngram-default", ngram)
+            add_rows(rows, f"{args.streams} streams", run_streams(servers, many, args.max_tokens, args.rounds))
+    finally:
+        for server in servers.values():
+            server.stop()
+    print_table(rows, ["config", "workload", "num_output_tokens", "seconds", "tokens_per_second", "speedup",
+                       "acceptance_rate", "mean_accepted_length", "is_same_output"],
+                title="n-gram speculative decoding")
+    save_report(f"speculative-{timestamp()}", {"machine": machine("torch"), "args": vars(args), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
