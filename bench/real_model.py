@@ -164,11 +164,12 @@ def run_llama_cpp(binary: Path, gguf: Path, dtype: str, threads: int,
                                  context_per_slot=CONTEXT_PER_SLOT, num_threads=threads, extra_args=extra_args)
             server.__enter__()
         except LlamaServerExited as error:
-            if error.returncode != -signal.SIGILL or "--no-repack" in extra_args:
+            if error.returncode >= 0 or "--no-repack" in extra_args:
                 raise
-            # its default weight repacking for quantized types runs AMX/AVX-512 code that some
-            # virtual machines refuse (SIGILL at load); without repacking it runs
-            print(f"  llama-server died with SIGILL at load ({dtype}); again with --no-repack", flush=True)
+            # its default weight repacking for quantized types (AMX tiles on this CPU) died by a
+            # signal at load on this virtual machine (SIGILL or SIGSEGV); without repacking it runs
+            print(f"  llama-server died by signal {-error.returncode} at load ({dtype}); again with --no-repack",
+                  flush=True)
             extra_args = [*extra_args, "--no-repack"]
             server = LlamaServer(binary, converted, log_dir / f"{name}-no-repack.log", num_slots=streams,
                                  context_per_slot=CONTEXT_PER_SLOT, num_threads=threads, extra_args=extra_args)

@@ -161,6 +161,8 @@ class Engine:
             self._dispatch([(sink, exc)])
             return
         self._sinks[request.request_id] = sink
+        if self.scheduler.config.is_speculating and request.sampling.is_beam_search:
+            self._log.info("speculation_not_applied", request_id=request.request_id, reason="beam_search")
 
     def _abort(self, request_id: str) -> None:
         self._sinks.pop(request_id, None)

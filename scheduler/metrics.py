@@ -51,6 +51,9 @@ class SchedulerMetrics:
         self.spec_accepted_per_position = Counter(
             "pagedserve_spec_decode_accepted_tokens_per_position",
             "Speculative tokens accepted, by position in the proposal (0: the first)", ["position"], registry=r)
+        self.spec_unspeculated = Counter(
+            "pagedserve_spec_decode_unspeculated_requests",
+            "Requests served without speculation although it is on, by reason", ["reason"], registry=r)
         self._last = {"swap": 0, "recompute": 0, "queries": 0, "hits": 0, "drafts": 0, "draft_tokens": 0,
                       "accepted": 0}
 
@@ -71,6 +74,8 @@ class SchedulerMetrics:
         self._advance(self.spec_drafts, "drafts", stats.num_spec_drafts)
         self._advance(self.spec_draft_tokens, "draft_tokens", stats.num_spec_draft_tokens)
         self._advance(self.spec_accepted_tokens, "accepted", stats.num_spec_accepted_tokens)
+        self._advance(self.spec_unspeculated.labels(reason="beam_search"), "unspeculated",
+                      stats.num_spec_unspeculated_requests)
         for position, total in enumerate(stats.num_spec_accepted_per_position):
             self._advance(self.spec_accepted_per_position.labels(position=str(position)),
                           f"accepted_at_{position}", total)

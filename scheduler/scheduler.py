@@ -58,6 +58,8 @@ class Scheduler:
         group = build_group(request, self.config, arrival_index=self._next_arrival,
                             next_seq_id=self.new_seq_id)
         self._next_arrival += 1
+        if self.config.is_speculating and request.sampling.is_beam_search:
+            self.spec_stats.num_beam_search_requests += 1  # served exactly, without proposals
         self._groups[request.request_id] = group
         insort(self.waiting, group, key=_queue_key)  # fcfs: priority 0, so this appends
 
@@ -195,7 +197,8 @@ class Scheduler:
             num_prefix_cache_queries=prefix_cache.num_queries, num_prefix_cache_hits=prefix_cache.num_hits,
             num_spec_drafts=self.spec_stats.num_drafts, num_spec_draft_tokens=self.spec_stats.num_draft_tokens,
             num_spec_accepted_tokens=self.spec_stats.num_accepted_tokens,
-            num_spec_accepted_per_position=tuple(self.spec_stats.num_accepted_per_position))
+            num_spec_accepted_per_position=tuple(self.spec_stats.num_accepted_per_position),
+            num_spec_unspeculated_requests=self.spec_stats.num_beam_search_requests)
 
     def check_invariants(self) -> None:
         """Raises InvariantError when block accounting or queues are inconsistent."""

@@ -85,12 +85,15 @@ def test_parallel_seeded_samples_are_the_same_with_and_without_speculation(llama
                               metrics=True)
         try:
             response = server.stub.Generate(token_request(prompt, **request), timeout=300)
+            server.stub.Generate(token_request(prompt, max_tokens=4, beam_width=2), timeout=300)
             metrics = server.metrics("scheduler")
         finally:
             assert server.stop() == 0, server.logs()[-3000:]
         outputs.append({c.index: list(c.token_ids) for c in response.completions})
-        if args:
+        if args:  # beam search is served without speculation, and says so
             assert _counter(metrics, "pagedserve_spec_decode_num_drafts_total") > 0
+            assert _counter(metrics, "pagedserve_spec_decode_unspeculated_requests_total") == 1
+            assert "speculation_not_applied" in server.logs()
     assert outputs[0] == outputs[1]
     assert len(set(map(tuple, outputs[0].values()))) > 1  # the samples differ from each other
 

@@ -93,6 +93,7 @@ def test_speculation_gives_the_tokens_of_plain_decoding(workload, num_tokens, di
     plain = run_workload(_ORACLE, _oracle_specs(specs), vocab_size=SMALL_VOCAB)
     stats = speculated.scheduler.stats()
     assert stats.num_spec_accepted_tokens <= stats.num_spec_draft_tokens
+    assert stats.num_spec_unspeculated_requests == sum(spec.sampling.is_beam_search for spec in specs)
     assert sum(stats.num_spec_accepted_per_position) == stats.num_spec_accepted_tokens
     assert stats.num_spec_drafts == 0 or stats.num_spec_draft_tokens >= stats.num_spec_drafts
     event(f"drafted: {num_draft_steps > 0}; accepted: {stats.num_spec_accepted_tokens > 0}")
