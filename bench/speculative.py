@@ -2,6 +2,7 @@
 
     python bench/speculative.py [--model smollm2] [--max-tokens 160] [--threads 2] [--k 4]
                                 [--streams 32] [--rounds 2] [--skip-streams] [--skip-one-stream]
+                                [--serve-args FLAG ...]
 
 Workloads, greedy, through the public gRPC API with the model's chat template:
   grounded   rewrite / summarize / edit a given passage, edit given code: the answer copies long
@@ -132,7 +133,8 @@ def finish(total: dict, before: dict, after: dict, num_requests: int) -> dict:
 
 def serve(args, log_name: str, extra: list[str]) -> ServeProcess:
     server = ServeProcess(args.model, RESULTS_DIR / "logs" / f"speculative-{log_name}.log",
-                          ["--max-num-seqs", "64", *extra], metrics=True, num_threads=args.threads)
+                          ["--max-num-seqs", "64", *args.serve_args, *extra], metrics=True,
+                          num_threads=args.threads)
     server.wait_ready()
     server.stub.Generate(chat_request(GROUNDED[0], 8), timeout=600)  # warm-up
     return server
@@ -159,6 +161,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="rounds of the streams workload per server")
     parser.add_argument("--skip-streams", action="store_true")
     parser.add_argument("--skip-one-stream", action="store_true")
+    parser.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[],
+                        help="flags for every server, e.g. --dtype float32 --quantization none")
     args = parser.parse_args()
     ngram = ["--speculative-method", "ngram", "--num-speculative-tokens", str(args.k)]
     always = f"ngram K={args.k}"
