@@ -12,8 +12,8 @@ same precision: for D = float32 and bfloat16 the Q4_1 GGUF dequantized, for D = 
 as it is (pagedserve and llama.cpp; HF has no Q4_1 kernels and is not run):
 
     pagedserve   `pagedserve serve --model smollm2 --dtype D --quantization none`, for q4_1
-                 `pagedserve serve --model smollm2` (its defaults: the GGUF's Q4_1 linear weights
-                 kept as int4, --dtype auto activations); nothing else: its DEFAULT flags
+                 `pagedserve serve --model smollm2 --quantization auto` (the GGUF's Q4_1 linear
+                 weights kept as int4, --dtype auto activations); nothing else: its DEFAULT flags
                  (threads, batch sizes, KV pool); requests over GenerateStream (gRPC), token ids in
     hf           transformers `generate` on the GGUF's weights dequantized once into a float32
                  folder (cached), loaded in D, --threads torch threads; 32 streams = one static batch of 32, left-padded, run to the longest
@@ -102,7 +102,7 @@ def timed(traces) -> dict:
 
 def run_pagedserve(dtype: str, workloads: dict[int, tuple[list[BenchRequest], bool]], log_dir: Path,
                    serve_args: list[str]) -> dict:
-    precision_args = [] if dtype == QUANTIZED else ["--dtype", dtype, "--quantization", "none"]
+    precision_args = ["--quantization", "auto"] if dtype == QUANTIZED else ["--dtype", dtype, "--quantization", "none"]
     results = {"config": " ".join(["pagedserve serve --model smollm2", *precision_args, *serve_args])}
     with ServeProcess("smollm2", log_dir / f"serve-{dtype}.log", [*precision_args, *serve_args]) as server:
         run_requests(server.address, [BenchRequest(workloads[max(workloads)][0][0].prompt_token_ids, WARMUP_TOKENS)])

@@ -4,7 +4,9 @@ scheduler's model info and the worker's weights from one GGUF file, and answers 
 A gRPC client that applies the model's chat template itself (its tokenizer from the resolved model)
 and sends the prompt as text, one that sends chat messages for the server to render, the
 `pagedserve generate --chat` console script, and the official `openai` client over the
-OpenAI-compatible HTTP API all get the same answer."""
+OpenAI-compatible HTTP API all get the same answer. serve runs with its default precision and
+weights (what a user gets: bfloat16 on CPUs that compute it natively), not the float32 of the
+HF-equality tests."""
 
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ from openai import OpenAI
 from pagedserve.models.resolve import resolve_model
 from pagedserve.frontend.tokenizer import load_tokenizer
 from pagedserve.v1 import generation_pb2
-from tests.e2e.harness import ServeProcess, text_request
+from pagedserve.serve_process import ServeProcess
+from tests.e2e.harness import text_request
 
 QUESTION = "What is the capital of France?"
 
@@ -26,6 +29,8 @@ def test_smollm2_answers_a_chat_question(tmp_path):
     tokenizer = load_tokenizer(resolve_model("smollm2"))  # fetched once and cached, as serve does
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}])
     server = ServeProcess("smollm2", tmp_path / "serve.log", ["--num-kv-blocks", "512"], http_port=True)
+    # the default weights: the GGUF dequantized (--quantization auto keeps its int4, which answers
+    # this question wrongly in bfloat16)
     try:
         server.wait_ready()
         info = server.stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=10)
