@@ -44,10 +44,20 @@ from pagedserve.worker.worker_config import WorkerConfig
 WORKER_RECOVERY_SECONDS = 120.0  # the scheduler holds requests this long for restarted workers
 
 
+_handed_out_ports: set[int] = set()
+
+
 def free_port(host: str = DEFAULT_HOST) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    """A port free now, never one this process handed out before: the system may give a port
+    that was just probed and closed again, and two addresses of one deployment (plan and result
+    sockets) on one port fail to bind."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+        if port not in _handed_out_ports:
+            _handed_out_ports.add(port)
+            return port
 
 
 def threads_per_rank(num_ranks: int) -> int:
