@@ -6,7 +6,8 @@ admission.py: back-pressure; worker_link.py: ZeroMQ to the workers) -> scheduler
 requests in, step plans out, results back):
   request_intake.py   Request -> SequenceGroup, or rejected (sequence.py: sequences and groups)
   step_builder.py     one step within the budget (sample_specs.py: what each sampling sequence
-                      asks of the sampler; preemption.py: the victim, swap or recompute, the act)
+                      asks of the sampler; preemption.py: the victim, swap or recompute, the act;
+                      chunk_planning.py: a group's new tokens cut into chunks within the budget)
   output_processor.py sampled tokens, stops and deltas (beam_search.py: beam scores as HF does
                       them; beam_forking.py: the next step's beams)
   block_manager.py    block tables: copy-on-write, forking, swapping; over block_pool.py (ref

@@ -37,7 +37,7 @@ from pagedserve.scheduler.sequence import Sequence, SequenceGroup
 
 if TYPE_CHECKING:
     from pagedserve.scheduler.scheduler import Scheduler
-    from pagedserve.scheduler.step_builder import Chunk
+    from pagedserve.scheduler.chunk_planning import Chunk
 
 
 MAX_PAUSE_STEPS = 8
