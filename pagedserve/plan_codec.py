@@ -105,6 +105,11 @@ def plan_to_proto(plan: StepPlan) -> step_pb2.StepPlan:
     msg.sample_index.extend(sample_index)
     if any(seq.num_draft_tokens for seq in seqs):
         msg.num_draft_tokens.extend([seq.num_draft_tokens for seq in seqs])
+    if plan.drafts_from_worker:
+        msg.drafts_from_worker = True
+        msg.draft_start_positions.extend([seq.draft_start_position for seq in seqs])
+        msg.num_draft_context_tokens.extend([len(seq.draft_context_ids) for seq in seqs])
+        msg.draft_context_ids.extend(list(chain.from_iterable(seq.draft_context_ids for seq in seqs)))
     _pairs_to_proto(plan.blocks_to_swap_out, msg.blocks_to_swap_out)
     _pairs_to_proto(plan.blocks_to_swap_in, msg.blocks_to_swap_in)
     _pairs_to_proto(plan.blocks_to_copy, msg.blocks_to_copy)
@@ -126,6 +131,13 @@ def plan_from_proto(msg: step_pb2.StepPlan) -> StepPlan:
         token_start, block_start = token_end, block_end
     for seq, num_drafts in zip(seqs, msg.num_draft_tokens):
         seq.num_draft_tokens = num_drafts
+    if msg.drafts_from_worker:
+        context_ids = list(msg.draft_context_ids)
+        context_start = 0
+        for seq, start_position, num_context in zip(seqs, msg.draft_start_positions, msg.num_draft_context_tokens):
+            seq.draft_start_position = start_position
+            seq.draft_context_ids = context_ids[context_start:context_start + num_context]
+            context_start += num_context
     return StepPlan(
         step_id=msg.step_id,
         seqs=seqs,
@@ -133,6 +145,7 @@ def plan_from_proto(msg: step_pb2.StepPlan) -> StepPlan:
         blocks_to_swap_in=_pairs_from_proto(msg.blocks_to_swap_in),
         blocks_to_copy=_pairs_from_proto(msg.blocks_to_copy),
         epoch=msg.epoch,
+        drafts_from_worker=msg.drafts_from_worker,
     )
 
 

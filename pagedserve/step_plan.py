@@ -48,6 +48,13 @@ class ScheduledSeq:
     # at the last real token and at each draft, and answers with one SeqSample per emitted token
     # (the accepted drafts, then the token drawn at the first rejection or the bonus token).
     num_draft_tokens: int = 0
+    # Draft-model speculation (StepPlan.drafts_from_worker): the drafts above are placeholders the
+    # worker replaces with its draft model's proposals. Before proposing, the draft model computes
+    # its own KV for draft_context_ids, the tokens at positions draft_start_position .. up to (not
+    # including) the last real token whose draft KV this sequence has not computed yet; then it
+    # runs the last real token and its own proposals d1 .. d(k-1) (same slots as the target).
+    draft_context_ids: list[int] = field(default_factory=list)
+    draft_start_position: int = 0
 
     @property
     def num_new_tokens(self) -> int:
@@ -68,6 +75,7 @@ class StepPlan:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src gpu, dst gpu)
     epoch: int = 0
+    drafts_from_worker: bool = False  # the drafts of this step are for the worker's draft model to propose
 
     @property
     def num_tokens(self) -> int:

@@ -98,3 +98,15 @@ def test_draft_counts_round_trip_and_cost_nothing_without_drafts() -> None:
     assert [seq.num_draft_tokens for seq in plan_from_proto(msg).seqs] == [2, 0]
     plain = StepPlan(step_id=4, seqs=[ScheduledSeq(2, [8], 4, [1], spec)])
     assert not plan_to_proto(plain).num_draft_tokens
+
+
+def test_worker_draft_context_round_trips() -> None:
+    spec = SampleSpec()
+    plan = StepPlan(step_id=5, drafts_from_worker=True, seqs=[
+        ScheduledSeq(1, [5, 0, 0, 0], 9, [0, 1], spec, 3, draft_context_ids=[3, 4], draft_start_position=7),
+        ScheduledSeq(2, [8], 4, [2], spec),
+        ScheduledSeq(3, [9, 0], 20, [3, 4], spec, 1, draft_start_position=20)])
+    decoded = plan_from_proto(step_pb2.SchedulerMessage.FromString(encode_plan(plan)).step_plan)
+    assert decoded == plan
+    assert decoded.seqs[0].draft_context_ids == [3, 4] and decoded.seqs[2].draft_start_position == 20
+    assert not plan_to_proto(StepPlan(step_id=6, seqs=[ScheduledSeq(2, [8], 4, [1], spec)])).draft_context_ids
