@@ -101,11 +101,15 @@ def pick_drafts(sampler: Sampler, logits: torch.Tensor, specs: list[SampleSpec],
         index = torch.tensor(random_rows, device=raw.device)
         probs = sampling_probs(processed[index], [specs[row] for row in random_rows])  # [random, V]
         noise = torch.empty_like(probs)  # [random, V], Exp(1): the exponential race picks i w.p. q_i
+        unseeded = [i for i, row in enumerate(random_rows) if specs[row].seed is None]
+        if unseeded:
+            noise[torch.tensor(unseeded, device=probs.device)] = torch.empty(
+                (len(unseeded), probs.shape[1]), dtype=probs.dtype, device=probs.device).exponential_(
+                generator=sampler.generator)
         for i, row in enumerate(random_rows):
-            spec = specs[row]
-            generator = (sampler.generator if spec.seed is None
-                         else seeded_generator(spec, positions[row], probs.device, salt=DRAFT_SALT))
-            noise[i].exponential_(generator=generator)
+            if specs[row].seed is not None:
+                noise[i].exponential_(generator=seeded_generator(specs[row], positions[row], probs.device,
+                                                                 salt=DRAFT_SALT))
         chosen[index] = (probs / noise).argmax(dim=-1)
         for i, row in enumerate(random_rows):
             draft_probs[row] = probs[i]
