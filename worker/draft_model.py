@@ -84,6 +84,7 @@ class DraftModel:
     def logits(self, token_ids: torch.Tensor, metadata: AttentionMetadata,
                kv_caches: list[KVCache]) -> torch.Tensor | None:
         """token_ids [T] -> logits [num_sampled, vocab] of metadata's logits rows on rank 0 (None
-        elsewhere), writing the draft KV of every token into its slot."""
+        elsewhere, and when no row samples), writing the draft KV of every token into its slot."""
         model = self.model
-        return model.compute_logits(model(token_ids, metadata, kv_caches))
+        hidden = model(token_ids, metadata, kv_caches)  # [num_sampled, hidden]
+        return model.compute_logits(hidden) if metadata.logits_indices.numel() else None

@@ -13,7 +13,8 @@ and is drafted in K draft forwards over the drafting sequences only (each a batc
     forward j      [d(j-1)]                 at P + j - 1                   -> d(j)      ~ q(j)   (j = 2..K)
 
 writing the draft's KV into the slots of the sequence's own block table (the same slots the target
-writes for those positions); a sequence leaves the loop after its own K. Each draft is picked as the
+writes for those positions); a sequence leaves the loop after its own K. Forward 1 is split into
+several when the draft contexts together exceed max_tokens_per_forward. Each draft is picked as the
 target would pick a token at that position: the row's spec with the earlier drafts counted as
 outputs (penalties), suppressed ids, then greedy argmax, or, for a random row, a draw from
 q = sampling_probs (temperature, top-k, top-p, min-p), kept for the rejection sampler. A seeded
@@ -48,6 +49,7 @@ from pagedserve.worker.sampler import (
 from pagedserve.worker.tensor_parallel import TensorParallelGroup
 
 DRAFT_SALT = 0x6472616674  # "draft": the seeded draft draws' own stream
+DEFAULT_MAX_TOKENS_PER_FORWARD = 2048  # the scheduler's default --max-num-batched-tokens
 
 
 @dataclass(slots=True)
@@ -120,12 +122,15 @@ class DraftProposer:
     """Runs the draft model over a step's drafting sequences (module docstring); `sampler` is rank 0's."""
 
     def __init__(self, draft: DraftModel, *, sampler: Sampler | None, tp: TensorParallelGroup, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, max_tokens_per_forward: int = DEFAULT_MAX_TOKENS_PER_FORWARD) -> None:
+        if max_tokens_per_forward <= 0:
+            raise ValueError(f"max_tokens_per_forward must be positive, not {max_tokens_per_forward}")
         self.draft = draft
         self.sampler = sampler
         self.tp = tp
         self.block_size = block_size
         self.device = device
+        self.max_tokens_per_forward = max_tokens_per_forward
 
     def propose(self, seqs: list[ScheduledSeq], cache: CacheEngine) -> Proposal:
         """The step's sequences with drafts in place of the placeholders (all ranks), and q (rank 0)."""
@@ -137,16 +142,14 @@ class DraftProposer:
         positions = {seq.seq_id: _drafting_position(seq) for seq in drafting}
         drafts: dict[int, list[int]] = {seq.seq_id: [] for seq in drafting}
         probs: dict[int, list[torch.Tensor | None]] = {seq.seq_id: [] for seq in drafting}
-        for step in range(1, max(seq.num_draft_tokens for seq in drafting) + 1):
+        for seq_id, (token_id, q) in self._first_drafts(drafting, positions, cache).items():
+            drafts[seq_id].append(token_id)
+            probs[seq_id].append(q)
+        for step in range(2, max(seq.num_draft_tokens for seq in drafting) + 1):
             active = [seq for seq in drafting if seq.num_draft_tokens >= step]
-            if step == 1:
-                inputs = [ScheduledSeq(seq.seq_id, seq.draft_context_ids + [seq.token_ids[-seq.num_draft_tokens - 1]],
-                                       seq.draft_start_position, seq.block_table, sample=seq.sample)
-                          for seq in active]
-            else:
-                inputs = [ScheduledSeq(seq.seq_id, [drafts[seq.seq_id][-1]], positions[seq.seq_id] + step - 1,
-                                       seq.block_table, sample=seq.sample)
-                          for seq in active]
+            inputs = [ScheduledSeq(seq.seq_id, [drafts[seq.seq_id][-1]], positions[seq.seq_id] + step - 1,
+                                   seq.block_table, sample=seq.sample)
+                      for seq in active]
             picked = self._forward_and_pick(inputs, [_with_penalty_history(seq.sample, drafts[seq.seq_id])
                                                      for seq in active],
                                             [positions[seq.seq_id] + step for seq in active], cache)
@@ -159,15 +162,44 @@ class DraftProposer:
                        if rows and all(row is not None for row in rows)}  # [K, V] each
         return Proposal(seqs=filled, draft_probs=draft_probs, num_drafted=len(drafting))
 
+    def _first_drafts(self, drafting: list[ScheduledSeq], positions: dict[int, int],
+                      cache: CacheEngine) -> dict[int, tuple[int, torch.Tensor | None]]:
+        """Draft forward 1 (draft_context_ids + [t] of every drafting sequence) -> d1 and q1 per
+        sequence. Long draft contexts (a catch-up after a prefix-cache hit or a preemption) are
+        split into forwards of at most max_tokens_per_forward tokens, in order, so the draft's
+        activations stay within the step's usual size; a sequence picks d1 in the forward holding t."""
+        remaining = {seq.seq_id: (seq.draft_context_ids + [seq.token_ids[-seq.num_draft_tokens - 1]],
+                                  seq.draft_start_position) for seq in drafting}
+        picked: dict[int, tuple[int, torch.Tensor | None]] = {}
+        while len(picked) < len(drafting):
+            inputs, budget = [], self.max_tokens_per_forward
+            for seq in drafting:
+                tokens, start = remaining[seq.seq_id]
+                if not tokens or budget <= 0:
+                    continue
+                take = min(len(tokens), budget)
+                inputs.append(ScheduledSeq(seq.seq_id, tokens[:take], start, seq.block_table,
+                                           sample=seq.sample if take == len(tokens) else None))
+                remaining[seq.seq_id] = (tokens[take:], start + take)
+                budget -= take
+            sampled = [piece for piece in inputs if piece.sample is not None]
+            results = self._forward_and_pick(inputs, [piece.sample for piece in sampled],
+                                             [positions[piece.seq_id] + 1 for piece in sampled], cache)
+            picked.update(zip([piece.seq_id for piece in sampled], results))
+        return picked
+
     def _forward_and_pick(self, inputs: list[ScheduledSeq], specs: list[SampleSpec], positions: list[int],
                           cache: CacheEngine) -> list[tuple[int, torch.Tensor | None]]:
-        """One draft forward; rank 0 picks a draft per sequence, every rank gets the ids."""
+        """One draft forward; rank 0 picks a draft for each sequence that samples (`specs` and
+        `positions` are theirs, in order), every rank gets the ids."""
         model = self.draft.model
         batch = build_model_input(inputs, block_size=self.block_size, num_blocks=cache.num_gpu_blocks,
                                   max_positions=model.max_positions, device=self.device)
         logits = self.draft.logits(batch.token_ids, batch.metadata, cache.draft_gpu_cache)  # [n, V] on rank 0
-        token_ids = torch.empty(len(inputs), dtype=torch.int64, device=self.device)  # [n]
-        qs: list[torch.Tensor | None] = [None] * len(inputs)
+        if not batch.num_sampled:
+            return []
+        token_ids = torch.empty(batch.num_sampled, dtype=torch.int64, device=self.device)  # [n]
+        qs: list[torch.Tensor | None] = [None] * batch.num_sampled
         if self.sampler is not None and logits is not None:
             ids, qs = pick_drafts(self.sampler, logits, specs, positions)
             token_ids.copy_(torch.tensor(ids, dtype=torch.int64))

@@ -216,6 +216,13 @@ class ModelRunner:
             logits = model.compute_logits(model(inputs.token_ids, inputs.metadata, scratch))
             if self.sampler is not None and logits is not None:
                 self.sampler.sample(logits, inputs.sample_specs, inputs.sample_seq_ids, inputs.sample_positions)
+            if self.draft is not None:  # its forwards hold at most as many tokens (draft_proposer.py)
+                del scratch
+                draft_shape = self.draft_cache_shape
+                scratch = [(torch.zeros(draft_shape.block_shape(1), dtype=draft_shape.dtype, device=self.device),
+                            torch.zeros(draft_shape.block_shape(1), dtype=draft_shape.dtype, device=self.device))
+                           for _ in range(draft_shape.num_layers)]
+                self.draft.logits(inputs.token_ids, inputs.metadata, scratch)
         del scratch, logits
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:

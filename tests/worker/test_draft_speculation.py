@@ -141,6 +141,24 @@ def test_exact_self_draft_accepts_every_draft_after_swap_and_recompute_preemptio
         assert seq.num_accepted == seq.num_drafted > 0, f"seq {seq.seq_id}"
 
 
+def test_long_draft_contexts_are_split_into_bounded_draft_forwards(checkpoint_dir, hf_greedy):
+    target = checkpoint_dir(NAME)
+    runner = _runner(target, target)
+    runner.draft_proposer.max_tokens_per_forward = 7
+    num_tokens = []
+    forward = runner.draft.logits
+    runner.draft.logits = lambda token_ids, *rest: (num_tokens.append(len(token_ids)), forward(token_ids, *rest))[1]
+    prompts = make_prompts(seed=15, lengths=(30, 9, 2))
+    seqs = _seqs(prompts)
+    DraftDriver(runner, NUM_BLOCKS).run_to_completion(seqs, num_drafts=2)
+    # the first drafting step: contexts of 30 + 9 + 2 tokens and 3 last tokens in 7 forwards, then d1 of all 3
+    assert num_tokens[:8] == [7, 7, 7, 7, 7, 7, 2, 3]
+    assert max(num_tokens) == 7
+    for seq, prompt in zip(seqs, prompts):
+        assert seq.generated[:MAX_NEW_TOKENS] == hf_greedy(NAME, prompt)
+        assert seq.num_accepted == seq.num_drafted > 0
+
+
 def test_a_seeded_request_samples_the_same_tokens_alone_and_in_a_batch(checkpoint_dir, small_draft):
     target = checkpoint_dir(NAME)
     prompt = make_prompts(seed=12, lengths=(25,))[0]
