@@ -11,16 +11,25 @@ and after the worker emitted a + 1 tokens (a drafts accepted) the sequence keeps
     num_draft_computed  = P + 1 + min(a, K - 1)  the draft saw t, d1 .. d(K-1), never dK
 
 num_draft_computed starts at 0 (also for a sequence whose prompt blocks were cached) and is
-reset to 0 after a preemption.
+reset to 0 after a preemption. A spec with penalties gets the sequence's outputs so far, as the
+scheduler sends them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from plan_driver import DrivenSeq, PlanDriver
 
-from pagedserve.step_plan import ScheduledSeq, StepPlan, StepResult
+from pagedserve.step_plan import SampleSpec, ScheduledSeq, StepPlan, StepResult
+
+
+def _spec_now(seq: DrivenSeq) -> SampleSpec:
+    spec = seq.spec
+    if spec.repetition_penalty == 1.0 and spec.presence_penalty == 0.0 and spec.frequency_penalty == 0.0:
+        return spec
+    return dataclasses.replace(spec, prompt_token_ids=list(seq.prompt), output_token_ids=list(seq.generated))
 
 
 @dataclass
@@ -50,7 +59,7 @@ class DraftDriver(PlanDriver):
             scheduled.append(ScheduledSeq(
                 seq_id=seq.seq_id, token_ids=seq.tokens[seq.num_computed:end] + [0] * num_drafts,
                 start_position=seq.num_computed, block_table=list(seq.block_table),
-                sample=seq.spec if samples else None, num_draft_tokens=num_drafts,
+                sample=_spec_now(seq) if samples else None, num_draft_tokens=num_drafts,
                 draft_context_ids=seq.tokens[seq.num_draft_computed:position] if num_drafts else [],
                 draft_start_position=seq.num_draft_computed if num_drafts else position))
         self.step_id += 1

@@ -159,6 +159,31 @@ def test_long_draft_contexts_are_split_into_bounded_draft_forwards(checkpoint_di
         assert seq.num_accepted == seq.num_drafted > 0
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_drafts_are_processed_like_the_target_rows_penalties_and_suppression_included(checkpoint_dir, temperature):
+    """With the exact self-draft, q equals p only when each draft row is processed as the target's
+    row at that position (penalties counting the earlier drafts as outputs, suppressed ids,
+    temperature, top-k/p, min-p): then every draft is accepted (u q < p for u < 1), and the tokens
+    are those of decoding without speculation (seeded: the same draws are not promised, greedy: they are)."""
+    target = checkpoint_dir(NAME)
+    runner = _runner(target, target)
+    prompts = make_prompts(seed=16, lengths=(12, 40))
+    spec = SampleSpec(temperature=temperature, top_k=30, top_p=0.9, min_p=0.02, seed=5, repetition_penalty=1.4,
+                      presence_penalty=0.5, frequency_penalty=0.7, suppress_token_ids=[7, 8, 9])
+    plain = _seqs(prompts, spec=spec, max_new_tokens=16)
+    DraftDriver(runner, NUM_BLOCKS).run_to_completion(plain)
+    drafted = _seqs(prompts, spec=spec, max_new_tokens=16)
+    driver = DraftDriver(runner, NUM_BLOCKS)
+    driver.run_to_completion(drafted, num_drafts=3)
+    for seq in drafted:
+        assert seq.num_accepted == seq.num_drafted > 0
+        assert not {7, 8, 9} & set(seq.generated)
+    if temperature == 0.0:
+        assert [seq.generated[:16] for seq in drafted] == [seq.generated for seq in plain]
+    penalised = [s for plan in driver.plans for s in plan.seqs if s.num_draft_tokens and s.sample.output_token_ids]
+    assert penalised  # the penalty history was really sent
+
+
 def test_a_seeded_request_samples_the_same_tokens_alone_and_in_a_batch(checkpoint_dir, small_draft):
     target = checkpoint_dir(NAME)
     prompt = make_prompts(seed=12, lengths=(25,))[0]
