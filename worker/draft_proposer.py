@@ -60,7 +60,6 @@ class Proposal:
 
     seqs: list[ScheduledSeq]
     draft_probs: dict[int, torch.Tensor] = field(default_factory=dict)
-    num_drafted: int = 0  # sequences that drafted
 
 
 def _drafting_position(seq: ScheduledSeq) -> int:
@@ -160,7 +159,7 @@ class DraftProposer:
                   if seq.seq_id in drafts else seq for seq in seqs]
         draft_probs = {seq_id: torch.stack(rows) for seq_id, rows in probs.items()
                        if rows and all(row is not None for row in rows)}  # [K, V] each
-        return Proposal(seqs=filled, draft_probs=draft_probs, num_drafted=len(drafting))
+        return Proposal(seqs=filled, draft_probs=draft_probs)
 
     def _first_drafts(self, drafting: list[ScheduledSeq], positions: dict[int, int],
                       cache: CacheEngine) -> dict[int, tuple[int, torch.Tensor | None]]:
