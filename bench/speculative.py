@@ -1,6 +1,8 @@
-"""Speculative decoding (n-gram prompt lookup) on a real model: one stream and 32 streams.
+"""Speculative decoding (n-gram prompt lookup, a draft model) on a real model: one stream and 32 streams.
 
     python bench/speculative.py [--model smollm2] [--max-tokens 160] [--threads 2] [--k 4]
+                                [--methods ngram[,draft]] [--speculative-model PATH]
+                                [--speculative-quantization none|int8|int4|auto]
                                 [--streams 32] [--rounds 2] [--skip-streams] [--skip-one-stream]
                                 [--serve-args FLAG ...]
 
@@ -9,8 +11,10 @@ Workloads, greedy, through the public gRPC API with the model's chat template:
              runs of the prompt, which is what prompt lookup proposes
   chat       open-ended questions: little to copy
 Each configuration is its own `pagedserve serve`, all started before the runs: speculation off,
-ngram with K proposals per step and --speculative-disable-batch-size high enough to speculate at
-every batch size, and (streams) ngram at the default threshold. One stream: each request is sent
+and per method of --methods K proposals per step with --speculative-disable-batch-size high enough
+to speculate at every batch size, and (streams) the method at the default threshold. The draft
+method runs --speculative-model (default: --model itself) with --speculative-quantization
+(default int4: the cheap self-draft). One stream: each request is sent
 to every server in turn, one request at a time, so all configurations see the same machine load
 (the host may be shared); output tokens / summed request time. 32 streams: 32 requests at once
 (grounded and chat mixed) on each server in turn, --rounds times; output tokens / summed time. Acceptance rate (accepted / proposed) and mean accepted length
@@ -140,6 +144,15 @@ def serve(args, log_name: str, extra: list[str]) -> ServeProcess:
     return server
 
 
+def method_flags(args, method: str) -> list[str]:
+    """serve's flags of one speculation method with K proposals per step."""
+    flags = ["--speculative-method", method, "--num-speculative-tokens", str(args.k)]
+    if method == "draft":
+        flags += ["--speculative-model", args.speculative_model or args.model,
+                  "--speculative-quantization", args.speculative_quantization]
+    return flags
+
+
 def add_rows(rows: list[dict], workload: str, results: dict[str, dict]) -> None:
     baseline = results["off"]
     for name, result in results.items():
@@ -161,14 +174,23 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="rounds of the streams workload per server")
     parser.add_argument("--skip-streams", action="store_true")
     parser.add_argument("--skip-one-stream", action="store_true")
+    parser.add_argument("--methods", default="ngram", help="comma-separated: ngram, draft")
+    parser.add_argument("--speculative-model", default=None, help="the draft method's model (default: --model)")
+    parser.add_argument("--speculative-quantization", default="int4", choices=("none", "int8", "int4", "auto"))
     parser.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[],
                         help="flags for every server, e.g. --dtype float32 --quantization none")
     args = parser.parse_args()
-    ngram = ["--speculative-method", "ngram", "--num-speculative-tokens", str(args.k)]
-    always = f"ngram K={args.k}"
+    methods = [method.strip() for method in args.methods.split(",") if method.strip()]
+    unknown = set(methods) - {"ngram", "draft"}
+    if unknown:
+        parser.error(f"unknown --methods {sorted(unknown)}: ngram, draft")
+    flags = {method: method_flags(args, method) for method in methods}
+    always = {method: f"{method} K={args.k}" for method in methods}
     rows: list[dict] = []
-    servers = {"off": serve(args, "off", []),
-               always: serve(args, "ngram-always", [*ngram, "--speculative-disable-batch-size", "1024"])}
+    servers = {"off": serve(args, "off", [])}
+    for method in methods:
+        servers[always[method]] = serve(args, f"{method}-always",
+                                        [*flags[method], "--speculative-disable-batch-size", "1024"])
     many = [(GROUNDED + CHAT)[i % (len(GROUNDED) + len(CHAT))] for i in range(args.streams)]
     try:
         if not args.skip_one_stream:
@@ -176,15 +198,16 @@ def main() -> None:
             add_rows(rows, "chat, 1 stream", run_one_stream(servers, CHAT, args.max_tokens))
         if not args.skip_streams:
             add_rows(rows, f"{args.streams} streams", run_streams(servers, many, args.max_tokens, args.rounds))
-            servers.pop(always).stop()
-            servers[f"ngram K={args.k}, default threshold"] = serve(args, "ngram-default", ngram)
+            for method in methods:
+                servers.pop(always[method]).stop()
+                servers[f"{method} K={args.k}, default threshold"] = serve(args, f"{method}-default", flags[method])
             add_rows(rows, f"{args.streams} streams", run_streams(servers, many, args.max_tokens, args.rounds))
     finally:
         for server in servers.values():
             server.stop()
     print_table(rows, ["config", "workload", "num_output_tokens", "seconds", "tokens_per_second", "speedup",
                        "acceptance_rate", "mean_accepted_length", "is_same_output"],
-                title="n-gram speculative decoding")
+                title=f"speculative decoding ({', '.join(methods)})")
     save_report(f"speculative-{timestamp()}", {"machine": machine("torch"), "args": vars(args), "rows": rows})
 
 

@@ -84,9 +84,13 @@ def _run_worker(args: argparse.Namespace) -> int:
     from pagedserve.worker.worker_config import WorkerConfig, use_passive_openmp_waits
 
     use_passive_openmp_waits()  # before torch loads
+    from pagedserve.models.resolve import resolve_model
     from pagedserve.worker.process import run_worker
 
-    return run_worker(_resolved(from_args(WorkerConfig, args)))
+    config = _resolved(from_args(WorkerConfig, args))
+    if config.speculative_model is not None:  # the same forms as --model
+        config = replace(config, speculative_model=str(resolve_model(config.speculative_model)))
+    return run_worker(config)
 
 
 def _run_generate(args: argparse.Namespace) -> int:

@@ -11,6 +11,11 @@ KV pool, swap and headroom; resident_memory.py: memory in the logs) -> model_run
   sampler.py          the next token per SampleSpec, logprobs, beam candidates
   spec_verify.py      speculative drafts verified row by row (rejection_sampler.py: the
                       rejection sampler of speculative decoding as pure functions)
+  draft_model.py      draft-model speculation: the draft model, loaded and sharded like the
+                      target, its KV in the target's blocks; draft_proposer.py fills a step's
+                      placeholder drafts with its proposals; draft_verify.py verifies them
+                      (greedy one-hot, or the rejection sampler with the draft's q)
+  model_loading.py    one model's shard built, loaded, quantized and prepacked (target and draft)
   loader.py           checkpoint tensors -> this rank's slices (gguf_weights.py for GGUF:
                       dequantized, or Q4/Q8 linear weights kept packed by quantized_linear.py)
   prepacked_weights.py after the load: bfloat16 CPU weights prepacked once for oneDNN

@@ -9,6 +9,12 @@ swap-out can be reused by a swap-in or a copy of the same step:
     2. swap in    host block   -> device block
     3. copy       device block -> device block   (copy-on-write)
 
+With a draft model (draft-model speculation) every block has a second part: the draft model's
+K and V in tensors of its own geometry (`draft_shape`: its layers and KV heads), with the same
+number of blocks and the same block size, addressed by the same block ids. A block's bytes are
+the pair's (`pair_bytes_per_block`), so the pool sizes below count both, and every swap and copy
+moves the draft part with the target part.
+
 The tensors hold the KV cache dtype (pagedserve.kernels.kv_cache_dtype): the model's dtype, or a
 narrower one (fp8 stores one byte per value), so the same memory holds proportionally more
 blocks. Swaps and copies move raw bytes whatever the dtype.
@@ -64,22 +70,29 @@ class CacheShape:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_size * element_size
 
 
-def blocks_for_bytes(num_bytes: int, shape: CacheShape) -> int:
-    """Whole blocks fitting in num_bytes (swap space, an explicit KV budget)."""
+def pair_bytes_per_block(shape: CacheShape, draft: CacheShape | None = None) -> int:
+    """Bytes of one block: the target's K and V over all its layers, plus the draft model's."""
+    return shape.bytes_per_block + (draft.bytes_per_block if draft is not None else 0)
+
+
+def blocks_for_bytes(num_bytes: int, shape: CacheShape, draft: CacheShape | None = None) -> int:
+    """Whole blocks (with their draft part, if any) fitting in num_bytes (swap space, an explicit KV budget)."""
     if num_bytes < 0:
         raise CacheConfigError(f"a memory budget must be >= 0 bytes, not {num_bytes}")
-    return num_bytes // shape.bytes_per_block
+    return num_bytes // pair_bytes_per_block(shape, draft)
 
 
 def cpu_device_blocks(shape: CacheShape, num_weight_bytes: int, num_ranks: int = 1,
-                      total_bytes: int | None = None) -> int:
+                      total_bytes: int | None = None, draft: CacheShape | None = None) -> int:
     """Device pool size in blocks when the device is the CPU, for a rank holding num_weight_bytes
-    of weights in a replica of num_ranks: pagedserve.host_memory.cpu_kv_pool_bytes."""
+    of weights (the draft model's included) in a replica of num_ranks:
+    pagedserve.host_memory.cpu_kv_pool_bytes."""
     total = total_memory() if total_bytes is None else total_bytes
-    return cpu_kv_pool_bytes(total, num_weight_bytes * num_ranks, num_ranks) // shape.bytes_per_block
+    return cpu_kv_pool_bytes(total, num_weight_bytes * num_ranks, num_ranks) // pair_bytes_per_block(shape, draft)
 
 
-def cuda_device_blocks(shape: CacheShape, device: torch.device, gpu_memory_utilization: float) -> int:
+def cuda_device_blocks(shape: CacheShape, device: torch.device, gpu_memory_utilization: float,
+                       draft: CacheShape | None = None) -> int:
     """Device pool size on CUDA, to be called right after a profiling forward.
 
     The caching allocator still holds the profiling run's activations, so total - free is the
@@ -91,17 +104,25 @@ def cuda_device_blocks(shape: CacheShape, device: torch.device, gpu_memory_utili
     free, total = torch.cuda.mem_get_info(device)
     peak = max(total - free, torch.cuda.max_memory_reserved(device))
     budget = int(total * gpu_memory_utilization) - peak
-    return max(budget, 0) // shape.bytes_per_block
+    return max(budget, 0) // pair_bytes_per_block(shape, draft)
 
 
 class CacheEngine:
-    """Allocates the device pool and the host swap space and runs a step's block operations."""
+    """Allocates the device pool and the host swap space and runs a step's block operations.
 
-    def __init__(self, shape: CacheShape, num_gpu_blocks: int, num_cpu_blocks: int, device: torch.device) -> None:
+    draft_shape: the draft model's geometry; its caches (draft_gpu_cache, draft_cpu_cache: empty
+    lists without a draft model) have the same block counts and follow every block operation.
+    """
+
+    def __init__(self, shape: CacheShape, num_gpu_blocks: int, num_cpu_blocks: int, device: torch.device,
+                 draft_shape: CacheShape | None = None) -> None:
         if num_gpu_blocks <= 0:
             raise CacheConfigError(f"num_gpu_blocks must be positive, not {num_gpu_blocks}")
         if num_cpu_blocks < 0:
             raise CacheConfigError(f"num_cpu_blocks must be >= 0, not {num_cpu_blocks}")
+        if draft_shape is not None and draft_shape.block_size != shape.block_size:
+            raise CacheConfigError(f"the draft cache's block size {draft_shape.block_size} differs from "
+                                   f"the target's {shape.block_size}")
         self.shape = shape
         self.device = torch.device(device)
         self.num_gpu_blocks = num_gpu_blocks
@@ -109,13 +130,26 @@ class CacheEngine:
         self.gpu_cache: list[KVCache] = self._allocate(num_gpu_blocks, self.device, pin=False)
         pin = self.device.type == "cuda"
         self.cpu_cache: list[KVCache] = self._allocate(num_cpu_blocks, torch.device("cpu"), pin=pin)
+        self.draft_shape = draft_shape
+        self.draft_gpu_cache: list[KVCache] = []
+        self.draft_cpu_cache: list[KVCache] = []
+        if draft_shape is not None:
+            self.draft_gpu_cache = self._allocate(num_gpu_blocks, self.device, pin=False, shape=draft_shape)
+            self.draft_cpu_cache = self._allocate(num_cpu_blocks, torch.device("cpu"), pin=pin, shape=draft_shape)
 
-    def _allocate(self, num_blocks: int, device: torch.device, pin: bool) -> list[KVCache]:
-        block_shape = self.shape.block_shape(num_blocks)
+    @property
+    def bytes_per_block(self) -> int:
+        """A block's bytes over all layers, the draft part included."""
+        return pair_bytes_per_block(self.shape, self.draft_shape)
+
+    def _allocate(self, num_blocks: int, device: torch.device, pin: bool,
+                  shape: CacheShape | None = None) -> list[KVCache]:
+        shape = shape or self.shape
+        block_shape = shape.block_shape(num_blocks)
         caches = []
-        for _ in range(self.shape.num_layers):
-            key = torch.zeros(block_shape, dtype=self.shape.dtype, device=device, pin_memory=pin)  # [nb, bs, kvh, hs]
-            value = torch.zeros(block_shape, dtype=self.shape.dtype, device=device, pin_memory=pin)
+        for _ in range(shape.num_layers):
+            key = torch.zeros(block_shape, dtype=shape.dtype, device=device, pin_memory=pin)  # [nb, bs, kvh, hs]
+            value = torch.zeros(block_shape, dtype=shape.dtype, device=device, pin_memory=pin)
             caches.append((key, value))
         return caches
 
@@ -135,6 +169,7 @@ class CacheEngine:
         self._check((src for src, _ in pairs), self.num_gpu_blocks, "swap-out source")
         self._check((dst for _, dst in pairs), self.num_cpu_blocks, "swap-out destination")
         self._swap(self.gpu_cache, self.cpu_cache, pairs)
+        self._swap(self.draft_gpu_cache, self.draft_cpu_cache, pairs)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """(host block, device block) pairs."""
@@ -143,6 +178,7 @@ class CacheEngine:
         self._check((src for src, _ in pairs), self.num_cpu_blocks, "swap-in source")
         self._check((dst for _, dst in pairs), self.num_gpu_blocks, "swap-in destination")
         self._swap(self.cpu_cache, self.gpu_cache, pairs)
+        self._swap(self.draft_cpu_cache, self.draft_gpu_cache, pairs)
 
     def _swap(self, src: list[KVCache], dst: list[KVCache], pairs: list[tuple[int, int]]) -> None:
         mapping = self._mapping(pairs, torch.device("cpu"))
@@ -155,9 +191,10 @@ class CacheEngine:
         if not pairs:
             return
         self._check((block for pair in pairs for block in pair), self.num_gpu_blocks, "copy")
-        keys = [key for key, _ in self.gpu_cache]
-        values = [value for _, value in self.gpu_cache]
-        ops.copy_blocks(keys, values, self._mapping(pairs, self.device))
+        mapping = self._mapping(pairs, self.device)
+        for caches in (self.gpu_cache, self.draft_gpu_cache):  # one call per geometry
+            if caches:
+                ops.copy_blocks([key for key, _ in caches], [value for _, value in caches], mapping)
 
     def execute_block_ops(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
                           copy: list[tuple[int, int]]) -> None:

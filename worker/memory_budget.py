@@ -3,9 +3,14 @@ pool it offers, the swap space, and what is left of the host (the headroom), log
 `memory_budget`.
 
     host memory ─┬─ weights      x ranks   (on a CPU device; on CUDA they are on the GPU)
+                 ├─ draft model  x ranks   (likewise; with --speculative-model)
                  ├─ KV pool      x ranks   (likewise)
                  ├─ swap space   x ranks   (always host memory: pinned on CUDA)
                  └─ headroom               (everything else: frontend, scheduler, other jobs)
+
+With a draft model a block holds the target's KV and the draft's (worker/cache_engine.py): the
+pool and the swap space are sized in such pairs, so the block count a rank reports is the same for
+both models.
 
 The ranks of a replica are counted as sharing one host, as `serve` starts them. Sizes the
 operator chose (--kv-cache-memory, --swap-space) that leave no headroom at all are refused with a
@@ -31,16 +36,20 @@ class MemoryBudget:
 
     device_type: str  # "cpu" or "cuda"
     num_ranks: int
-    num_weight_bytes: int
-    num_kv_pool_bytes: int  # the capacity offered; the scheduler may use fewer blocks
+    num_weight_bytes: int  # the target model's
+    num_kv_pool_bytes: int  # the capacity offered (target and draft KV); the scheduler may use fewer blocks
     num_swap_bytes: int
     num_host_bytes: int
     num_gpu_blocks: int
     num_cpu_blocks: int
+    num_draft_weight_bytes: int = 0
+    num_bytes_per_block: int = 0  # target and draft KV of one block
+    num_draft_bytes_per_block: int = 0  # the draft's part of it
 
     @property
     def num_host_bytes_per_rank(self) -> int:
-        on_device = self.num_weight_bytes + self.num_kv_pool_bytes if self.device_type == "cpu" else 0
+        weights = self.num_weight_bytes + self.num_draft_weight_bytes
+        on_device = weights + self.num_kv_pool_bytes if self.device_type == "cpu" else 0
         return on_device + self.num_swap_bytes
 
     @property
@@ -52,7 +61,9 @@ class MemoryBudget:
                 "num_weight_bytes": self.num_weight_bytes, "num_kv_pool_bytes": self.num_kv_pool_bytes,
                 "num_swap_bytes": self.num_swap_bytes, "num_host_bytes": self.num_host_bytes,
                 "num_headroom_bytes": self.num_headroom_bytes,
-                "num_gpu_blocks": self.num_gpu_blocks, "num_cpu_blocks": self.num_cpu_blocks}
+                "num_gpu_blocks": self.num_gpu_blocks, "num_cpu_blocks": self.num_cpu_blocks,
+                "num_draft_weight_bytes": self.num_draft_weight_bytes, "num_bytes_per_block": self.num_bytes_per_block,
+                "num_draft_bytes_per_block": self.num_draft_bytes_per_block}
 
 
 def plan_memory(runner, *, device_type: str, num_ranks: int, kv_cache_memory_gib: float | None,
@@ -62,17 +73,20 @@ def plan_memory(runner, *, device_type: str, num_ranks: int, kv_cache_memory_gib
     swap_gib = default_swap_space_gib(device_type) if swap_space_gib is None else swap_space_gib
     num_gpu_blocks = runner.profile_num_blocks(kv_cache_memory_gib=kv_cache_memory_gib)
     num_cpu_blocks = runner.num_blocks_for_bytes(int(swap_gib * GIB))
-    bytes_per_block = runner.cache_shape.bytes_per_block
+    bytes_per_block = runner.bytes_per_block  # the draft model's KV included
+    draft_shape = runner.draft_cache_shape
     budget = MemoryBudget(
         device_type=device_type, num_ranks=num_ranks, num_weight_bytes=runner.num_weight_bytes,
         num_kv_pool_bytes=num_gpu_blocks * bytes_per_block, num_swap_bytes=num_cpu_blocks * bytes_per_block,
         num_host_bytes=total_memory() if total_bytes is None else total_bytes,
-        num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks)
+        num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
+        num_draft_weight_bytes=runner.num_draft_weight_bytes, num_bytes_per_block=bytes_per_block,
+        num_draft_bytes_per_block=draft_shape.bytes_per_block if draft_shape is not None else 0)
     is_explicit = swap_space_gib is not None or (kv_cache_memory_gib is not None and device_type == "cpu")
     if is_explicit and budget.num_headroom_bytes <= 0:
         raise MemoryBudgetError(
             f"--kv-cache-memory / --swap-space do not fit this host: {num_ranks} rank(s) x ("
-            f"weights {_gib(budget.num_weight_bytes if device_type == 'cpu' else 0)}"
+            f"weights {_gib(budget.num_weight_bytes + budget.num_draft_weight_bytes if device_type == 'cpu' else 0)}"
             f"{f' + KV pool {_gib(budget.num_kv_pool_bytes)}' if device_type == 'cpu' else ''}"
             f" + swap {_gib(budget.num_swap_bytes)}) is more than its {_gib(budget.num_host_bytes)} of memory")
     return budget

@@ -8,6 +8,11 @@
 
 With world_size > 1 the caller initialises torch.distributed (and picks the rank's device) before
 load(); every rank executes every plan, only rank 0 samples.
+
+With a draft model (speculative_model=...) load() loads it too (draft_model.py), the KV pool's blocks
+hold the draft's KV beside the target's, and a plan with drafts_from_worker has its placeholder
+drafts proposed by the draft model (draft_proposer.py) before the target's forward verifies them
+(draft_verify.py).
 """
 
 from __future__ import annotations
@@ -27,14 +32,17 @@ from pagedserve.worker.cache_engine import (
     blocks_for_bytes,
     cpu_device_blocks,
     cuda_device_blocks,
+    pair_bytes_per_block,
 )
-from pagedserve.worker.loader import load_weights, resolve_dtype
-from pagedserve.worker.model_input import build_model_input
+from pagedserve.worker.draft_model import DraftModel
+from pagedserve.worker.draft_proposer import DraftProposer
+from pagedserve.worker.draft_verify import sample_verifying_drafts
+from pagedserve.worker.loader import resolve_dtype
+from pagedserve.worker.model_input import PlanError, build_model_input
+from pagedserve.worker.model_loading import load_model
 from pagedserve.worker.models.llama import LlamaForCausalLM
 from pagedserve.worker.models.llama_config import LlamaModelConfig
-from pagedserve.worker.prepacked_weights import prepack_model
 from pagedserve.worker.quantization import QuantizationConfig
-from pagedserve.worker.quantized_linear import quantize_model
 from pagedserve.worker.sampler import Sampler
 from pagedserve.worker.spec_verify import sample_verifying
 from pagedserve.worker.tensor_parallel import TensorParallelGroup
@@ -60,12 +68,17 @@ class ModelRunner:
     quantized as loaded, none dequantizes them (see pagedserve.worker.quantization); kv_cache_dtype
     auto|float32|bfloat16|float16|fp8_e4m3|fp8_e5m2 is the KV cache's storage dtype (auto: the
     model's), which sets the bytes per block and so the pool's size in blocks.
+
+    speculative_model: a draft model's checkpoint (folder or GGUF) for draft-model speculation,
+    loaded with the same dtype and sharding, quantized per speculative_quantization (with
+    quantization_group_size); its KV cache dtype follows kv_cache_dtype.
     """
 
     def __init__(self, model_path: str | Path, *, device: str | torch.device = "cpu",
                  dtype: str | torch.dtype = "auto", block_size: int = 16, rank: int = 0, world_size: int = 1,
                  max_model_len: int | None = None, seed: int | None = None, quantization: str = "none",
-                 quantization_group_size: int | None = None, kv_cache_dtype: str = "auto") -> None:
+                 quantization_group_size: int | None = None, kv_cache_dtype: str = "auto",
+                 speculative_model: str | Path | None = None, speculative_quantization: str = "none") -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, not {block_size}")
         if max_model_len is not None and max_model_len <= 0:
@@ -89,6 +102,11 @@ class ModelRunner:
         self.dtype: torch.dtype | None = None
         self.num_checkpoint_bytes_read = 0
         self.num_prepacked_bytes = 0
+        self.draft: DraftModel | None = None
+        if speculative_model is not None:
+            self.draft = DraftModel(speculative_model, quantization=speculative_quantization,
+                                    quantization_group_size=quantization_group_size)
+        self.draft_proposer: DraftProposer | None = None
 
     def load(self) -> None:
         """Reads config.json, builds this rank's shard of the model and loads its weights."""
@@ -100,15 +118,20 @@ class ModelRunner:
             self.dtype = resolve_dtype(self.requested_dtype, checkpoint_dtype, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(self.requested_kv_cache_dtype, self.dtype)
         tp = TensorParallelGroup(rank=self.rank, world_size=self.world_size)
-        self.model = LlamaForCausalLM(self.config, tp=tp, dtype=self.dtype, device=self.device,
-                                      max_positions=self.max_model_len or self.config.max_position_embeddings)
-        self.num_checkpoint_bytes_read = load_weights(
-            self.model, self.model_path, keep_quantized=self.quantization.keeps_checkpoint_quantization)
-        quantize_model(self.model, self.quantization)
-        self.num_prepacked_bytes = prepack_model(self.model)
-        self.model.eval()
+        max_positions = self.max_model_len or self.config.max_position_embeddings
+        loaded = load_model(self.model_path, self.config, tp=tp, dtype=self.dtype, device=self.device,
+                            max_positions=max_positions, quantization=self.quantization)
+        self.model = loaded.model
+        self.num_checkpoint_bytes_read = loaded.num_checkpoint_bytes_read
+        self.num_prepacked_bytes = loaded.num_prepacked_bytes
         if self.rank == 0:
             self.sampler = Sampler(self.device, seed=self.seed)
+        if self.draft is not None:
+            self.draft.load(target_config=self.config, tp=tp, dtype=self.dtype, device=self.device,
+                            max_positions=self.model.max_positions, kv_cache_dtype=self.requested_kv_cache_dtype)
+            self.num_checkpoint_bytes_read += self.draft.loaded.num_checkpoint_bytes_read
+            self.draft_proposer = DraftProposer(self.draft, sampler=self.sampler, tp=tp, block_size=self.block_size,
+                                                device=self.device)
 
     def _require_model(self) -> LlamaForCausalLM:
         if self.model is None:
@@ -117,10 +140,15 @@ class ModelRunner:
 
     @property
     def num_weight_bytes(self) -> int:
-        """Bytes of this rank's parameters (its shard; a tied LM head counted once) and of their
-        prepacked copies (worker/prepacked_weights.py)."""
+        """Bytes of this rank's parameters of the target model (its shard; a tied LM head counted
+        once) and of their prepacked copies (worker/prepacked_weights.py)."""
         parameters = sum(param.numel() * param.element_size() for param in self._require_model().parameters())
         return parameters + self.num_prepacked_bytes
+
+    @property
+    def num_draft_weight_bytes(self) -> int:
+        """The same for the draft model (0 without one)."""
+        return self.draft.num_weight_bytes if self.draft is not None else 0
 
     @property
     def cache_shape(self) -> CacheShape:
@@ -129,9 +157,20 @@ class ModelRunner:
                           num_kv_heads=model.num_kv_heads_per_rank, head_size=model.head_size,
                           dtype=self.kv_cache_dtype)
 
+    @property
+    def draft_cache_shape(self) -> CacheShape | None:
+        """The draft model's KV geometry on this rank (None without a draft model)."""
+        self._require_model()
+        return self.draft.cache_shape(self.block_size) if self.draft is not None else None
+
+    @property
+    def bytes_per_block(self) -> int:
+        """A pool block's bytes on this rank: the target's KV and the draft model's."""
+        return pair_bytes_per_block(self.cache_shape, self.draft_cache_shape)
+
     def num_blocks_for_bytes(self, num_bytes: int) -> int:
-        """How many KV blocks of this rank fit in num_bytes (e.g. the swap space)."""
-        return blocks_for_bytes(num_bytes, self.cache_shape)
+        """How many KV blocks (with their draft part) of this rank fit in num_bytes (e.g. the swap space)."""
+        return blocks_for_bytes(num_bytes, self.cache_shape, self.draft_cache_shape)
 
     def profile_num_blocks(self, *, kv_cache_memory_gib: float | None = None,
                            max_num_batched_tokens: int = DEFAULT_PROFILE_TOKENS,
@@ -143,17 +182,18 @@ class ModelRunner:
         max_num_batched_tokens tokens over max_num_seqs sequences (sampling included) against a
         one-block scratch cache measures the peak memory first; on CPU a share of the host's memory.
         """
-        shape = self.cache_shape
+        shape, draft_shape = self.cache_shape, self.draft_cache_shape
         if kv_cache_memory_gib is not None:
             if kv_cache_memory_gib <= 0:
                 raise ValueError(f"kv_cache_memory_gib must be positive, not {kv_cache_memory_gib}")
-            return blocks_for_bytes(int(kv_cache_memory_gib * GIB), shape)
+            return blocks_for_bytes(int(kv_cache_memory_gib * GIB), shape, draft_shape)
         if self.device.type != "cuda":
-            return cpu_device_blocks(shape, self.num_weight_bytes, self.world_size)
+            return cpu_device_blocks(shape, self.num_weight_bytes + self.num_draft_weight_bytes, self.world_size,
+                                     draft=draft_shape)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         self._profile_forward(shape, max_num_batched_tokens, max_num_seqs)
-        num_gpu_blocks = cuda_device_blocks(shape, self.device, gpu_memory_utilization)
+        num_gpu_blocks = cuda_device_blocks(shape, self.device, gpu_memory_utilization, draft=draft_shape)
         torch.cuda.empty_cache()
         return num_gpu_blocks
 
@@ -176,30 +216,50 @@ class ModelRunner:
             logits = model.compute_logits(model(inputs.token_ids, inputs.metadata, scratch))
             if self.sampler is not None and logits is not None:
                 self.sampler.sample(logits, inputs.sample_specs, inputs.sample_seq_ids, inputs.sample_positions)
+            if self.draft is not None:  # its forwards hold at most as many tokens (draft_proposer.py)
+                del scratch
+                draft_shape = self.draft_cache_shape
+                scratch = [(torch.zeros(draft_shape.block_shape(1), dtype=draft_shape.dtype, device=self.device),
+                            torch.zeros(draft_shape.block_shape(1), dtype=draft_shape.dtype, device=self.device))
+                           for _ in range(draft_shape.num_layers)]
+                self.draft.logits(inputs.token_ids, inputs.metadata, scratch)
         del scratch, logits
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        self.cache = CacheEngine(self.cache_shape, num_gpu_blocks, num_cpu_blocks, self.device)
+        self.cache = CacheEngine(self.cache_shape, num_gpu_blocks, num_cpu_blocks, self.device,
+                                 draft_shape=self.draft_cache_shape)
 
     def execute(self, plan: StepPlan) -> StepResult:
-        """Block operations, then the forward; rank 0 returns the samples, other ranks none."""
+        """Block operations, then the forward (the draft model's first when it proposes the drafts);
+        rank 0 returns the samples, other ranks none. forward_seconds covers the draft forwards too."""
         model = self._require_model()
         if self.cache is None:
             raise RunnerStateError("init_cache() must run before execute()")
+        if plan.drafts_from_worker and self.draft_proposer is None:
+            raise PlanError("the plan asks for drafts from the worker's draft model, and this worker has none "
+                            "(--speculative-model)")
         self.cache.execute_block_ops(plan.blocks_to_swap_out, plan.blocks_to_swap_in, plan.blocks_to_copy)
         result = StepResult(step_id=plan.step_id, epoch=plan.epoch)
         if not plan.seqs:
             return result
-        inputs = build_model_input(plan.seqs, block_size=self.block_size, num_blocks=self.cache.num_gpu_blocks,
-                                   max_positions=model.max_positions, device=self.device)
         with torch.inference_mode():
+            seqs, draft_probs, draft_seconds = plan.seqs, {}, 0.0
+            if plan.drafts_from_worker:
+                started = time.perf_counter()
+                proposal = self.draft_proposer.propose(plan.seqs, self.cache)
+                seqs, draft_probs = proposal.seqs, proposal.draft_probs
+                draft_seconds = time.perf_counter() - started
+            inputs = build_model_input(seqs, block_size=self.block_size, num_blocks=self.cache.num_gpu_blocks,
+                                       max_positions=model.max_positions, device=self.device)
             started = time.perf_counter()
             hidden = model(inputs.token_ids, inputs.metadata, self.cache.gpu_cache)  # [num_sampled, hidden]
             logits = model.compute_logits(hidden) if inputs.num_sampled else None  # [num_sampled, vocab]
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            result.forward_seconds = time.perf_counter() - started
-            if self.sampler is not None and logits is not None and inputs.sample_draft_ids is not None:
+            result.forward_seconds = draft_seconds + time.perf_counter() - started
+            if self.sampler is not None and logits is not None and draft_probs and inputs.sample_draft_ids is not None:
+                result.samples, result.failures = sample_verifying_drafts(self.sampler, logits, inputs, draft_probs)
+            elif self.sampler is not None and logits is not None and inputs.sample_draft_ids is not None:
                 result.samples, result.failures = sample_verifying(self.sampler, logits, inputs)
             elif self.sampler is not None and logits is not None:
                 result.samples, result.failures = self.sampler.sample_isolating_failures(

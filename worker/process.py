@@ -118,7 +118,8 @@ def run_worker(config: WorkerConfig) -> int:
                          block_size=config.block_size, rank=config.rank,
                          world_size=config.world_size, quantization=config.quantization,
                          quantization_group_size=config.quantization_group_size,
-                         kv_cache_dtype=config.kv_cache_dtype)
+                         kv_cache_dtype=config.kv_cache_dtype, speculative_model=config.speculative_model,
+                         speculative_quantization=config.speculative_quantization)
     started = time.monotonic()
     with resident_memory.growth() as grown:
         runner.load()
@@ -128,6 +129,10 @@ def run_worker(config: WorkerConfig) -> int:
              kv_cache_dtype=str(runner.kv_cache_dtype).removeprefix("torch."),
              num_checkpoint_bytes_read=runner.num_checkpoint_bytes_read,
              num_rss_bytes=resident_memory.status_bytes("VmRSS")["VmRSS"], **grown)
+    if runner.draft is not None:
+        log.info("draft_model_loaded", speculative_model=config.speculative_model,
+                 speculative_quantization=config.speculative_quantization,
+                 num_weight_bytes=runner.num_draft_weight_bytes, num_layers=len(runner.draft.model.layers))
     budget = plan_memory(runner, device_type="cuda" if device.startswith("cuda") else "cpu",
                          num_ranks=config.world_size, kv_cache_memory_gib=config.kv_cache_memory_gib,
                          swap_space_gib=config.swap_space_gib)

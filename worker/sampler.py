@@ -32,10 +32,20 @@ class SamplerError(ValueError):
     pass
 
 
-def derive_seed(seed: int, output_index: int, position: int) -> int:
-    """A 63-bit generator seed from (request seed, output index, token position)."""
-    packed = struct.pack("<QQQ", seed % (1 << 64), output_index % (1 << 64), position % (1 << 64))
+def derive_seed(seed: int, output_index: int, position: int, salt: int = 0) -> int:
+    """A 63-bit generator seed from (request seed, output index, token position); a non-zero salt
+    gives another stream for the same triple (speculation's draft and verification draws), so
+    those draws never reuse the noise of the token's own draw."""
+    values = (seed, output_index, position) + ((salt,) if salt else ())
+    packed = struct.pack(f"<{len(values)}Q", *(value % (1 << 64) for value in values))
     return int.from_bytes(hashlib.blake2b(packed, digest_size=8).digest(), "little") >> 1
+
+
+def seeded_generator(spec: SampleSpec, position: int, device: torch.device, salt: int = 0) -> torch.Generator:
+    """The generator of a seeded row: derive_seed(spec.seed, spec.output_index, position, salt)."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(derive_seed(spec.seed, spec.output_index, position, salt))
+    return generator
 
 
 def _validate(spec: SampleSpec) -> None:
@@ -120,6 +130,23 @@ def restrict_support(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Ten
     return logits
 
 
+def validate_spec(spec: SampleSpec) -> None:
+    """Raises SamplerError for a spec no row can be sampled with."""
+    _validate(spec)
+
+
+def processed_logits(raw: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
+    """raw [rows, V] float -> penalised logits with suppressed ids at -inf ("processed" above);
+    raw itself when nothing applies."""
+    return Sampler._processed(raw, specs)
+
+
+def sampling_probs(processed: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
+    """processed [rows, V] -> the distribution a random row draws from [rows, V]: temperature,
+    top-k, top-p, min-p applied, then softmax (what speculation's rejection sampler calls p and q)."""
+    return restrict_support(processed, specs).softmax(dim=-1)
+
+
 class Sampler:
     """Samples a batch of rows; `seed` fixes the generator of unseeded rows (random if None)."""
 
@@ -133,7 +160,7 @@ class Sampler:
 
     def _draw(self, logits: torch.Tensor, specs: list[SampleSpec], positions: list[int]) -> torch.Tensor:
         """logits [rows, V] (penalised) -> sampled ids [rows]."""
-        probs = restrict_support(logits, specs).softmax(dim=-1)  # [rows, V]
+        probs = sampling_probs(logits, specs)  # [rows, V]
         noise = torch.empty_like(probs)  # [rows, V], Exp(1)
         unseeded = [row for row, spec in enumerate(specs) if spec.seed is None]
         if unseeded:
@@ -142,9 +169,7 @@ class Sampler:
                                       device=probs.device).exponential_(generator=self.generator)
         for row, (spec, position) in enumerate(zip(specs, positions)):
             if spec.seed is not None:
-                generator = torch.Generator(device=probs.device)
-                generator.manual_seed(derive_seed(spec.seed, spec.output_index, position))
-                noise[row].exponential_(generator=generator)
+                noise[row].exponential_(generator=seeded_generator(spec, position, probs.device))
         return (probs / noise).argmax(dim=-1)  # [rows]
 
     def sample_isolating_failures(self, logits: torch.Tensor, specs: list[SampleSpec], seq_ids: list[int],

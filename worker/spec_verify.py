@@ -14,6 +14,9 @@ p_i restricted to tokens != d(i+1), i.e. normalize(max(0, p_i - q)) (rejection_s
 the general-q form and the statistical test). Greedy rows accept while the draft is the argmax.
 Because every row is drawn as it would be without speculation, a seeded request gives the same
 tokens with speculation on and off.
+
+Drafts drawn at random by a draft model come with their distributions q and are verified by the
+general rejection sampler instead (draft_verify.py).
 """
 
 from __future__ import annotations
@@ -50,9 +53,14 @@ def sample_verifying(sampler: Sampler, logits: torch.Tensor,
                      inputs: ModelInput) -> tuple[list[SeqSample], list[SeqFailure]]:
     """logits [rows, vocab] of a step with drafts -> the emitted tokens of every sequence (one
     SeqSample each, in order) and the sequences whose sampling failed."""
-    draft_ids = inputs.sample_draft_ids
-    samples, failures = sampler.sample_isolating_failures(
-        logits, row_specs(inputs.sample_specs, draft_ids), inputs.sample_seq_ids, inputs.sample_positions)
+    return verify_one_hot(sampler, logits, inputs.sample_draft_ids, inputs.sample_seq_ids, inputs.sample_specs,
+                           inputs.sample_positions)
+
+
+def verify_one_hot(sampler: Sampler, logits: torch.Tensor, draft_ids: list[list[int]], seq_ids: list[int],
+                    specs: list[SampleSpec], positions: list[int]) -> tuple[list[SeqSample], list[SeqFailure]]:
+    """sample_verifying over rows given as lists (one entry per logits row; draft_ids per sequence)."""
+    samples, failures = sampler.sample_isolating_failures(logits, row_specs(specs, draft_ids), seq_ids, positions)
     failed = {failure.seq_id for failure in failures}
     by_seq: dict[int, list[SeqSample]] = {}
     for sample in samples:
@@ -60,7 +68,7 @@ def sample_verifying(sampler: Sampler, logits: torch.Tensor,
     out: list[SeqSample] = []
     index = 0
     for drafts in draft_ids:
-        seq_id = inputs.sample_seq_ids[index]
+        seq_id = seq_ids[index]
         index += len(drafts) + 1
         if seq_id in failed:
             continue

@@ -92,6 +92,19 @@ class TensorParallelGroup:
             raise CollectiveError(f"gather to rank 0 across {self.world_size} ranks failed: {exc}") from exc
         return torch.cat(parts, dim=dim) if self.is_first else None
 
+    def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's x on every rank, in place (the others pass a tensor of the same shape and dtype
+        to fill); identity with one rank."""
+        if self.world_size == 1:
+            return x
+        import torch.distributed as dist
+
+        try:
+            dist.broadcast(x, src=0, group=self.group)
+        except RuntimeError as exc:
+            raise CollectiveError(f"broadcast from rank 0 across {self.world_size} ranks failed: {exc}") from exc
+        return x
+
     def even_shard(self, full_size: int, what: str) -> ShardRange:
         """Splits full_size into world_size equal parts; raises when it does not divide."""
         if full_size % self.world_size:

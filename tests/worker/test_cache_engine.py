@@ -1,4 +1,5 @@
-"""Cache engine: block copy and swap round trips, operation order, sizing rules."""
+"""Cache engine: block copy and swap round trips (the draft model's caches too), operation order,
+sizing rules."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pagedserve.worker.cache_engine import (
     CacheShape,
     blocks_for_bytes,
     cpu_device_blocks,
+    pair_bytes_per_block,
 )
 
 SHAPE = CacheShape(num_layers=3, block_size=4, num_kv_heads=2, head_size=8, dtype=torch.float32)
@@ -121,3 +123,50 @@ def test_narrower_kv_dtypes_hold_proportionally_more_blocks():
     assert blocks == {torch.float32: 64, torch.bfloat16: 128, torch.float16: 128, torch.float8_e4m3fn: 256,
                       torch.float8_e5m2: 256}
     assert FP8_SHAPE.bytes_per_block * 4 == SHAPE.bytes_per_block
+
+
+DRAFT_SHAPE = CacheShape(num_layers=1, block_size=4, num_kv_heads=1, head_size=4, dtype=torch.float32)
+
+
+def _filled_engine_with_draft() -> CacheEngine:
+    engine = CacheEngine(SHAPE, 10, 6, torch.device("cpu"), draft_shape=DRAFT_SHAPE)
+    generator = torch.Generator().manual_seed(1)
+    for key, value in engine.gpu_cache + engine.draft_gpu_cache:
+        key.copy_(torch.randn(key.shape, generator=generator))
+        value.copy_(torch.randn(value.shape, generator=generator))
+    return engine
+
+
+def _draft_block(engine: CacheEngine, block_id: int, on_cpu: bool = False) -> list[torch.Tensor]:
+    caches = engine.draft_cpu_cache if on_cpu else engine.draft_gpu_cache
+    return [tensor[block_id].clone() for layer in caches for tensor in layer]
+
+
+def test_the_draft_caches_share_block_ids_and_follow_copies_and_swaps():
+    engine = _filled_engine_with_draft()
+    assert [key.shape for key, _ in engine.draft_gpu_cache] == [torch.Size([10, 4, 1, 4])]
+    assert [key.shape for key, _ in engine.draft_cpu_cache] == [torch.Size([6, 4, 1, 4])]
+    target = {block: _block(engine, block) for block in range(10)}
+    draft = {block: _draft_block(engine, block) for block in range(10)}
+    engine.copy([(2, 7)])
+    assert _equal(_draft_block(engine, 7), draft[2]) and _equal(_block(engine, 7), target[2])
+    engine.swap_out([(4, 0), (9, 5)])
+    assert _equal(_draft_block(engine, 5, on_cpu=True), draft[9])
+    for key, value in engine.gpu_cache + engine.draft_gpu_cache:  # the device blocks get reused
+        key[[4, 9]] = 0.0
+        value[[4, 9]] = 0.0
+    engine.swap_in([(0, 1), (5, 3)])
+    assert _equal(_draft_block(engine, 1), draft[4]) and _equal(_block(engine, 1), target[4])
+    assert _equal(_draft_block(engine, 3), draft[9]) and _equal(_block(engine, 3), target[9])
+
+
+def test_a_block_with_a_draft_part_costs_both_models_bytes():
+    pair = SHAPE.bytes_per_block + DRAFT_SHAPE.bytes_per_block
+    assert pair_bytes_per_block(SHAPE, DRAFT_SHAPE) == pair == CacheEngine(SHAPE, 2, 0, torch.device("cpu"),
+                                                                           draft_shape=DRAFT_SHAPE).bytes_per_block
+    assert blocks_for_bytes(pair * 5 + 1, SHAPE, DRAFT_SHAPE) == 5
+    assert blocks_for_bytes(pair * 20, SHAPE) == 21  # the target alone: more blocks in the same bytes
+    assert cpu_device_blocks(SHAPE, 4 * GIB, total_bytes=24 * GIB, draft=DRAFT_SHAPE) == 2 * GIB // pair
+    with pytest.raises(CacheConfigError, match="block size"):
+        CacheEngine(SHAPE, 2, 0, torch.device("cpu"),
+                    draft_shape=CacheShape(num_layers=1, block_size=8, num_kv_heads=1, head_size=4, dtype=torch.float32))

@@ -1,6 +1,6 @@
 """A worker rank's memory budget (worker/memory_budget.py) and the host-memory defaults it uses
 (pagedserve/host_memory.py): swap space none on a CPU device, 4 GiB on CUDA; explicit sizes that
-leave the host nothing are refused."""
+leave the host nothing are refused; a draft model's weights and KV count."""
 
 from __future__ import annotations
 
@@ -20,11 +20,14 @@ class _Shape:
 
 
 class FakeRunner:
-    """What plan_memory asks of a loaded ModelRunner."""
+    """What plan_memory asks of a loaded ModelRunner (without a draft model)."""
 
     def __init__(self, num_weight_bytes: int, default_pool_bytes: int) -> None:
         self.num_weight_bytes = num_weight_bytes
+        self.num_draft_weight_bytes = 0
         self.cache_shape = _Shape()
+        self.draft_cache_shape = None
+        self.bytes_per_block = BLOCK_BYTES
         self._default_pool_bytes = default_pool_bytes
 
     def profile_num_blocks(self, *, kv_cache_memory_gib: float | None = None) -> int:
@@ -78,3 +81,30 @@ def test_explicit_sizes_that_leave_no_headroom_are_refused(kv_gib, swap_gib, mat
     with pytest.raises(MemoryBudgetError, match=match):
         plan_memory(runner, device_type="cpu", num_ranks=1, kv_cache_memory_gib=kv_gib,
                     swap_space_gib=swap_gib, total_bytes=24 * GIB)
+
+
+def test_a_draft_model_counts_its_weights_and_its_kv_in_every_block(checkpoint_dir, tmp_path):
+    from conftest import SIZES
+
+    from pagedserve.models.tiny_checkpoint import build_tiny_checkpoint
+    from pagedserve.worker.model_runner import ModelRunner
+
+    target = checkpoint_dir("llama-gqa-untied")
+    draft = build_tiny_checkpoint(tmp_path / "draft", **{**SIZES, "num_layers": 1}, seed=5)
+    alone = ModelRunner(target, device="cpu", dtype="float32", block_size=16)
+    paired = ModelRunner(target, device="cpu", dtype="float32", block_size=16, speculative_model=draft)
+    alone.load()
+    paired.load()
+    assert paired.num_weight_bytes == alone.num_weight_bytes and paired.num_draft_weight_bytes > 0
+    target_bytes = alone.cache_shape.bytes_per_block
+    assert paired.bytes_per_block == target_bytes + target_bytes // 2  # 1 draft layer beside 2, the same heads
+    budgets = [plan_memory(runner, device_type="cpu", num_ranks=1, kv_cache_memory_gib=0.01, swap_space_gib=0.02,
+                           total_bytes=24 * GIB) for runner in (alone, paired)]
+    assert budgets[1].num_gpu_blocks == int(0.01 * GIB) // paired.bytes_per_block < budgets[0].num_gpu_blocks
+    assert budgets[1].num_cpu_blocks == int(0.02 * GIB) // paired.bytes_per_block
+    assert budgets[1].num_draft_weight_bytes == paired.num_draft_weight_bytes
+    assert budgets[0].num_headroom_bytes - budgets[1].num_headroom_bytes == pytest.approx(
+        paired.num_draft_weight_bytes, abs=2 * paired.bytes_per_block)  # pool and swap keep their byte sizes
+    assert budgets[1].log_fields()["num_draft_bytes_per_block"] == target_bytes // 2
+    default = paired.profile_num_blocks()  # the CPU default: the host's share after both models' weights
+    assert default * paired.bytes_per_block <= alone.profile_num_blocks() * target_bytes
