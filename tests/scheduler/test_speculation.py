@@ -33,9 +33,12 @@ def test_ngram_proposals() -> None:
     assert propose_ngram(tokens, ngram_min=1, ngram_max=3, max_num_tokens=0) == []
 
 
-def test_draft_method_is_refused() -> None:
-    with pytest.raises(SchedulerConfigError, match="not supported"):
-        SchedulerConfig(num_gpu_blocks=8, max_model_len=64, speculative_method="draft")
+def test_draft_method_is_accepted_and_ngram_bounds_are_checked() -> None:
+    config = SchedulerConfig(num_gpu_blocks=8, max_model_len=64, speculative_method="draft")
+    assert config.is_speculating and config.is_draft_model_speculation
+    assert not SchedulerConfig(num_gpu_blocks=8, max_model_len=64, speculative_method="ngram").is_draft_model_speculation
+    with pytest.raises(SchedulerConfigError, match="speculative_method"):
+        SchedulerConfig(num_gpu_blocks=8, max_model_len=64, speculative_method="eagle")
     with pytest.raises(SchedulerConfigError, match="ngram_max"):
         SchedulerConfig(num_gpu_blocks=8, max_model_len=64, speculative_method="ngram", ngram_min=3, ngram_max=2)
 
