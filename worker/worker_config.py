@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 from pagedserve.config_flags import option, require
 from pagedserve.shared_options import (
-    DEFAULT_DIST_INIT_ADDRESS, allow_insecure_internal_transport_option, block_size_option, model_option, plan_address_option, result_address_option,
-    tensor_parallel_size_option,
+    DEFAULT_DIST_INIT_ADDRESS, SPECULATIVE_QUANTIZATIONS, allow_insecure_internal_transport_option, block_size_option,
+    model_option, plan_address_option, result_address_option, speculative_model_option,
+    speculative_quantization_option, tensor_parallel_size_option,
 )
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -72,6 +73,8 @@ class WorkerConfig:
     kv_cache_dtype: str = option("auto", choices=KV_CACHE_DTYPES, serve=True,
                                  help="KV cache element type (auto: the model's dtype); fp8 holds 2-4x the "
                                       "blocks in the same memory")
+    speculative_model: str | None = speculative_model_option()
+    speculative_quantization: str = speculative_quantization_option()
 
     def __post_init__(self) -> None:
         require(self.world_size >= 1, "world_size", f"must be >= 1, not {self.world_size}")
@@ -89,3 +92,5 @@ class WorkerConfig:
                 "quantization_group_size", "must be positive")
         require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
                 f"must be one of {', '.join(KV_CACHE_DTYPES)}")
+        require(self.speculative_quantization in SPECULATIVE_QUANTIZATIONS, "speculative_quantization",
+                f"must be one of {', '.join(SPECULATIVE_QUANTIZATIONS)}")
