@@ -10,7 +10,10 @@ configs from those flags plus what `serve` decides itself:
                --worker-recovery-timeout 120 when --max-worker-restarts > 0 (longer than the
                longest restart back-off, 30 s, plus a model load)
     worker r   --rank r, the same plan/result addresses, --dist-init-address (a free local port),
-               --num-threads threads_per_rank(N) unless OMP_NUM_THREADS is set
+               --num-threads threads_per_rank(N) unless OMP_NUM_THREADS is set, --speculative-model
+               resolved once (as --model is) with its --speculative-quantization; serve refuses
+               --speculative-method draft without --speculative-model and --speculative-model
+               with any other method (check_draft_flags)
     frontend   --scheduler-address 127.0.0.1:PORT
 
 With --data-parallel-size N > 1, serve starts N replicas and one frontend over all of them:
@@ -144,7 +147,9 @@ class ServeConfig:
     def from_args(cls, args: argparse.Namespace) -> "ServeConfig":
         """The children's configs from `serve`'s parsed flags (see the module docstring)."""
         options = from_args(ServeOptions, args, serve_only=True)
+        check_draft_flags(args.speculative_method, args.speculative_model)
         model = str(resolve_model(args.model))
+        draft_model = str(resolve_model(args.speculative_model)) if args.speculative_model else None
         num_replicas = options.data_parallel_size
         replica_ports: list[int] = []
         if num_replicas > 1 and options.replica_index is None:
@@ -166,7 +171,7 @@ class ServeConfig:
         num_threads = None if "OMP_NUM_THREADS" in os.environ else threads_per_rank(num_ranks * num_replicas)
         workers = [from_args(WorkerConfig, args, serve_only=True, model_path=model, rank=rank,
                              plan_address=plan, result_address=result, dist_init_address=dist,
-                             num_threads=num_threads)
+                             num_threads=num_threads, speculative_model=draft_model)
                    for rank in range(num_ranks)]
         addresses = [f"127.0.0.1:{port}" for port in replica_ports or [scheduler_port]]
         frontend = from_args(FrontendConfig, args, serve_only=True, model_path=model,
@@ -175,7 +180,7 @@ class ServeConfig:
         for index, port in enumerate(replica_ports):
             replica_metrics_port = scheduler_metrics_port + index if scheduler_metrics_port else None
             replica_args.append(["serve", *serve_argv(args, {
-                "model": model, "replica_index": index, "scheduler_port": port,
+                "model": model, "speculative_model": draft_model, "replica_index": index, "scheduler_port": port,
                 "scheduler_metrics_port": replica_metrics_port})])
         return cls(options=options, frontend=frontend, scheduler=scheduler, workers=workers,
                    replica_args=replica_args, replica_addresses=addresses if replica_ports else [])
@@ -223,6 +228,14 @@ class ServeConfig:
     @property
     def frontend_args(self) -> list[str]:
         return ["frontend", *to_argv(self.frontend)]
+
+
+def check_draft_flags(speculative_method: str, speculative_model: str | None) -> None:
+    """Raises ConfigError unless a draft model is named exactly when the method is draft."""
+    require(speculative_method != "draft" or bool(speculative_model), "speculative_model",
+            "--speculative-method draft needs --speculative-model PATH (the draft model)")
+    require(speculative_method == "draft" or not speculative_model, "speculative_model",
+            f"--speculative-model is for --speculative-method draft, not {speculative_method}")
 
 
 def serve_argv(args: argparse.Namespace, overrides: dict[str, object]) -> list[str]:

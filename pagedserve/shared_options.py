@@ -7,6 +7,8 @@ addresses by which the processes find each other.
     --block-size              scheduler, worker
     --plan-address, --result-address    scheduler (binds), worker (connects)
     --metrics-host            frontend, scheduler
+    --speculative-model, --speculative-quantization    worker (serve checks them against the
+                              scheduler's --speculative-method and passes them to every rank)
 
 Each process's config field is declared with the helper below, so the flag has one default, type
 and help text wherever it appears (pagedserve.config_flags checks it when `serve` adds it once).
@@ -28,6 +30,7 @@ DEFAULT_PLAN_ADDRESS = "tcp://127.0.0.1:50061"  # ZeroMQ PUB of the scheduler: s
 DEFAULT_RESULT_ADDRESS = "tcp://127.0.0.1:50062"  # ZeroMQ PULL of the scheduler: worker messages
 DEFAULT_DIST_INIT_ADDRESS = "tcp://127.0.0.1:50063"  # torch.distributed rendezvous of the ranks
 DEFAULT_BLOCK_SIZE = 16
+SPECULATIVE_QUANTIZATIONS = ("none", "int8", "int4", "auto")
 
 
 def model_option() -> Any:
@@ -69,3 +72,15 @@ def metrics_host_option() -> Any:
 def allow_insecure_internal_transport_option() -> Any:
     return option(False, help="run a tcp:// ZeroMQ link without CURVE keys (unauthenticated, unencrypted: any "
                               "local process or host that reaches the port can read plans and forge results)")
+
+
+def speculative_model_option() -> Any:
+    return option(None, metavar="smollm2|FILE.gguf|DIR", serve=True,
+                  help="the draft model of --speculative-method draft (same forms as --model; the same "
+                       "vocabulary as the target): its KV lives in the same blocks as the target's")
+
+
+def speculative_quantization_option() -> Any:
+    return option("none", choices=SPECULATIVE_QUANTIZATIONS, serve=True,
+                  help="weight-only quantization of the draft model, as --quantization for the target "
+                       "(int4: the target itself as a cheap draft)")

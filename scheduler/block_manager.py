@@ -92,6 +92,7 @@ class BlockManager:
             self.fork(leader, follower)
             follower.num_computed_tokens = leader.num_computed_tokens
             follower.num_registered_blocks = leader.num_registered_blocks
+            follower.num_draft_computed = leader.num_draft_computed
             if len(follower.block_keys) < num_shared_keys:
                 follower.block_keys = leader.block_keys[:num_shared_keys]
         group.fork_at = None
@@ -105,16 +106,19 @@ class BlockManager:
         successor.block_table, seq.block_table = seq.block_table, []
         successor.num_computed_tokens = seq.num_computed_tokens
         successor.num_registered_blocks = seq.num_registered_blocks
+        successor.num_draft_computed = seq.num_draft_computed
 
     # -- prefix reuse and freeing -----------------------------------------------------------
     def adopt_prefix(self, seq: Sequence, blocks: list[int]) -> None:
-        """Starts an empty sequence on cached blocks: their tokens count as computed."""
+        """Starts an empty sequence on cached blocks: their tokens count as computed (their
+        draft-model KV does not: the blocks may never have held any)."""
         acquire = self.gpu_pool.acquire
         for block in blocks:
             acquire(block)
         seq.block_table = list(blocks)
         seq.num_computed_tokens = len(blocks) * self.block_size
         seq.num_registered_blocks = len(blocks)
+        seq.num_draft_computed = 0
 
     def truncate(self, seq: Sequence) -> None:
         """Releases the GPU blocks past seq's computed tokens (slots of rejected speculative

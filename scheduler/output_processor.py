@@ -55,7 +55,8 @@ class OutputProcessor:
                 continue
             try:
                 if seq.num_draft_tokens:
-                    delta = apply_verified(self, group, seq, verified[seq.seq_id])
+                    delta = apply_verified(self, group, seq, verified[seq.seq_id],
+                                           drafts_from_worker=step.plan.drafts_from_worker)
                 else:
                     delta = self._append(group, seq, sample)
             except Exception as exc:

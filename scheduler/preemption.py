@@ -77,8 +77,11 @@ def choose_victim(running: list[SequenceGroup]) -> SequenceGroup:
 
 def preempt(scheduler: Scheduler, group: SequenceGroup,
             blocks_to_swap_out: list[tuple[int, int]]) -> PreemptionMode:
-    """Takes a running group off the GPU, by swapping or recomputation; returns which."""
+    """Takes a running group off the GPU, by swapping or recomputation; returns which. Either
+    way its sequences compute their draft-model KV again (from position 0) when they next draft."""
     manager = scheduler.block_manager
+    for seq in group.seqs:
+        seq.num_draft_computed = 0
     scheduler.running.remove(group)
     mode = choose_preemption_mode(
         scheduler.config, num_blocks=manager.num_distinct_blocks(group.seqs),

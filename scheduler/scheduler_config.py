@@ -62,7 +62,8 @@ class SchedulerConfig:
     speculative_method: str = option(
         "none", choices=SPECULATIVE_METHODS, serve=True,
         help="none; ngram: propose the tokens that followed the context's suffix earlier in the request "
-             "(prompt lookup), verified by the target model in one forward; draft: not supported yet")
+             "(prompt lookup), verified by the target model in one forward; draft: the workers' draft model "
+             "(--speculative-model on serve and worker) proposes them")
     num_speculative_tokens: int = option(4, metavar="K", serve=True,
                                          help="tokens proposed per sequence and step when speculating")
     ngram_min: int = option(1, metavar="N", serve=True, help="shortest suffix n-gram to look up (ngram)")
@@ -105,9 +106,6 @@ class SchedulerConfig:
             raise SchedulerConfigError("scheduling_policy", f"must be one of {', '.join(SCHEDULING_POLICIES)}")
         if self.speculative_method not in SPECULATIVE_METHODS:
             raise SchedulerConfigError("speculative_method", f"must be one of {', '.join(SPECULATIVE_METHODS)}")
-        if self.speculative_method == "draft":
-            raise SchedulerConfigError(
-                "speculative_method", "draft (a draft model) is not supported; use ngram or none")
         _require_int("num_speculative_tokens", self.num_speculative_tokens, minimum=1)
         _require_int("ngram_min", self.ngram_min, minimum=1)
         _require_int("ngram_max", self.ngram_max, minimum=1)
@@ -133,6 +131,11 @@ class SchedulerConfig:
     @property
     def is_speculating(self) -> bool:
         return self.speculative_method != "none"
+
+    @property
+    def is_draft_model_speculation(self) -> bool:
+        """Proposals come from the workers' draft model (the plan carries placeholders)."""
+        return self.speculative_method == "draft"
 
     @property
     def is_priority_policy(self) -> bool:

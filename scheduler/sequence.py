@@ -56,6 +56,12 @@ class Sequence:
     num_draft_tokens: int = 0
     num_spec_misses: int = 0  # verifying steps in a row that accepted nothing
     num_spec_pauses_left: int = 0  # decode steps to go without proposals (after misses)
+    # Draft-model speculation: leading positions whose draft-model KV this sequence's own draft
+    # forwards computed (or its parent's, when forked: copy-on-write copies draft KV too). The
+    # next drafting step sends token_ids[num_draft_computed : position of the last real token]
+    # as draft context; 0 after any preemption, a reset or a prefix-cache hit (cached blocks
+    # may lack draft KV). Never more than num_computed_tokens between steps.
+    num_draft_computed: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -84,6 +90,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table = []
         self.num_registered_blocks = 0
+        self.num_draft_computed = 0
 
     def copy_as(self, seq_id: int, output_index: int) -> Sequence:
         """A new sequence with the same tokens and progress; the caller shares the table."""
@@ -95,6 +102,7 @@ class Sequence:
             num_computed_tokens=self.num_computed_tokens,
             block_keys=list(self.block_keys),
             num_registered_blocks=self.num_registered_blocks,
+            num_draft_computed=self.num_draft_computed,
             cumulative_logprob=self.cumulative_logprob,
             output_logprobs=list(self.output_logprobs),
         )

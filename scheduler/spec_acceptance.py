@@ -11,6 +11,13 @@ all k were accepted, the bonus token after dk (worker/spec_verify.py). Here:
               max_tokens): a stop truncates the rest
     prefix    full blocks registered now, from the final tokens (a rejected token is never hashed)
 
+With a draft model (StepPlan.drafts_from_worker) the drafts in token_ids are placeholders: the
+emitted tokens cannot be compared with them, only 0 <= a <= k is checked. The draft model wrote
+its KV for t, d1 .. d(k-1) in this step (dk was never fed to it), so of the kept positions it has
+computed those up to t + min(a, k - 1):
+
+    num_draft_computed = position of t + 1 + min(a, k - 1)     (<= num_computed_tokens)
+
 Stop strings stay with the frontend, which ends a completion mid-delta as for any delta.
 """
 
@@ -51,20 +58,23 @@ class SpecDecodeStats:
 
 
 def apply_verified(processor: OutputProcessor, group: SequenceGroup, seq: Sequence,
-                   samples: list[SeqSample]) -> CompletionDelta:
-    """Applies the tokens the worker emitted for a drafting sequence; returns their delta."""
+                   samples: list[SeqSample], *, drafts_from_worker: bool = False) -> CompletionDelta:
+    """Applies the tokens the worker emitted for a drafting sequence; returns their delta.
+    drafts_from_worker: the step's drafts were placeholders for the worker's draft model."""
     scheduler = processor.scheduler
     manager = scheduler.block_manager
     num_drafts = seq.num_draft_tokens
     drafts = seq.token_ids[len(seq.token_ids) - num_drafts:]
     seq.drop_drafts()
     num_accepted = len(samples) - 1
-    if not 0 <= num_accepted <= num_drafts or any(
+    if not 0 <= num_accepted <= num_drafts or not drafts_from_worker and any(
             sample.token_id != draft for sample, draft in zip(samples[:num_accepted], drafts)):
         raise StepOrderError(f"sequence {seq.seq_id}: {len(samples)} tokens do not verify {num_drafts} drafts")
     scheduler.spec_stats.record(num_drafts, num_accepted)
     record_verification(seq, num_accepted)
     seq.num_computed_tokens = len(seq.token_ids) + num_accepted  # the last real token and the accepted drafts
+    if drafts_from_worker:
+        seq.num_draft_computed = len(seq.token_ids) + min(num_accepted, num_drafts - 1)
     manager.truncate(seq)
     token_ids, logprobs = [], []
     delta = None

@@ -12,6 +12,15 @@ copy-on-write of a shared last block and new blocks come for free; they are neve
 in the prefix cache while in flight (StepBuilder.build skips drafting sequences), and the result
 (spec_acceptance.py) removes them again, keeps the accepted ones and frees rejected slots.
 
+With --speculative-method draft the proposals come from the workers' draft model: the scheduler
+appends k placeholders (DRAFT_PLACEHOLDER) that the worker replaces with its draft model's
+proposals before the target forward, and tells it which tokens the draft model has not computed
+KV for yet (StepBuilder: draft_context_ids, from Sequence.num_draft_computed). Everything else
+below (who, how many, budget, back-off, blocks) is the same for both methods:
+
+    token_ids   [ ........ computed ........ | t | 0  0 .. 0  ]    placeholders, num_draft_tokens = k
+    draft KV    [ computed ][ draft context ]  t  d1 .. d(k-1)     written by this step's draft forwards
+
 Back-off: verifying k drafts is not free (k more rows in the forward), so a sequence whose
 verification accepted nothing pauses proposing for 1, 2, 4, then at most MAX_PAUSE_STEPS decode
 steps (consecutive misses double the pause; any accepted draft ends it). Open-ended text, where
@@ -41,6 +50,7 @@ if TYPE_CHECKING:
 
 
 MAX_PAUSE_STEPS = 8
+DRAFT_PLACEHOLDER = 0  # a proposal slot the worker's draft model fills (--speculative-method draft)
 
 
 def record_verification(seq: Sequence, num_accepted: int) -> None:
@@ -53,10 +63,12 @@ def record_verification(seq: Sequence, num_accepted: int) -> None:
 
 
 class Drafter:
-    """Adds n-gram proposals to the decoding sequences of running groups, for one step."""
+    """Adds proposals (n-gram, or placeholders for the worker's draft model) to the decoding
+    sequences of running groups, for one step."""
 
     def __init__(self, scheduler: Scheduler) -> None:
         config = scheduler.config
+        self.is_draft_model = config.is_draft_model_speculation
         self.num_speculative_tokens = config.num_speculative_tokens
         self.ngram_min = config.ngram_min
         self.ngram_max = config.ngram_max
@@ -87,8 +99,11 @@ class Drafter:
                 seq.num_spec_pauses_left -= 1
                 continue
             limit = min(self.num_speculative_tokens, budget, self._max_drafts(group, seq))
-            drafts = propose_ngram(seq.token_ids, ngram_min=self.ngram_min, ngram_max=self.ngram_max,
-                                   max_num_tokens=limit)
+            if self.is_draft_model:
+                drafts = [DRAFT_PLACEHOLDER] * max(limit, 0)
+            else:
+                drafts = propose_ngram(seq.token_ids, ngram_min=self.ngram_min, ngram_max=self.ngram_max,
+                                       max_num_tokens=limit)
             if drafts:
                 seq.token_ids.extend(drafts)
                 seq.num_draft_tokens = len(drafts)

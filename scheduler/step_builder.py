@@ -20,7 +20,12 @@ Order of service, first come first served inside each pass (under --scheduling-p
              max_num_seqs            one slot per scheduled sequence
 
 Speculation (spec_drafting.py): in pass 1 a running group's decoding sequences may get proposals
-appended before its chunks are planned; they are verified as one chunk of k + 1 tokens each.
+appended before its chunks are planned; they are verified as one chunk of k + 1 tokens each. With
+a draft model the proposals are placeholders (StepPlan.drafts_from_worker), and each drafting
+sequence also names the tokens before its last one whose draft KV it has not computed yet:
+
+    positions      0 .. num_draft_computed - 1 | num_draft_computed .. p - 1 | p (t) | p+1 .. p+k
+    draft KV       computed by earlier steps   | draft_context_ids           | this step's draft forwards
 
 Beam search steps all live beams together: a beam group samples only in a step where every beam
 computes its whole tail; otherwise its beams compute up to their last token and sample later.
@@ -63,6 +68,7 @@ class StepBuilder:
         self.scheduler = scheduler
         self.block_manager = scheduler.block_manager
         config = scheduler.config
+        self.drafts_from_worker = config.is_draft_model_speculation
         self.num_tokens_left = config.max_num_batched_tokens
         self.num_seqs_left = config.max_num_seqs
         self.scheduled: list[ScheduledSeq] = []
@@ -102,7 +108,7 @@ class StepBuilder:
             return None
         plan = StepPlan(step_id=step_id, seqs=self.scheduled, blocks_to_swap_out=self.blocks_to_swap_out,
                         blocks_to_swap_in=self.blocks_to_swap_in, blocks_to_copy=self.blocks_to_copy,
-                        epoch=epoch)
+                        epoch=epoch, drafts_from_worker=self.drafts_from_worker)
         return ScheduledStep(plan=plan, sampled=self.sampled, groups=self.groups,
                              num_prefill_tokens=self.num_prefill_tokens,
                              num_decode_tokens=self.num_decode_tokens, num_preemptions=self.num_preemptions,
@@ -319,9 +325,13 @@ class StepBuilder:
             if chunk.is_sampling:
                 spec = sample_spec_for(group, seq)
                 self.sampled.append((group, seq))
-            scheduled.append(ScheduledSeq(seq.seq_id, seq.token_ids[start:start + num_tokens], start,
-                                          list(seq.block_table), spec, seq.num_draft_tokens))
+            scheduled_seq = ScheduledSeq(seq.seq_id, seq.token_ids[start:start + num_tokens], start,
+                                         list(seq.block_table), spec, seq.num_draft_tokens)
+            scheduled.append(scheduled_seq)
             if seq.num_draft_tokens:
+                if self.drafts_from_worker:  # start is the position of the last real token
+                    scheduled_seq.draft_context_ids = seq.token_ids[seq.num_draft_computed:start]
+                    scheduled_seq.draft_start_position = seq.num_draft_computed
                 self.num_decode_tokens += 1
                 self.num_draft_tokens += seq.num_draft_tokens
             elif num_tokens == 1:

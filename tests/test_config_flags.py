@@ -45,8 +45,10 @@ def _subparser(command: str):
 
 def _sample(flag: Flag, model: Path) -> tuple[list[str], object]:
     """A command-line piece setting `flag` to a value other than its default, and that value."""
-    if flag.dest == "model":
+    if flag.dest in ("model", "speculative_model"):  # serve resolves both: a checkpoint folder
         return [flag.name, str(model)], str(model)
+    if flag.dest == "speculative_method":  # the one method a --speculative-model goes with
+        return [flag.name, "draft"], "draft"
     if flag.kind is bool:
         value = not flag.default
         return [flag.name if value else "--no-" + flag.name.removeprefix("--")], value
@@ -219,3 +221,35 @@ def test_metrics_host_binds_metrics_apart_from_the_api(model):
         ["serve", "--model", str(model), "--host", "0.0.0.0", "--metrics-port", "9100", "--metrics-host", "10.1.2.3"]))
     assert private.frontend.resolved_metrics_host == private.scheduler.resolved_metrics_host == "10.1.2.3"
     assert private.frontend.host == "0.0.0.0"
+
+
+def test_serve_passes_the_draft_model_to_every_worker_and_checks_the_method(model, tmp_path):
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text("{}")
+    parser = build_parser(["serve"])
+    serve = ServeConfig.from_args(parser.parse_args(
+        ["serve", "--model", str(model), "--tensor-parallel-size", "2", "--speculative-method", "draft",
+         "--speculative-model", str(draft), "--speculative-quantization", "int4", "--data-parallel-size", "2"]))
+    assert serve.scheduler.engine.speculative_method == "draft"
+    for args in serve.worker_args:
+        assert args[args.index("--speculative-model") + 1] == str(draft)
+        assert args[args.index("--speculative-quantization") + 1] == "int4"
+    assert "--speculative-model" not in serve.scheduler_args and "--speculative-model" not in serve.frontend_args
+    for args in serve.replica_args:  # each replica's serve starts its own workers with the same draft
+        assert args[args.index("--speculative-model") + 1] == str(draft)
+        assert args[args.index("--speculative-method") + 1] == "draft"
+    plain = ServeConfig.from_args(parser.parse_args(["serve", "--model", str(model)]))
+    assert "--speculative-model" not in plain.worker_args[0]
+    assert plain.worker_args[0][plain.worker_args[0].index("--speculative-quantization") + 1] == "none"
+    cases = [["--speculative-method", "draft"],
+             ["--speculative-model", str(draft)],
+             ["--speculative-method", "ngram", "--speculative-model", str(draft)]]
+    for extra in cases:
+        with pytest.raises(ConfigError) as raised:
+            ServeConfig.from_args(parser.parse_args(["serve", "--model", str(model), *extra]))
+        assert raised.value.field_name == "speculative_model", extra
+        assert "\n" not in str(raised.value)
+    with pytest.raises(FileNotFoundError):  # a draft model serve cannot find: refused as --model is
+        ServeConfig.from_args(parser.parse_args(["serve", "--model", str(model), "--speculative-method", "draft",
+                                                 "--speculative-model", str(tmp_path / "missing")]))

@@ -11,14 +11,14 @@ from dataclasses import dataclass
 
 from pagedserve.config_flags import option, require
 from pagedserve.shared_options import (
-    DEFAULT_DIST_INIT_ADDRESS, allow_insecure_internal_transport_option, block_size_option, model_option, plan_address_option, result_address_option,
-    tensor_parallel_size_option,
+    DEFAULT_DIST_INIT_ADDRESS, SPECULATIVE_QUANTIZATIONS, allow_insecure_internal_transport_option, block_size_option,
+    model_option, plan_address_option, result_address_option, speculative_model_option,
+    speculative_quantization_option, tensor_parallel_size_option,
 )
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
-SPECULATIVE_QUANTIZATIONS = ("none", "int8", "int4", "auto")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
 OMP_WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
 
@@ -73,15 +73,8 @@ class WorkerConfig:
     kv_cache_dtype: str = option("auto", choices=KV_CACHE_DTYPES, serve=True,
                                  help="KV cache element type (auto: the model's dtype); fp8 holds 2-4x the "
                                       "blocks in the same memory")
-    speculative_model: str | None = option(
-        None, metavar="smollm2|FILE.gguf|DIR", serve=True,
-        help="draft model of --speculative-method draft, in the forms of --model: a checkpoint with the "
-             "target's vocabulary (fewer layers, or the target itself quantized), run on every rank "
-             "beside the target with its own KV cache in the same blocks")
-    speculative_quantization: str = option(
-        "none", choices=SPECULATIVE_QUANTIZATIONS, serve=True,
-        help="weight-only quantization of the draft model, as --quantization is of the target "
-             "(int4 of the target itself is a cheap draft)")
+    speculative_model: str | None = speculative_model_option()
+    speculative_quantization: str = speculative_quantization_option()
 
     def __post_init__(self) -> None:
         require(self.world_size >= 1, "world_size", f"must be >= 1, not {self.world_size}")

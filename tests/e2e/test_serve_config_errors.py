@@ -68,8 +68,14 @@ def test_a_child_exiting_2_while_starting_ends_serve_with_2(llama_checkpoint, tm
     assert seconds < CONFIG_ERROR_WITHIN_S
 
 
-def test_draft_model_speculation_is_refused_before_anything_starts(llama_checkpoint):
+def test_draft_flags_that_do_not_go_together_are_refused_before_anything_starts(llama_checkpoint):
     code, output, _ = _serve(llama_checkpoint, "--speculative-method", "draft")
     assert code == 2, output
-    assert "draft (a draft model) is not supported" in output
-    assert "child_started" not in output
+    assert output.strip().splitlines() == [
+        "pagedserve serve: speculative_model: --speculative-method draft needs --speculative-model PATH "
+        "(the draft model)"]
+    code, output, _ = _serve(llama_checkpoint, "--speculative-method", "ngram", "--speculative-model",
+                             str(llama_checkpoint))
+    assert code == 2, output
+    assert output.strip().splitlines() == [
+        "pagedserve serve: speculative_model: --speculative-model is for --speculative-method draft, not ngram"]
