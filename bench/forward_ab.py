@@ -9,8 +9,9 @@ tree's modules put back, so both models live side by side. For each dtype and ba
 load SmolLM2-135M-Instruct (`--model smollm2`), get N sequences decoding after 64-token prompts
 (bench/overheads.py decode_scheduler), and run the forward plus the LM head in alternating
 rounds (A then B, then B then A, ...), `--iters` forwards per round. Medians per forward over all
-rounds; the ratio is base / tree (above 1: the tree is faster). Both models use the same weights,
-so their logits are also compared (max absolute difference of the last forward).
+rounds; the ratio is base / tree (above 1: the tree is faster). Each side first prefills the
+prompts into its own KV cache; both use the same weights, so their logits are also compared (max
+absolute difference and greedy agreement of the last forward).
 
 Other jobs on the machine slow both sides alike within a round; the load average is printed. Run it
 with OMP_WAIT_POLICY=PASSIVE, as the worker runs.
@@ -34,6 +35,7 @@ from pathlib import Path
 import torch
 
 from output import print_table
+from pagedserve.step_plan import ScheduledSeq
 from overheads import decode_scheduler
 
 REPO = Path(__file__).resolve().parent.parent
@@ -73,11 +75,14 @@ def setup(runner_class, build_input, model_path, dtype: str, num_seqs: int):
     runner.load()
     scheduler = decode_scheduler(num_seqs)
     runner.init_cache(scheduler.config.num_gpu_blocks, 0)
-    generator = torch.Generator().manual_seed(0)
-    for key_cache, value_cache in runner.cache.gpu_cache:  # the same finite K/V in both caches
-        key_cache.copy_(torch.randn(key_cache.shape, generator=generator))
-        value_cache.copy_(torch.randn(value_cache.shape, generator=generator))
     plan = scheduler.schedule().plan
+    prompts = [ScheduledSeq(seq_id=seq.seq_id, start_position=0, block_table=seq.block_table,
+                            token_ids=[(seq.seq_id * 7 + offset) % 500 + 4 for offset in range(seq.start_position)])
+               for seq in plan.seqs]  # each side prefills its own cache, as serving would
+    prefill = build_input(prompts, block_size=16, num_blocks=runner.cache.num_gpu_blocks,
+                          max_positions=runner.model.max_positions, device=runner.device)
+    with torch.inference_mode():
+        runner.model(prefill.token_ids, prefill.metadata, runner.cache.gpu_cache)
     inputs = build_input(plan.seqs, block_size=16, num_blocks=runner.cache.num_gpu_blocks,
                          max_positions=runner.model.max_positions, device=runner.device)
     model, caches = runner.model, runner.cache.gpu_cache
