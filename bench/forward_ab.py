@@ -1,11 +1,13 @@
 """Interleaved A/B of the SmolLM2 decode forward: a git revision's model code against the working tree's,
 in one process.
 
-    python bench/forward_ab.py --base REV [--seqs 1,32] [--dtypes bfloat16,float32] [--rounds 7] [--iters 10]
+    python bench/forward_ab.py --base REV [--tree REV] [--seqs 1,32] [--dtypes bfloat16,float32] [--rounds 7]
+                               [--iters 10]
 
 The revision's `pagedserve` package (pagedserve/, worker/, kernels/, scheduler/, frontend/ from
 `git archive REV`) is imported under the same module names, its objects kept, and the working
-tree's modules put back, so both models live side by side. For each dtype and batch size both
+tree's modules put back, so both models live side by side; `--tree REV` takes the B side from a revision too (one
+change at a time: --base C~1 --tree C). For each dtype and batch size both
 load SmolLM2-135M-Instruct (`--model smollm2`), get N sequences decoding after 64-token prompts
 (bench/overheads.py decode_scheduler), and run the forward plus the LM head in alternating
 rounds (A then B, then B then A, ...), `--iters` forwards per round. Medians per forward over all
@@ -96,6 +98,7 @@ def setup(runner_class, build_input, model_path, dtype: str, num_seqs: int):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", required=True, help="git revision of the A side")
+    parser.add_argument("--tree", help="git revision of the B side (default: the working tree)")
     parser.add_argument("--seqs", default="1,32")
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--rounds", type=int, default=7)
@@ -111,11 +114,14 @@ def main() -> None:
     rows = []
     print(f"load average at start: {os.getloadavg()}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        base_runner, base_input = import_revision(args.base, Path(tmp))
+        base_runner, base_input = import_revision(args.base, Path(tmp) / "base")
+        tree_runner, tree_input = ModelRunner, build_model_input
+        if args.tree:
+            tree_runner, tree_input = import_revision(args.tree, Path(tmp) / "tree")
         for dtype in args.dtypes.split(","):
             for num_seqs in (int(value) for value in args.seqs.split(",")):
                 sides = {"base": setup(base_runner, base_input, model_path, dtype, num_seqs),
-                         "tree": setup(ModelRunner, build_model_input, model_path, dtype, num_seqs)}
+                         "tree": setup(tree_runner, tree_input, model_path, dtype, num_seqs)}
                 times: dict[str, list[float]] = {"base": [], "tree": []}
                 logits = {}
                 with torch.inference_mode():
@@ -139,7 +145,7 @@ def main() -> None:
                 del sides
     print_table(rows, ["dtype", "num_seqs", "base_ms", "tree_ms", "speedup", "max_logit_diff", "same_argmax"],
                 title=f"decode forward + LM head, ms (medians of {args.rounds} x {args.iters}; base {args.base}, "
-                      f"{args.threads} threads)", float_format=",.3f")
+                      f"tree {args.tree or 'working tree'}, {args.threads} threads)", float_format=",.3f")
     print(f"load average at end: {os.getloadavg()}")
 
 
