@@ -1,13 +1,13 @@
 """Paged attention for CPU tensors: batched decodes and per-sequence prefill chunks on torch SDPA.
 
-Same signature and result as paged_attention_ref (the oracle in tests), with far fewer torch
-calls; it runs on any device, but CUDA has the Triton kernel. The reference's einsums over a per-sequence repeat_interleave of K/V cost one round of
+Same signature (plus an optional plan, below) and result as paged_attention_ref (the oracle in
+tests), with far fewer torch calls; it runs on any device, but CUDA has the Triton kernel. The reference's einsums over a per-sequence repeat_interleave of K/V cost one round of
 small ops per sequence and layer; here the batch is split by query length:
 
     decodes (q_len 1)   sorted by context length, cut into chunks of about DECODE_CHUNK_ROWS
                         K/V rows; each chunk gathers its blocks with one index_select per
                         cache into [chunk, L, kvh, hs] (L = the chunk's longest context, padded
-                        to whole blocks), zeroes the padding, and runs one
+                        to whole blocks; padding positions read the sequence's first slot), and runs one
                         scaled_dot_product_attention with the query heads of a KV group as
                         that group's query rows:
                             q [chunk, kvh, group, hs]  x  K [chunk, kvh, L, hs]  ->  [chunk, kvh, group, hs]
@@ -32,8 +32,8 @@ in one chunk whose rows are already in order (one sequence, or equal lengths) re
 as a view and returns SDPA's output as the result.
 
 Sorting keeps a chunk's contexts close in length, so padding is small; a chunk's K/V (about
-2 MB in float32) stays in the cache between the gather and SDPA. Padded slots are zeroed
-because unused cache slots may hold anything, NaN included, and 0 x NaN is NaN.
+2 MB in float32) stays in the cache between the gather and SDPA. Padding positions read a written
+slot and are masked, because unused cache slots may hold anything, NaN included, and 0 x NaN is NaN.
 """
 
 from __future__ import annotations
@@ -98,7 +98,8 @@ def plan_cpu_attention(
             prefills.append(_plan_prefill(block_tables[i], starts[i], q_len, seq_len, block_size, sliding_window))
     decodes = (_plan_decodes(block_tables, decode_rows, seq_lens_list, starts, block_size, sliding_window)
                if decode_rows else ())
-    covers_all_rows = (not prefills and len(decodes) == 1 and decodes[0].q_rows == slice(0, starts[-1]))
+    covers_all_rows = (not prefills and len(decodes) == 1 and isinstance(decodes[0].q_rows, slice)
+                       and decodes[0].q_rows == slice(0, starts[-1]))
     return CpuAttentionPlan(decodes, tuple(prefills), covers_all_rows)
 
 

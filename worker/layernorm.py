@@ -1,11 +1,13 @@
 """RMSNorm as Llama-family checkpoints define it, with the residual add folded in.
 
-    y = weight * (x / sqrt(mean(x^2) + eps))   statistics in float32
+    y = weight * (x / sqrt(mean(x^2) + eps))   statistics in float32, scaled in the model dtype
 
-One call of torch's rms_norm (a fused composite: its ops are dispatched from C++, not Python). In
-float32 it equals Hugging Face's LlamaRMSNorm bit for bit; in bfloat16 it multiplies by the weight
-in float32 and rounds once, where Hugging Face rounds the normalised x to bfloat16 first and then
-again after the weight, so results differ by at most a unit in the last place.
+Two calls: torch's rms_norm without a weight (a composite whose ops are dispatched from C++, not
+Python; it normalises in float32 and rounds to the model dtype), then the weight in place. That
+is Hugging Face's LlamaRMSNorm bit for bit in every dtype, the bfloat16 roundings included (the
+normalised x rounded first, then the product). Passing the weight to rms_norm would save the
+second call but multiply in float32 and round once: in bfloat16 a unit in the last place apart,
+which was enough for SmolLM2 to answer the quick-start question wrongly.
 
 The residual form adds x into the residual stream in place and returns both the normalised sum
 and the sum, so a decoder layer carries one residual tensor through all layers:
@@ -33,9 +35,12 @@ class RMSNorm(torch.nn.Module):
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> norm(x); with residual [T, hidden] -> (norm(x + residual), residual += x)."""
         if residual is None:
-            return F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
+            return self._normalize(x)
         residual.add_(x)  # [T, hidden]
-        return F.rms_norm(residual, (self.hidden_size,), self.weight, self.eps), residual
+        return self._normalize(residual), residual
+
+    def _normalize(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden] in x's dtype
+        return F.rms_norm(x, (self.hidden_size,), None, self.eps).mul_(self.weight)
 
     def checkpoint_slices(self, param_prefix: str, checkpoint_prefix: str) -> list[TensorSlice]:
         return [whole_tensor(f"{checkpoint_prefix}.weight", (self.hidden_size,), f"{param_prefix}.weight")]
