@@ -17,6 +17,7 @@ import statistics
 import time
 
 import torch
+import torch._dynamo
 
 from overheads import decode_scheduler
 
@@ -29,8 +30,6 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    import torch._dynamo
-
     from pagedserve.models.smollm2 import ensure_smollm2
     from pagedserve.worker.attention import PagedAttention
     from pagedserve.worker.model_input import build_model_input
