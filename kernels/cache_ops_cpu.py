@@ -3,7 +3,8 @@
 write_kv_cache_ref selects the valid rows with a boolean mask (a nonzero and two gathers) on
 every call; a step rarely has padding slots (-1), so when there are none the new K/V rows are
 copied straight into their slots (as raw bytes for fp8 caches: index_copy_ has no float8 CPU
-kernel). Tested against the reference in tests/kernels.
+kernel). Every layer of a step writes through the same slot_mapping, so the caller may check it
+once (slot_mapping_has_padding) and pass the answer. Tested against the reference in tests/kernels.
 """
 
 from __future__ import annotations
@@ -22,11 +23,19 @@ def write_kv_cache_cpu(
     slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = padding (skipped)
     k_scale: float = 1.0,  # fp8 caches store key / k_scale
     v_scale: float = 1.0,
+    has_padding: bool | None = None,  # slot_mapping_has_padding(slot_mapping); computed when None
 ) -> None:
-    if slot_mapping.numel() == 0 or bool((slot_mapping < 0).any()):
+    if has_padding is None:
+        has_padding = slot_mapping_has_padding(slot_mapping)
+    if has_padding:
         write_kv_cache_ref(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
         return
     num_kv_heads, head_size = key_cache.shape[2], key_cache.shape[3]
     for new, cache, scale in ((key, key_cache, k_scale), (value, value_cache, v_scale)):
         raw_bytes(cache).view(-1, num_kv_heads, head_size).index_copy_(
             0, slot_mapping, raw_bytes(to_cache_dtype(new, cache.dtype, scale)))
+
+
+def slot_mapping_has_padding(slot_mapping: torch.Tensor) -> bool:
+    """slot_mapping [num_tokens] -> True when it is empty or holds a -1 (the reference's path)."""
+    return slot_mapping.numel() == 0 or bool((slot_mapping < 0).any())

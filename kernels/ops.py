@@ -16,6 +16,12 @@ Quantized linear layers have no Triton kernel: on the CPU they take PyTorch's pa
 kernels or a bfloat16 dequantize-then-matmul by batch rows (`quantized_matmul_cpu.linear_cpu`),
 on CUDA the dequantize-then-matmul paths (plain torch), and under `reference` the references.
 
+Per-step plans: paged_attention and write_kv_cache take an optional `step_plans` dict, owned by
+the caller and shared by every layer of one step (the worker keeps it on the step's
+AttentionMetadata). The CPU paths store there what they derive from the step's block tables,
+lengths and slots (see paged_attention_cpu.plan_cpu_attention), so the first layer builds it and
+the others reuse it; the dict must not outlive the tensors it was built from.
+
 triton is imported lazily, on the first call that picks it, so importing this module works on a
 machine without triton.
 """
@@ -28,9 +34,9 @@ from functools import cache
 
 import torch
 
-from pagedserve.kernels.cache_ops_cpu import write_kv_cache_cpu
+from pagedserve.kernels.cache_ops_cpu import slot_mapping_has_padding, write_kv_cache_cpu
 from pagedserve.kernels.cache_ops_ref import copy_blocks_ref, swap_blocks_ref, write_kv_cache_ref
-from pagedserve.kernels.paged_attention_cpu import paged_attention_cpu
+from pagedserve.kernels.paged_attention_cpu import paged_attention_cpu, plan_cpu_attention
 from pagedserve.kernels.packed_weights import Int8Weight
 from pagedserve.kernels.paged_attention_ref import paged_attention_ref
 from pagedserve.kernels.quantized_matmul_cpu import int4_linear_dequant, int8_linear_dequant, linear_cpu
@@ -56,7 +62,7 @@ def use_triton(device: torch.device) -> bool:
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                    sliding_window=None, k_scale=1.0, v_scale=1.0):
+                    sliding_window=None, k_scale=1.0, v_scale=1.0, step_plans: dict | None = None):
     if use_triton(query.device):
         from pagedserve.kernels.paged_attention import paged_attention as paged_attention_triton
         return paged_attention_triton(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
@@ -64,11 +70,19 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query
     if os.environ.get(KERNELS_ENV) == "reference":
         return paged_attention_ref(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                                    scale, sliding_window, k_scale, v_scale)
+    plan = None
+    if step_plans is not None:
+        key = ("cpu_attention", key_cache.shape[1], sliding_window)
+        plan = step_plans.get(key)
+        if plan is None:
+            plan = step_plans[key] = plan_cpu_attention(block_tables, seq_lens, query_start_loc, key_cache.shape[1],
+                                                        sliding_window)
     return paged_attention_cpu(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                               scale, sliding_window, k_scale, v_scale)
+                               scale, sliding_window, k_scale, v_scale, plan)
 
 
-def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=1.0, v_scale=1.0):
+def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=1.0, v_scale=1.0,
+                   step_plans: dict | None = None):
     if use_triton(key_cache.device):
         from pagedserve.kernels.cache_ops import write_kv_cache as write_kv_cache_triton
         write_kv_cache_triton(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
@@ -76,7 +90,12 @@ def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=1.0
     if os.environ.get(KERNELS_ENV) == "reference":
         write_kv_cache_ref(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
         return
-    write_kv_cache_cpu(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    has_padding = None
+    if step_plans is not None:
+        has_padding = step_plans.get("slot_mapping_has_padding")
+        if has_padding is None:
+            has_padding = step_plans["slot_mapping_has_padding"] = slot_mapping_has_padding(slot_mapping)
+    write_kv_cache_cpu(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, has_padding)
 
 
 def copy_blocks(key_caches, value_caches, block_mapping):

@@ -12,7 +12,7 @@ prefix tokens and new tokens are treated alike).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,7 +21,12 @@ from pagedserve.kernels import ops
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    """Everything attention needs about the batch; built once per step, shared by all layers."""
+    """Everything attention needs about the batch; built once per step, shared by all layers.
+
+    step_plans: what the kernels derive from the other fields (decode chunks, slots, masks; see
+    pagedserve.kernels.ops), filled by the first layer and reused by the others. Whoever changes
+    a field after a forward must clear it.
+    """
 
     positions: torch.Tensor  # [num_tokens] int64, position of each token in its sequence
     slot_mapping: torch.Tensor  # [num_tokens] int64, cache slot (block_id * block_size + offset)
@@ -29,6 +34,7 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [num_seqs] int32, context length including this step's tokens
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32, cumulative new-token counts
     logits_indices: torch.Tensor  # [num_sampled] int64, rows whose hidden state becomes logits
+    step_plans: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -70,8 +76,9 @@ class PagedAttention(torch.nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, num_heads * head_size]
         key_cache, value_cache = kv_cache
-        ops.write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping, self.k_scale, self.v_scale)
+        ops.write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping, self.k_scale, self.v_scale,
+                           metadata.step_plans)
         out = ops.paged_attention(query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
                                   metadata.query_start_loc, self.scale, self.sliding_window, self.k_scale,
-                                  self.v_scale)  # [T, nh, hs]
+                                  self.v_scale, metadata.step_plans)  # [T, nh, hs]
         return out.reshape(out.shape[0], self.num_heads * self.head_size)

@@ -2,13 +2,22 @@
 
     y = weight * (x / sqrt(mean(x^2) + eps))   statistics in float32, scaled in the model dtype
 
-The residual form returns both the normalised sum and the sum itself, so a decoder layer carries
-one residual stream without extra copies:  (norm(x + residual), x + residual).
+Two calls: torch's rms_norm without a weight (a composite whose ops are dispatched from C++, not
+Python; it normalises in float32 and rounds to the model dtype), then the weight in place. That
+is Hugging Face's LlamaRMSNorm bit for bit in every dtype, the bfloat16 roundings included (the
+normalised x rounded first, then the product). Passing the weight to rms_norm would save the
+second call but multiply in float32 and round once: in bfloat16 a unit in the last place apart,
+which was enough for SmolLM2 to answer the quick-start question wrongly.
+
+The residual form adds x into the residual stream in place and returns both the normalised sum
+and the sum, so a decoder layer carries one residual tensor through all layers:
+(norm(x + residual), x + residual), the second being `residual` itself, updated.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from pagedserve.worker.parallel_layers import TensorSlice, whole_tensor
 
@@ -22,18 +31,16 @@ class RMSNorm(torch.nn.Module):
         self.eps = eps
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
 
-    def _normalize(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        x32 = x.float()  # [T, hidden]
-        variance = x32.pow(2).mean(-1, keepdim=True)  # [T, 1]
-        return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(x.dtype)
-
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> norm(x); with residual [T, hidden] -> (norm(x + residual), x + residual)."""
+        """x [T, hidden] -> norm(x); with residual [T, hidden] -> (norm(x + residual), residual += x)."""
         if residual is None:
             return self._normalize(x)
-        summed = x + residual  # [T, hidden]
-        return self._normalize(summed), summed
+        residual.add_(x)  # [T, hidden]
+        return self._normalize(residual), residual
+
+    def _normalize(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden] in x's dtype
+        return F.rms_norm(x, (self.hidden_size,), None, self.eps).mul_(self.weight)
 
     def checkpoint_slices(self, param_prefix: str, checkpoint_prefix: str) -> list[TensorSlice]:
         return [whole_tensor(f"{checkpoint_prefix}.weight", (self.hidden_size,), f"{param_prefix}.weight")]

@@ -160,7 +160,15 @@ def _angles(config: RopeConfig, max_positions: int) -> tuple[torch.Tensor, float
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """cos/sin table for positions [0, max_positions), applied to flat query and key batches."""
+    """cos/sin table for positions [0, max_positions), applied to flat query and key batches.
+
+    The table holds each position's rotation at full head width, the sign of "rotate half" folded
+    into sin, so a rotation is three elementwise ops and one cat, with the same roundings as the
+    half-width form (x2 * (-sin) is -(x2 * sin) exactly):
+
+        cos_full = [cos | cos]    sin_signed = [-sin | sin]
+        rotate(x) = x * cos_full + [x2 | x1] * sin_signed
+    """
 
     def __init__(self, config: RopeConfig, max_positions: int, *, dtype: torch.dtype,
                  device: torch.device | str) -> None:
@@ -172,16 +180,18 @@ class RotaryEmbedding(torch.nn.Module):
         angles, scale = _angles(config, max_positions)  # [P, half]
         cos = (angles.cos() * scale).to(dtype)  # [P, half]
         sin = (angles.sin() * scale).to(dtype)  # [P, half]
-        self.register_buffer("cos_sin", torch.cat([cos, sin], dim=-1).to(device), persistent=False)
+        self.register_buffer("cos_sin", torch.cat([cos, cos, -sin, sin], dim=-1).to(device),
+                             persistent=False)  # [P, 2 * head_size]
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] int64 -> (cos, sin), each [T, 1, head_size // 2] ready to broadcast over heads."""
-        rows = self.cos_sin.index_select(0, positions)  # [T, head_size]
-        cos, sin = rows.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, half] each
+        """positions [T] int64 -> (cos_full, sin_signed), each [T, 1, head_size], broadcasting over heads."""
+        rows = self.cos_sin.index_select(0, positions)  # [T, 2 * head_size]
+        cos, sin = rows.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, head_size] each
         return cos, sin
 
     @staticmethod
     def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, head_size] -> rotated copy [T, heads, head_size]."""
+        """x [T, heads, head_size] (any heads: query and key heads side by side) -> rotated copy."""
         x1, x2 = x.chunk(2, dim=-1)  # [T, heads, half] each
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)  # [T, heads, head_size]
+        swapped = torch.cat([x2, x1], dim=-1)  # [T, heads, head_size]
+        return (x * cos).add_(swapped.mul_(sin))  # [T, heads, head_size]

@@ -6,13 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.kernels.cache_ops_cpu import write_kv_cache_cpu
+from pagedserve.kernels.cache_ops_cpu import slot_mapping_has_padding, write_kv_cache_cpu
 from pagedserve.kernels.cache_ops_ref import write_kv_cache_ref
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("has_padding", [False, True])
-def test_matches_the_reference(dtype, has_padding):
+@pytest.mark.parametrize("checked_by_caller", [False, True])
+def test_matches_the_reference(dtype, has_padding, checked_by_caller):
     gen = torch.Generator().manual_seed(0)
     num_blocks, block_size, num_kv_heads, head_size, num_tokens = 40, 16, 2, 64, 37
     key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_size, generator=gen).to(dtype)
@@ -24,7 +25,9 @@ def test_matches_the_reference(dtype, has_padding):
         slots[::5] = -1
     expected_key, expected_value = key_cache.clone(), value_cache.clone()
     write_kv_cache_ref(key, value, expected_key, expected_value, slots)
-    write_kv_cache_cpu(key, value, key_cache, value_cache, slots)
+    checked = slot_mapping_has_padding(slots) if checked_by_caller else None  # as a step checks it once
+    assert checked in (None, has_padding)
+    write_kv_cache_cpu(key, value, key_cache, value_cache, slots, has_padding=checked)
     torch.testing.assert_close(key_cache, expected_key, atol=0, rtol=0)
     torch.testing.assert_close(value_cache, expected_value, atol=0, rtol=0)
 

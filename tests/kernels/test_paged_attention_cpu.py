@@ -1,5 +1,7 @@
 """The CPU paged attention (batched SDPA) against the reference, on the pools of build_paged_batch:
-unused slots and padded table entries hold NaN, so any read outside a context shows."""
+unused slots and padded table entries hold NaN, so any read outside a context shows. Every case
+also runs a second "layer" (other queries and cache values, the same tables and lengths) through
+one plan built beforehand, as the layers of a step share it."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import pytest
 import torch
 
 from pagedserve.kernels import paged_attention_cpu as cpu_module
-from pagedserve.kernels.paged_attention_cpu import paged_attention_cpu
+from pagedserve.kernels import ops
+from pagedserve.kernels.paged_attention_cpu import paged_attention_cpu, plan_cpu_attention
 from pagedserve.kernels.paged_attention_ref import paged_attention_ref
 from tests.kernels.conftest import build_paged_batch
 
@@ -29,6 +32,12 @@ def check(assert_matches):
         actual = paged_attention_cpu(*batch.args(), scale, sliding_window)
         assert actual.shape == expected.shape and actual.dtype == expected.dtype
         assert_matches(actual, expected)
+        query, key_cache, value_cache, *layout = batch.args()
+        plan = plan_cpu_attention(*layout, block_size, sliding_window)
+        for layer in range(2):
+            args = (query * (1.0 - 2.5 * layer), key_cache * (1.0 + layer), value_cache - layer, *layout)
+            expected = paged_attention_ref(*args, scale, sliding_window)
+            assert_matches(paged_attention_cpu(*args, scale, sliding_window, plan=plan), expected)
     return run
 
 
@@ -113,3 +122,25 @@ def test_strided_query(assert_matches):
     query = qkv[:, : 4 * 64].view(-1, 4, 64)  # [T, nh, hs], row stride 512
     args = (query, *batch.args()[1:])
     assert_matches(paged_attention_cpu(*args, 0.125), paged_attention_ref(*args, 0.125))
+
+
+@pytest.mark.parametrize("seqs", [[(64, 1)], [(40, 1), (40, 1), (40, 1)], [(40, 1), (30, 1), (17, 1)]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decodes_in_order_in_one_chunk(seqs, dtype, check):
+    """Decodes already sorted by length in one chunk: SDPA's output is returned as the result."""
+    check(seqs, num_heads=9, num_kv_heads=3, dtype=dtype)
+    batch = build_paged_batch(seqs, num_heads=9, num_kv_heads=3, head_size=64, block_size=16, dtype=dtype,
+                              device=torch.device("cpu"))
+    assert plan_cpu_attention(*batch.args()[3:], 16).covers_all_rows
+
+
+def test_step_plans_are_built_once_per_block_size_and_window(assert_matches):
+    """ops.paged_attention keeps one plan per (block size, window) in the step's dict; a layer with
+    another window gets its own."""
+    batch = build_paged_batch([(30, 1), (0, 9), (12, 1)], num_heads=4, num_kv_heads=2, head_size=64,
+                              block_size=16, dtype=torch.float32, device=torch.device("cpu"))
+    step_plans: dict = {}
+    for window in (None, None, 8, None, 8):
+        actual = ops.paged_attention(*batch.args(), 0.125, window, step_plans=step_plans)
+        assert_matches(actual, paged_attention_ref(*batch.args(), 0.125, window))
+    assert sorted(key[2] or 0 for key in step_plans) == [0, 8]

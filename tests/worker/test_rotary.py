@@ -42,10 +42,11 @@ def _hf_cos_sin(scaling: dict, positions: torch.Tensor) -> tuple[torch.Tensor, t
 def test_rotation_matches_transformers_within_original_context(name):
     positions = torch.arange(64)
     ours = _ours(SCALINGS[name])
-    cos, sin = ours.lookup(positions)  # [T, 1, hs / 2]
+    cos, sin = ours.lookup(positions)  # [T, 1, hs]: cos at full width, sin with rotate-half's sign
     hf_cos, hf_sin = _hf_cos_sin(SCALINGS[name], positions)  # [T, hs]
-    assert torch.allclose(torch.cat([cos, cos], -1)[:, 0], hf_cos, atol=1e-6)
-    assert torch.allclose(torch.cat([sin, sin], -1)[:, 0], hf_sin, atol=1e-6)
+    sign = torch.cat([-torch.ones(HEAD_SIZE // 2), torch.ones(HEAD_SIZE // 2)])  # [hs]
+    assert torch.allclose(cos[:, 0], hf_cos, atol=1e-6)
+    assert torch.allclose(sin[:, 0] * sign, hf_sin, atol=1e-6)
     query = torch.randn(64, 3, HEAD_SIZE, generator=torch.Generator().manual_seed(0))  # [T, heads, hs]
     as_hf = query.transpose(0, 1)[None]  # [1, heads, T, hs]
     expected, _ = apply_rotary_pos_emb(as_hf, as_hf, hf_cos[None], hf_sin[None])
@@ -57,7 +58,7 @@ def test_dynamic_scaling_beyond_the_original_context_matches_token_by_token_deco
     for position in (64, 100, 255):
         cos, _ = ours.lookup(torch.tensor([position]))
         hf_cos, _ = _hf_cos_sin(SCALINGS["dynamic"], torch.tensor([position]))
-        assert torch.allclose(torch.cat([cos, cos], -1)[:, 0], hf_cos, atol=1e-5), position
+        assert torch.allclose(cos[:, 0], hf_cos, atol=1e-5), position
     plain_cos, _ = _ours(SCALINGS["default"]).lookup(torch.tensor([100]))
     assert not torch.allclose(ours.lookup(torch.tensor([100]))[0], plain_cos)
 

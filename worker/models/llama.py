@@ -7,7 +7,9 @@ One decoder layer on a flat token batch (T rows, see pagedserve.worker.attention
     h --+--> RMSNorm --> gate_up_proj --> silu(gate) * up --> down_proj ---------------------> (+) --> next x
         +--------------------------------- residual ----------------------------------------------^
 
-The residual adds are folded into the next RMSNorm (see pagedserve.worker.layernorm).
+The residual adds are folded into the next RMSNorm and done in place on one residual tensor (see
+pagedserve.worker.layernorm); RoPE rotates the query and key heads of the fused projection in one
+go, and SiLU runs in place in the gate/up output.
 Only the rows named by metadata.logits_indices (the last token of each sampling sequence) go
 through the final norm and the LM head.
 """
@@ -59,10 +61,11 @@ class LlamaAttention(torch.nn.Module):
                 metadata: AttentionMetadata) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = RotaryEmbedding.rotate(q.view(num_tokens, self.num_heads, self.head_size), cos, sin)  # [T, nh, hs]
-        k = RotaryEmbedding.rotate(k.view(num_tokens, self.num_kv_heads, self.head_size), cos, sin)  # [T, kvh, hs]
-        v = v.view(num_tokens, self.num_kv_heads, self.head_size)  # [T, kvh, hs]
+        qk_size = self.q_size + self.kv_size
+        qk = RotaryEmbedding.rotate(qkv[:, :qk_size].view(num_tokens, -1, self.head_size), cos,
+                                    sin)  # [T, nh + kvh, hs]: query and key heads rotated together
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]  # [T, nh, hs], [T, kvh, hs]
+        v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_size)  # [T, kvh, hs]
         out = self.attn(q, k, v, kv_cache, metadata)  # [T, nh * hs]
         return self.o_proj(out)
 
@@ -84,7 +87,7 @@ class LlamaMLP(torch.nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         gate, up = self.gate_up_proj(hidden).split(self.inner_size, dim=-1)  # [T, inner_local] each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate, inplace=True) * up)  # [T, inner_local], contiguous for down_proj
 
     def checkpoint_slices(self, param_prefix: str, checkpoint_prefix: str) -> list[TensorSlice]:
         names = [f"{checkpoint_prefix}.gate_proj", f"{checkpoint_prefix}.up_proj"]
@@ -151,7 +154,7 @@ class LlamaForCausalLM(torch.nn.Module):
         """token_ids [T] -> final-normed hidden states of the logits rows [num_sampled, hidden]."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"{len(kv_caches)} KV caches for {len(self.layers)} layers")
-        cos, sin = self.rotary.lookup(metadata.positions)  # [T, 1, hs / 2] each
+        cos, sin = self.rotary.lookup(metadata.positions)  # [T, 1, hs] each
         hidden = self.embed_tokens(token_ids)  # [T, hidden]
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
