@@ -27,8 +27,10 @@ as it is (pagedserve and llama.cpp; HF has no Q4_1 kernels and is not run):
                  Skipped, with a note, when the binary is not found (--llama-server or
                  $LLAMA_SERVER, default: the build under ~/.cache/pagedserve/llama.cpp)
 
-HF's torch threads wait passively (OMP_WAIT_POLICY=PASSIVE, as `pagedserve worker` sets for itself);
-llama.cpp keeps its own thread pool's defaults.
+HF's torch threads spin briefly between parallel regions (GOMP_SPINCOUNT as `pagedserve worker`
+sets for itself, worker/cpu_share.py; HF keeps two threads throughout); the serve processes get
+the worker's own default (the variable is passed to them empty). llama.cpp keeps its own thread
+pool's defaults.
 
 Output tokens/s = requested output tokens / wall time from the first submission to the last
 token. The roofline (bench/roofline.py on SmolLM2's shapes, --threads threads) gives the model
@@ -46,9 +48,9 @@ import signal
 import time
 from pathlib import Path
 
-# HF runs in this process: its OpenMP threads wait passively, as pagedserve's workers do (spinning
-# waits stall a 2-thread torch whenever anything else wants a core; see worker_config.py)
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# HF runs in this process: its OpenMP threads spin as briefly as pagedserve's workers do by default
+# (worker/cpu_share.py); serve's children get the variable empty, so the worker applies its default
+os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 
 import torch  # noqa: E402
 
@@ -104,7 +106,8 @@ def run_pagedserve(dtype: str, workloads: dict[int, tuple[list[BenchRequest], bo
                    serve_args: list[str]) -> dict:
     precision_args = ["--quantization", "auto"] if dtype == QUANTIZED else ["--dtype", dtype, "--quantization", "none"]
     results = {"config": " ".join(["pagedserve serve --model smollm2", *precision_args, *serve_args])}
-    with ServeProcess("smollm2", log_dir / f"serve-{dtype}.log", [*precision_args, *serve_args]) as server:
+    with ServeProcess("smollm2", log_dir / f"serve-{dtype}.log", [*precision_args, *serve_args],
+                      env={"GOMP_SPINCOUNT": ""}) as server:
         run_requests(server.address, [BenchRequest(workloads[max(workloads)][0][0].prompt_token_ids, WARMUP_TOKENS)])
         for streams, (requests, concurrent) in workloads.items():
             with StepRecorder(server) as recorder:

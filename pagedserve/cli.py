@@ -81,16 +81,17 @@ def _run_scheduler(args: argparse.Namespace) -> int:
 
 
 def _run_worker(args: argparse.Namespace) -> int:
-    from pagedserve.worker.worker_config import WorkerConfig, use_passive_openmp_waits
+    from pagedserve.worker.cpu_share import choose_openmp_waits
+    from pagedserve.worker.worker_config import WorkerConfig
 
-    use_passive_openmp_waits()  # before torch loads
+    adapts_threads = choose_openmp_waits()  # before torch loads
     from pagedserve.models.resolve import resolve_model
     from pagedserve.worker.process import run_worker
 
     config = _resolved(from_args(WorkerConfig, args))
     if config.speculative_model is not None:  # the same forms as --model
         config = replace(config, speculative_model=str(resolve_model(config.speculative_model)))
-    return run_worker(config)
+    return run_worker(config, adapts_threads=adapts_threads)
 
 
 def _run_generate(args: argparse.Namespace) -> int:

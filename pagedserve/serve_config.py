@@ -65,9 +65,8 @@ def free_port(host: str = DEFAULT_HOST) -> int:
 
 def threads_per_rank(num_ranks: int) -> int:
     """CPU threads for each of num_ranks workers on this host: the cores split between the ranks.
-    The frontend and the scheduler work mostly while the worker waits for its next plan; the
-    workers' OpenMP threads wait passively (worker_config.use_passive_openmp_waits), so a thread
-    that finished its share of a parallel region leaves its core to them instead of spinning."""
+    The frontend and the scheduler work mostly while the worker waits for its next plan; a worker
+    drops to one thread while other processes take its cores (worker/cpu_share.py)."""
     try:
         num_cores = len(os.sched_getaffinity(0))
     except AttributeError:

@@ -69,7 +69,7 @@ class SchedulerConfig:
     ngram_min: int = option(1, metavar="N", serve=True, help="shortest suffix n-gram to look up (ngram)")
     ngram_max: int = option(4, metavar="M", serve=True, help="longest suffix n-gram to look up (ngram)")
     speculative_disable_batch_size: int = option(
-        16, metavar="N", serve=True,
+        4, metavar="N", serve=True,
         help="no speculation in a step when more sequences than this are running")
     swap_seconds_per_block: float = internal(3.3e-5)
     recompute_seconds_per_token: float = internal(5.4e-5)

@@ -35,17 +35,3 @@ def test_an_operator_set_omp_num_threads_is_left_to_torch(tmp_path, monkeypatch)
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     (worker,) = _worker_args(tmp_path, monkeypatch)
     assert "--num-threads" not in worker
-
-
-def test_a_worker_waits_passively_unless_the_operator_chose(monkeypatch):
-    import subprocess
-    import sys
-
-    code = ("import os, sys; from pagedserve.worker.worker_config import use_passive_openmp_waits; "
-            "use_passive_openmp_waits(); print(os.environ['OMP_WAIT_POLICY'], 'torch' in sys.modules)")
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          check=True).stdout.split() == ["PASSIVE", "False"]
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          check=True).stdout.split() == ["ACTIVE", "False"]

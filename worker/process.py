@@ -35,6 +35,7 @@ from pagedserve.internal import step_pb2
 from pagedserve.log import configure_logging
 from pagedserve.plan_codec import encode_result, plan_from_proto
 from pagedserve.worker import resident_memory
+from pagedserve.worker.cpu_share import CpuShare
 from pagedserve.worker.memory_budget import exceeds_available, plan_memory
 from pagedserve.worker.tensor_parallel import CollectiveError
 from pagedserve.worker.worker_config import WorkerConfig
@@ -96,8 +97,9 @@ def _raise_stopped(signum, frame) -> None:
     raise WorkerStopped(f"stopped by {signal.Signals(signum).name}")
 
 
-def run_worker(config: WorkerConfig) -> int:
-    """Runs until Shutdown or a signal; returns the process exit code."""
+def run_worker(config: WorkerConfig, *, adapts_threads: bool = False) -> int:
+    """Runs until Shutdown or a signal; returns the process exit code. adapts_threads: the thread
+    count follows the host's load (worker/cpu_share.py)."""
     import torch
 
     from pagedserve.worker.model_runner import ModelRunner
@@ -111,6 +113,8 @@ def run_worker(config: WorkerConfig) -> int:
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     device = resolve_device(config.device)
+    cpu_share = (CpuShare(torch.get_num_threads())
+                 if adapts_threads and device == "cpu" and torch.get_num_threads() > 1 else None)
     if device.startswith("cuda") and config.world_size > 1:
         device = f"cuda:{config.rank % max(1, torch.cuda.device_count())}"
     init_distributed(config, device)
@@ -167,7 +171,7 @@ def run_worker(config: WorkerConfig) -> int:
     signal.signal(signal.SIGTERM, _raise_stopped)
     signal.signal(signal.SIGINT, _raise_stopped)
     try:
-        return _serve_plans(config, runner, sub, pusher, state, log)
+        return _serve_plans(config, runner, sub, pusher, state, log, cpu_share)
     except WorkerStopped as exc:
         log.info("worker_stopping", reason=str(exc))
         pusher.send(step_pb2.WorkerMessage(error=step_pb2.WorkerError(
@@ -193,7 +197,9 @@ def run_worker(config: WorkerConfig) -> int:
         sub.close(0)
 
 
-def _serve_plans(config, runner, sub, pusher, state, log) -> int:
+def _serve_plans(config, runner, sub, pusher, state, log, cpu_share=None) -> int:
+    import torch
+
     last_step_id: int | None = None  # the first plan of an epoch sets the base
     message = step_pb2.SchedulerMessage()
     while True:
@@ -228,3 +234,6 @@ def _serve_plans(config, runner, sub, pusher, state, log) -> int:
         result = runner.execute(plan_from_proto(plan_msg))  # carries the plan's step id and epoch
         if config.rank == 0:
             pusher.send(encode_result(result))
+        if cpu_share is not None and (num_threads := cpu_share.after_step()) is not None:
+            torch.set_num_threads(num_threads)
+            log.info("cpu_threads_changed", num_threads=num_threads, other_cores=round(cpu_share.other_cores, 2))

@@ -20,21 +20,6 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
-OMP_WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
-
-
-def use_passive_openmp_waits() -> None:
-    """OpenMP threads of this process sleep at once, rather than spin, when they wait at the end of
-    a parallel region, unless the operator set OMP_WAIT_POLICY; must run before torch is imported
-    (the OpenMP runtime reads it when it loads).
-
-    A worker with as many threads as cores shares those cores with the frontend, the scheduler and
-    anything else on the host. With the runtime's default (spin a while, then sleep), a thread
-    that finished its share spins on the core its descheduled sibling (or the frontend) needs, and
-    every matmul waits for the slowest thread: measured on 2 cores at load average 7, a SmolLM2
-    decode step took 809 ms with 2 spinning threads, 128 ms with 2 passive ones, 123 ms with one.
-    """
-    os.environ.setdefault(OMP_WAIT_POLICY_ENV, "PASSIVE")
 
 
 @dataclass(kw_only=True, slots=True)
