@@ -17,7 +17,8 @@ So the worker spins (GOMP_SPINCOUNT=SPIN_COUNT) and watches the host: about once
 step boundary, it measures how many cores the *other* processes used (busy time in /proc/stat
 minus this process's own CPU time). Above OTHERS_LIMIT cores it drops to one thread (a single
 thread has no siblings to wait for, so it never spins); after CALM_CHECKS checks in a row below
-half that, it goes back to all its threads. The frontend and the scheduler of the same `serve`
+half that, it goes back to all its threads. It loads its model on one thread and takes the others at
+the first calm check once steps run. The frontend and the scheduler of the same `serve`
 use a few percent of a core, well below the limit.
 
 None of this applies when the operator set OMP_WAIT_POLICY or GOMP_SPINCOUNT (not empty): their choice stands
@@ -71,17 +72,20 @@ class CpuShare:
     """Decides the thread count at step boundaries (see the module docstring).
 
     `after_step()` returns the thread count to switch to, or None to keep the current one. The
-    readers are injectable so the policy can be checked without a loaded host.
+    readers are injectable so the policy can be checked without a loaded host. A worker starts at
+    one thread (`initial_threads`): its load overlaps the start of the frontend and the scheduler,
+    and spinning threads would take their cores; the first calm check after steps begin takes all
+    threads.
     """
 
-    def __init__(self, max_threads: int, *, host_busy: Callable[[], float | None] = host_busy_seconds,
+    def __init__(self, max_threads: int, *, initial_threads: int | None = None, host_busy: Callable[[], float | None] = host_busy_seconds,
                  own_cpu: Callable[[], float] = own_cpu_seconds, clock: Callable[[], float] = time.monotonic,
                  check_seconds: float = CHECK_SECONDS) -> None:
         self.max_threads = max_threads
-        self.threads = max_threads
+        self.threads = max_threads if initial_threads is None else initial_threads
         self._host_busy, self._own_cpu, self._clock = host_busy, own_cpu, clock
         self.check_seconds = check_seconds
-        self._calm = 0
+        self._calm = CALM_CHECKS - 1  # starting at one thread: the first calm check takes them all
         self.other_cores = 0.0
         self._baseline = self._sample()
 

@@ -113,8 +113,10 @@ def run_worker(config: WorkerConfig, *, adapts_threads: bool = False) -> int:
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     device = resolve_device(config.device)
-    cpu_share = (CpuShare(torch.get_num_threads())
+    cpu_share = (CpuShare(torch.get_num_threads(), initial_threads=1)
                  if adapts_threads and device == "cpu" and torch.get_num_threads() > 1 else None)
+    if cpu_share is not None:
+        torch.set_num_threads(1)  # while the model loads beside the frontend and the scheduler (cpu_share.py)
     if device.startswith("cuda") and config.world_size > 1:
         device = f"cuda:{config.rank % max(1, torch.cuda.device_count())}"
     init_distributed(config, device)
