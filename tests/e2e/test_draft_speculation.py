@@ -32,7 +32,7 @@ def _spec_counts(metrics: str) -> tuple[float, float, float]:
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_self_draft_gives_hf_greedy_tokens_under_pressure(mode, llama_checkpoint, hf_reference, tmp_path_factory):
     server = start_server(llama_checkpoint, tmp_path_factory, f"draft-{mode}", *_draft_args(llama_checkpoint),
-                          "--num-kv-blocks", "30", "--preemption-mode", mode, "--max-num-batched-tokens", "48",
+                          "--num-kv-blocks", "22", "--preemption-mode", mode, "--max-num-batched-tokens", "48",
                           "--max-num-seqs", "16", metrics=True)
     try:
         prompts = _prompts()

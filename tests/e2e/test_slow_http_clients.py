@@ -16,10 +16,11 @@ from tests.e2e.harness import assert_pool_whole, wait_for
 
 WRITE_TIMEOUT_S = 3.0
 MAX_UNDELIVERED = 16
-# 16 choices of 1000 tokens with 20 alternatives each: tens of megabytes of frames, far more than
-# the socket buffers hold (4 MiB at most here), so the server's writes stall on a client that
-# does not read, long before the request could finish
-BODY = {"model": "demo", "prompt": [5, 6, 7], "max_tokens": 1000, "ignore_eos": True, "n": 16, "temperature": 1.0,
+# 64 choices (the most a request may ask for) of 1000 tokens with 20 alternatives each: far more
+# frames than the socket buffers hold (4 MiB at most here), so the server's writes stall on a
+# client that does not read; and 1000 steps of 64 sequences take well over WRITE_TIMEOUT_S, so the
+# request cannot finish before the timeout cuts it
+BODY = {"model": "demo", "prompt": [5, 6, 7], "max_tokens": 1000, "ignore_eos": True, "n": 64, "temperature": 1.0,
         "seed": 1, "logprobs": 20, "stream": True}
 
 
@@ -46,7 +47,7 @@ def _read_rest(sock: socket.socket, timeout: float = 60.0) -> bytes:
 
 @pytest.fixture
 def server(request, llama_checkpoint, tmp_path_factory):
-    server = start_server(llama_checkpoint, tmp_path_factory, "slow-http", "--num-kv-blocks", "2048",
+    server = start_server(llama_checkpoint, tmp_path_factory, "slow-http", "--num-kv-blocks", "4400",
                           "--served-model-name", "demo", *request.param, http_port=True)
     yield server
     code = server.stop()
