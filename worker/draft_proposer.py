@@ -46,6 +46,7 @@ from pagedserve.worker.sampler import (
     seeded_generator,
     validate_spec,
 )
+from pagedserve.worker.spec_verify import after_drafts
 from pagedserve.worker.tensor_parallel import TensorParallelGroup
 
 DRAFT_SALT = 0x6472616674  # "draft": the seeded draft draws' own stream
@@ -72,14 +73,6 @@ def _drafting_position(seq: ScheduledSeq) -> int:
         raise PlanError(f"sequence {seq.seq_id}: a draft context of {len(seq.draft_context_ids)} tokens from "
                         f"position {seq.draft_start_position} does not end before its last token at {position}")
     return position
-
-
-def _with_penalty_history(spec: SampleSpec, drafts: list[int]) -> SampleSpec:
-    """The spec of the row after `drafts`: with penalties the drafts count as outputs (as spec_verify.row_specs)."""
-    has_penalties = spec.repetition_penalty != 1.0 or spec.presence_penalty != 0.0 or spec.frequency_penalty != 0.0
-    if not drafts or not has_penalties:
-        return spec
-    return dataclasses.replace(spec, output_token_ids=spec.output_token_ids + drafts)
 
 
 def pick_drafts(sampler: Sampler, logits: torch.Tensor, specs: list[SampleSpec],
@@ -149,7 +142,7 @@ class DraftProposer:
             inputs = [ScheduledSeq(seq.seq_id, [drafts[seq.seq_id][-1]], positions[seq.seq_id] + step - 1,
                                    seq.block_table, sample=seq.sample)
                       for seq in active]
-            picked = self._forward_and_pick(inputs, [_with_penalty_history(seq.sample, drafts[seq.seq_id])
+            picked = self._forward_and_pick(inputs, [after_drafts(seq.sample, drafts[seq.seq_id])
                                                      for seq in active],
                                             [positions[seq.seq_id] + step for seq in active], cache)
             for seq, (token_id, q) in zip(active, picked):

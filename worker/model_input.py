@@ -76,10 +76,14 @@ def build_model_input(seqs: list[ScheduledSeq], *, block_size: int, num_blocks: 
                     + positions % block_size)  # [T]
 
     sampled = [row for row, seq in enumerate(seqs) if seq.sample is not None]
-    logits_indices = query_start_loc[1:][sampled] - 1  # [num_sampled]
     if any(seqs[row].num_draft_tokens for row in sampled):
-        return _with_drafts(seqs, sampled, token_ids, positions, slot_mapping, block_tables, seq_lens,
-                            query_start_loc, device)
+        rows = _draft_rows(seqs, sampled, seq_lens, query_start_loc)
+        logits_indices = np.asarray(rows.indices, dtype=np.int64)  # [num_rows]
+    else:
+        rows = _Rows(indices=[], seq_ids=[seqs[row].seq_id for row in sampled],
+                     specs=[seqs[row].sample for row in sampled],
+                     positions=[int(seq_lens[row]) for row in sampled])
+        logits_indices = query_start_loc[1:][sampled] - 1  # [num_sampled]
     metadata = AttentionMetadata(
         positions=torch.from_numpy(positions).to(device),
         slot_mapping=torch.from_numpy(slot_mapping).to(device),
@@ -88,20 +92,27 @@ def build_model_input(seqs: list[ScheduledSeq], *, block_size: int, num_blocks: 
         query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(device),
         logits_indices=torch.from_numpy(logits_indices).to(device),
     )
-    return ModelInput(
-        token_ids=torch.from_numpy(token_ids).to(device),
-        metadata=metadata,
-        sample_seq_ids=[seqs[row].seq_id for row in sampled],
-        sample_specs=[seqs[row].sample for row in sampled],
-        sample_positions=[int(seq_lens[row]) for row in sampled],
-    )
+    return ModelInput(token_ids=torch.from_numpy(token_ids).to(device), metadata=metadata,
+                      sample_seq_ids=rows.seq_ids, sample_specs=rows.specs, sample_positions=rows.positions,
+                      sample_draft_ids=rows.draft_ids)
 
 
-def _with_drafts(seqs: list[ScheduledSeq], sampled: list[int], token_ids: np.ndarray, positions: np.ndarray,
-                 slot_mapping: np.ndarray, block_tables: np.ndarray, seq_lens: np.ndarray,
-                 query_start_loc: np.ndarray, device: torch.device) -> ModelInput:
-    """The input of a step where some sequences verify drafts: k + 1 logits rows for each."""
-    rows, row_seq_ids, row_specs, row_positions, draft_ids = [], [], [], [], []
+@dataclass(slots=True)
+class _Rows:
+    """The logits rows of a step: token row indices (drafting steps only), and per row its sequence,
+    spec and sampled position; draft_ids per sampling sequence when any drafts."""
+
+    indices: list[int]
+    seq_ids: list[int]
+    specs: list[SampleSpec]
+    positions: list[int]
+    draft_ids: list[list[int]] | None = None
+
+
+def _draft_rows(seqs: list[ScheduledSeq], sampled: list[int], seq_lens: np.ndarray,
+                query_start_loc: np.ndarray) -> _Rows:
+    """The rows of a step where some sequences verify drafts: k + 1 logits rows for each."""
+    rows = _Rows(indices=[], seq_ids=[], specs=[], positions=[], draft_ids=[])
     for row in sampled:
         seq = seqs[row]
         num_drafts = seq.num_draft_tokens
@@ -110,19 +121,9 @@ def _with_drafts(seqs: list[ScheduledSeq], sampled: list[int], token_ids: np.nda
         end = int(query_start_loc[row + 1])
         length = int(seq_lens[row])
         for offset in range(num_drafts, -1, -1):
-            rows.append(end - 1 - offset)
-            row_seq_ids.append(seq.seq_id)
-            row_specs.append(seq.sample)
-            row_positions.append(length - offset)
-        draft_ids.append(seq.token_ids[len(seq.token_ids) - num_drafts:])
-    metadata = AttentionMetadata(
-        positions=torch.from_numpy(positions).to(device),
-        slot_mapping=torch.from_numpy(slot_mapping).to(device),
-        block_tables=torch.from_numpy(block_tables).to(device),
-        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
-        query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(device),
-        logits_indices=torch.tensor(rows, dtype=torch.int64).to(device),
-    )
-    return ModelInput(token_ids=torch.from_numpy(token_ids).to(device), metadata=metadata,
-                      sample_seq_ids=row_seq_ids, sample_specs=row_specs, sample_positions=row_positions,
-                      sample_draft_ids=draft_ids)
+            rows.indices.append(end - 1 - offset)
+            rows.seq_ids.append(seq.seq_id)
+            rows.specs.append(seq.sample)
+            rows.positions.append(length - offset)
+        rows.draft_ids.append(seq.token_ids[len(seq.token_ids) - num_drafts:])
+    return rows

@@ -64,13 +64,13 @@ def _validate(spec: SampleSpec) -> None:
         raise SamplerError(f"repetition_penalty must be > 0, not {spec.repetition_penalty}")
 
 
-def _has_penalties(spec: SampleSpec) -> bool:
+def has_penalties(spec: SampleSpec) -> bool:
     return spec.repetition_penalty != 1.0 or spec.presence_penalty != 0.0 or spec.frequency_penalty != 0.0
 
 
 def _is_plain_greedy(spec: SampleSpec) -> bool:
     """Greedy with nothing that changes the argmax or asks for more than the chosen token."""
-    return (spec.is_greedy and not _has_penalties(spec) and not spec.suppress_token_ids
+    return (spec.is_greedy and not has_penalties(spec) and not spec.suppress_token_ids
             and spec.num_logprobs == 0 and spec.num_beam_candidates == 0)
 
 
@@ -272,7 +272,7 @@ class Sampler:
     @staticmethod
     def _processed(raw: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
         """raw [rows, V] -> penalised logits with suppressed ids at -inf (raw itself when nothing applies)."""
-        penalised_rows = [row for row, spec in enumerate(specs) if _has_penalties(spec)]
+        penalised_rows = [row for row, spec in enumerate(specs) if has_penalties(spec)]
         suppressed = [(row, token) for row, spec in enumerate(specs) for token in spec.suppress_token_ids]
         if not penalised_rows and not suppressed:
             return raw

@@ -28,23 +28,23 @@ import torch
 from pagedserve.step_plan import SampleSpec, SeqFailure, SeqSample
 from pagedserve.worker.model_input import ModelInput
 from pagedserve.worker.rejection_sampler import num_accepted_one_hot
-from pagedserve.worker.sampler import Sampler
+from pagedserve.worker.sampler import Sampler, has_penalties
 
 
-def _has_penalties(spec: SampleSpec) -> bool:
-    return spec.repetition_penalty != 1.0 or spec.presence_penalty != 0.0 or spec.frequency_penalty != 0.0
+def after_drafts(spec: SampleSpec, drafts: list[int]) -> SampleSpec:
+    """The spec of the row after `drafts`: with penalties, the drafts count as outputs."""
+    if not drafts or not has_penalties(spec):
+        return spec
+    return dataclasses.replace(spec, output_token_ids=spec.output_token_ids + drafts)
 
 
 def row_specs(specs: list[SampleSpec], draft_ids: list[list[int]]) -> list[SampleSpec]:
-    """The spec of every row: with penalties, row i counts the drafts before it as outputs."""
+    """The spec of every row: row i counts the drafts before it as outputs (after_drafts)."""
     out: list[SampleSpec] = []
     index = 0
     for drafts in draft_ids:
         spec = specs[index]
-        out.append(spec)
-        for offset in range(1, len(drafts) + 1):
-            out.append(dataclasses.replace(spec, output_token_ids=spec.output_token_ids + drafts[:offset])
-                       if _has_penalties(spec) else spec)
+        out += [after_drafts(spec, drafts[:offset]) for offset in range(len(drafts) + 1)]
         index += len(drafts) + 1
     return out
 
