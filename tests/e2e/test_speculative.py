@@ -52,7 +52,7 @@ def _counter(text: str, name: str) -> float:
 def test_ngram_speculation_gives_hf_greedy_tokens_under_pressure(mode, llama_checkpoint, hf_reference,
                                                                  tmp_path_factory):
     server = start_server(llama_checkpoint, tmp_path_factory, f"spec-{mode}", *SPEC_ARGS,
-                          "--num-kv-blocks", "30", "--preemption-mode", mode, "--max-num-batched-tokens", "48", "--max-num-seqs", "16",
+                          "--num-kv-blocks", "22", "--preemption-mode", mode, "--max-num-batched-tokens", "48", "--max-num-seqs", "16",
                           metrics=True)
     try:
         prompts = _prompts()
