@@ -1,0 +1,49 @@
+/* Shared by the native kernels: element types and the conversions torch uses.
+ *
+ * dtype codes (the `dtype` arguments): 0 float32, 1 bfloat16.
+ * bfloat16 <-> float32 as torch converts: widening is exact, narrowing rounds to nearest even,
+ * NaN stays NaN (quiet). */
+#ifndef PAGEDSERVE_COMMON_H
+#define PAGEDSERVE_COMMON_H
+
+#include <stdint.h>
+#include <string.h>
+
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* element i of a float32 (dtype 0) or bfloat16 (dtype 1) array, widened to float */
+static inline float load_elem(const void *base, int64_t i, int dtype) {
+    return dtype == DTYPE_BF16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+/* stores v into element i, rounded to the array's dtype */
+static inline void store_elem(void *base, int64_t i, float v, int dtype) {
+    if (dtype == DTYPE_BF16)
+        ((uint16_t *)base)[i] = f32_to_bf16(v);
+    else
+        ((float *)base)[i] = v;
+}
+
+/* v rounded to dtype and widened back: what a torch op in that dtype leaves */
+static inline float round_to(float v, int dtype) {
+    return dtype == DTYPE_BF16 ? bf16_to_f32(f32_to_bf16(v)) : v;
+}
+
+#define PARALLEL_MIN_ELEMENTS 32768 /* below this a loop runs on the calling thread */
+
+#endif
