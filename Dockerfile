@@ -8,6 +8,9 @@ ENV PYTHONUNBUFFERED=1 \
     PAGEDSERVE_CACHE=/cache
 
 WORKDIR /opt/pagedserve
+# a C compiler for the worker's native CPU kernels (built once per host into PAGEDSERVE_CACHE)
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 RUN pip install torch==2.13.0
 COPY pyproject.toml README.md ./
 COPY pagedserve pagedserve

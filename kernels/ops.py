@@ -22,6 +22,10 @@ AttentionMetadata). The CPU paths store there what they derive from the step's b
 lengths and slots (see paged_attention_cpu.plan_cpu_attention), so the first layer builds it and
 the others reuse it; the dict must not outlive the tensors it was built from.
 
+Fused per-layer ops (add_rms_norm, silu_mul, rotary_write_kv): the native C kernels
+(layer_ops_native, built by native_lib) on CPU float32/bfloat16 tensors under `auto`; otherwise,
+and whenever the native library is unavailable, their torch references (layer_ops_ref).
+
 triton is imported lazily, on the first call that picks it, so importing this module works on a
 machine without triton.
 """
@@ -34,6 +38,7 @@ from functools import cache
 
 import torch
 
+from pagedserve.kernels import layer_ops_native, layer_ops_ref
 from pagedserve.kernels.cache_ops_cpu import slot_mapping_has_padding, write_kv_cache_cpu
 from pagedserve.kernels.cache_ops_ref import copy_blocks_ref, swap_blocks_ref, write_kv_cache_ref
 from pagedserve.kernels.paged_attention_cpu import paged_attention_cpu, plan_cpu_attention
@@ -123,3 +128,33 @@ def quantized_linear(x, weight, bias=None):
     if x.device.type == "cpu":
         return linear_cpu(x, weight, bias)
     return (int8_linear_dequant if is_int8 else int4_linear_dequant)(x, weight, bias)
+
+
+def _native_allowed() -> bool:
+    return os.environ.get(KERNELS_ENV, "auto") == "auto"
+
+
+def add_rms_norm(x, residual, weight, eps):
+    """x [T, H], residual [T, H] or None (residual += x in place), weight [H] -> normalised [T, H]."""
+    if _native_allowed() and layer_ops_native.supports_rows(x, weight) and (
+            residual is None or (residual.dtype == x.dtype and residual.is_contiguous())):
+        return layer_ops_native.add_rms_norm(x, residual, weight, eps)
+    return layer_ops_ref.add_rms_norm(x, residual, weight, eps)
+
+
+def silu_mul(gate_up, inner):
+    """gate_up [T, 2 inner] -> silu(gate) * up [T, inner]."""
+    if _native_allowed() and layer_ops_native.supports_silu_mul(gate_up):
+        return layer_ops_native.silu_mul(gate_up, inner)
+    return layer_ops_ref.silu_mul(gate_up, inner)
+
+
+def can_fuse_rotary_write_kv(qkv, cos_sin, key_cache) -> bool:
+    """Whether rotary_write_kv takes these tensors (else the model rotates and PagedAttention writes)."""
+    return _native_allowed() and layer_ops_native.supports_rotary_write_kv(qkv, cos_sin, key_cache)
+
+
+def rotary_write_kv(qkv, cos_sin, positions, slot_mapping, key_cache, value_cache, num_heads, num_kv_heads):
+    """qkv [T, (nh + 2 kvh) hs]: query and key heads rotated in place, K/V written to their slots."""
+    layer_ops_native.rotary_write_kv(qkv, cos_sin, positions, slot_mapping, key_cache, value_cache, num_heads,
+                                     num_kv_heads)

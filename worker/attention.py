@@ -78,6 +78,12 @@ class PagedAttention(torch.nn.Module):
         key_cache, value_cache = kv_cache
         ops.write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping, self.k_scale, self.v_scale,
                            metadata.step_plans)
+        return self.attend(query, kv_cache, metadata)
+
+    def attend(self, query: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+               metadata: AttentionMetadata) -> torch.Tensor:  # [T, nh, hs] -> [T, nh * hs]
+        """Attention alone, the step's K/V being in the cache already (written by the caller)."""
+        key_cache, value_cache = kv_cache
         out = ops.paged_attention(query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
                                   metadata.query_start_loc, self.scale, self.sliding_window, self.k_scale,
                                   self.v_scale, metadata.step_plans)  # [T, nh, hs]

@@ -9,6 +9,12 @@ normalised x rounded first, then the product). Passing the weight to rms_norm wo
 second call but multiply in float32 and round once: in bfloat16 a unit in the last place apart,
 which was enough for SmolLM2 to answer the quick-start question wrongly.
 
+In bfloat16 on the CPU, both calls and the residual add run as one native kernel
+(kernels/native/rms_norm.c; pagedserve.kernels.ops.add_rms_norm picks it) with the same two
+roundings. Its float32 sum of squares is not summed in torch's order, so the normalising factor
+can differ in its last bit, which changes a bfloat16 result in rare cases (5 of 140,544 values
+in one SmolLM2 forward); float32 keeps torch's calls and stays exact.
+
 The residual form adds x into the residual stream in place and returns both the normalised sum
 and the sum, so a decoder layer carries one residual tensor through all layers:
 (norm(x + residual), x + residual), the second being `residual` itself, updated.
@@ -17,8 +23,8 @@ and the sum, so a decoder layer carries one residual tensor through all layers:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from pagedserve.kernels import ops
 from pagedserve.worker.parallel_layers import TensorSlice, whole_tensor
 
 
@@ -34,13 +40,8 @@ class RMSNorm(torch.nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> norm(x); with residual [T, hidden] -> (norm(x + residual), residual += x)."""
-        if residual is None:
-            return self._normalize(x)
-        residual.add_(x)  # [T, hidden]
-        return self._normalize(residual), residual
-
-    def _normalize(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden] in x's dtype
-        return F.rms_norm(x, (self.hidden_size,), None, self.eps).mul_(self.weight)
+        normed = ops.add_rms_norm(x, residual, self.weight, self.eps)  # [T, hidden]
+        return normed if residual is None else (normed, residual)
 
     def checkpoint_slices(self, param_prefix: str, checkpoint_prefix: str) -> list[TensorSlice]:
         return [whole_tensor(f"{checkpoint_prefix}.weight", (self.hidden_size,), f"{param_prefix}.weight")]

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedserve.kernels import layer_ops_ref
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
@@ -189,9 +191,21 @@ class RotaryEmbedding(torch.nn.Module):
         cos, sin = rows.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, head_size] each
         return cos, sin
 
+    def step_rows(self, positions: torch.Tensor, step_plans: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """lookup(positions), once per step: kept in the step's plans (AttentionMetadata.step_plans)."""
+        rows = step_plans.get(("rotary_rows", id(self)))
+        if rows is None:
+            rows = step_plans[("rotary_rows", id(self))] = self.lookup(positions)
+        return rows
+
+    def check_positions(self, positions: torch.Tensor, step_plans: dict) -> None:
+        """IndexError (as lookup raises) when a position is outside the table; checked once per step."""
+        if ("rotary_checked", id(self)) not in step_plans:
+            if positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < self.max_positions:
+                raise IndexError(f"positions beyond the rotary table of {self.max_positions}")
+            step_plans[("rotary_checked", id(self))] = True
+
     @staticmethod
     def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, heads, head_size] (any heads: query and key heads side by side) -> rotated copy."""
-        x1, x2 = x.chunk(2, dim=-1)  # [T, heads, half] each
-        swapped = torch.cat([x2, x1], dim=-1)  # [T, heads, head_size]
-        return (x * cos).add_(swapped.mul_(sin))  # [T, heads, head_size]
+        return layer_ops_ref.rotate(x, cos, sin)  # [T, heads, head_size]

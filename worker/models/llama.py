@@ -9,7 +9,9 @@ One decoder layer on a flat token batch (T rows, see pagedserve.worker.attention
 
 The residual adds are folded into the next RMSNorm and done in place on one residual tensor (see
 pagedserve.worker.layernorm); RoPE rotates the query and key heads of the fused projection in one
-go, and SiLU runs in place in the gate/up output.
+go, and SiLU-mul reads the gate/up output once. On CPU float32/bfloat16 tensors each of these is one
+native kernel call (pagedserve.kernels.ops), and RoPE also writes the new K/V into the cache, so
+PagedAttention only attends (`attend`); elsewhere the torch paths run and PagedAttention writes.
 Only the rows named by metadata.logits_indices (the last token of each sampling sequence) go
 through the final norm and the LM head.
 """
@@ -17,8 +19,8 @@ through the final norm and the LM head.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from pagedserve.kernels import ops
 from pagedserve.worker.attention import AttentionMetadata, PagedAttention
 from pagedserve.worker.layernorm import RMSNorm
 from pagedserve.worker.models.llama_config import LlamaModelConfig
@@ -57,10 +59,17 @@ class LlamaAttention(torch.nn.Module):
         self.attn = PagedAttention(heads.size, kv_heads.size, head_size, scale=head_size ** -0.5,
                                    sliding_window=config.sliding_window(layer_index))
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
+    def forward(self, hidden: torch.Tensor, rotary: RotaryEmbedding, kv_cache: KVCache,
                 metadata: AttentionMetadata) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
+        if ops.can_fuse_rotary_write_kv(qkv, rotary.cos_sin, kv_cache[0]):
+            rotary.check_positions(metadata.positions, metadata.step_plans)
+            ops.rotary_write_kv(qkv, rotary.cos_sin, metadata.positions, metadata.slot_mapping, kv_cache[0],
+                                kv_cache[1], self.num_heads, self.num_kv_heads)  # q and k rotated in place
+            q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_size)  # [T, nh, hs]
+            return self.o_proj(self.attn.attend(q, kv_cache, metadata))
+        cos, sin = rotary.step_rows(metadata.positions, metadata.step_plans)  # [T, 1, hs] each
         qk_size = self.q_size + self.kv_size
         qk = RotaryEmbedding.rotate(qkv[:, :qk_size].view(num_tokens, -1, self.head_size), cos,
                                     sin)  # [T, nh + kvh, hs]: query and key heads rotated together
@@ -86,8 +95,8 @@ class LlamaMLP(torch.nn.Module):
                                            dtype=dtype, device=device)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        gate, up = self.gate_up_proj(hidden).split(self.inner_size, dim=-1)  # [T, inner_local] each
-        return self.down_proj(F.silu(gate, inplace=True) * up)  # [T, inner_local], contiguous for down_proj
+        activated = ops.silu_mul(self.gate_up_proj(hidden), self.inner_size)  # [T, inner_local], contiguous
+        return self.down_proj(activated)
 
     def checkpoint_slices(self, param_prefix: str, checkpoint_prefix: str) -> list[TensorSlice]:
         names = [f"{checkpoint_prefix}.gate_proj", f"{checkpoint_prefix}.up_proj"]
@@ -104,14 +113,14 @@ class LlamaDecoderLayer(torch.nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
         self.mlp = LlamaMLP(config, tp=tp, dtype=dtype, device=device)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryEmbedding,
                 kv_cache: KVCache, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, hidden], residual [T, hidden] or None -> (mlp output, residual), each [T, hidden]."""
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos, sin, kv_cache, metadata)  # [T, hidden]
+        hidden = self.self_attn(hidden, rotary, kv_cache, metadata)  # [T, hidden]
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -154,11 +163,10 @@ class LlamaForCausalLM(torch.nn.Module):
         """token_ids [T] -> final-normed hidden states of the logits rows [num_sampled, hidden]."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"{len(kv_caches)} KV caches for {len(self.layers)} layers")
-        cos, sin = self.rotary.lookup(metadata.positions)  # [T, 1, hs] each
         hidden = self.embed_tokens(token_ids)  # [T, hidden]
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, metadata)
+            hidden, residual = layer(hidden, residual, self.rotary, kv_cache, metadata)
         rows = metadata.logits_indices  # [num_sampled]
         selected, _ = self.norm(hidden.index_select(0, rows), residual.index_select(0, rows))
         return selected  # [num_sampled, hidden]
