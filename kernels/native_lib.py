@@ -48,7 +48,10 @@ SIGNATURES = {  # exported function -> argument types (every function returns vo
     "add_rms_norm": (P, P, P, P, I64, I64, F32, I32, I32),
     "rotary_write_kv": (P, P, P, P, P, P, I64, I64, I64, I64, I64, I64, I32, I32),
     "silu_mul": (P, P, I64, I64, I64, I32),
+    "linear_rows_bf16": (P, P, P, P, I64, I64, I64),
+    "linear_rows_available": (),
 }
+RESTYPES = {"linear_rows_available": I32}
 
 
 class NativeBuildError(RuntimeError):
@@ -127,7 +130,7 @@ def _load_cached() -> ctypes.CDLL | None:
     for name, argtypes in SIGNATURES.items():
         function = getattr(lib, name)
         function.argtypes = argtypes
-        function.restype = None
+        function.restype = RESTYPES.get(name)
     return lib
 
 

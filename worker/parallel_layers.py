@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pagedserve.kernels import linear_rows_cpu
 from pagedserve.kernels.prepacked_linear_cpu import prepacked_linear
 from pagedserve.worker.quantized_linear import QuantizableLinear
 from pagedserve.worker.tensor_parallel import ShardRange, TensorParallelGroup
@@ -164,7 +165,9 @@ class ParallelLMHead(torch.nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [L, hidden] -> logits [L, vocab_size] on rank 0, None on the others."""
-        if self.onednn_weight is not None:
+        if self.onednn_weight is not None and linear_rows_cpu.supports(hidden, self.weight):
+            logits = linear_rows_cpu.linear_rows(hidden, self.weight, None)  # [L, rows_per_rank]
+        elif self.onednn_weight is not None:
             logits = prepacked_linear(hidden, self.onednn_weight, None)  # [L, rows_per_rank]
         else:
             logits = F.linear(hidden, self.embedding.weight)  # [L, rows_per_rank]

@@ -5,7 +5,9 @@ prepacked for oneDNN once, so that no step reorders them again
     prepack_model(model) -> bytes the prepacked copies hold (0 where nothing qualifies)
 
 Quantized layers (their `packed` weights), float32 and float16 models, CUDA, and
-PAGEDSERVE_KERNELS=reference keep F.linear on the dense weight.
+PAGEDSERVE_KERNELS=reference keep F.linear on the dense weight. Layers with a prepacked weight
+take the native few-rows kernel (pagedserve.kernels.linear_rows_cpu) on the dense weight when a
+step has at most two rows, oneDNN above.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels import ops
+from pagedserve.kernels import linear_rows_cpu, ops
 from pagedserve.kernels.packed_weights import PackedWeight
 from pagedserve.kernels.prepacked_linear_cpu import prepacked_linear
 from pagedserve.worker.quantization import (
@@ -43,6 +43,8 @@ class QuantizableLinear(torch.nn.Module):
         if self.packed is not None:
             return ops.quantized_linear(x, self.packed, bias)
         if self.onednn_weight is not None:
+            if linear_rows_cpu.supports(x, self.weight):
+                return linear_rows_cpu.linear_rows(x, self.weight, bias)
             return prepacked_linear(x, self.onednn_weight, bias)
         return F.linear(x, self.weight, bias)
 

@@ -110,7 +110,7 @@ def test_narrow_caches_agree_with_the_float32_cache(checkpoint_dir, name):
     assert torch.isfinite(torch.cat(logits["fp8_e5m2"])).all()
 
 
-def test_calibrated_fp8_scales_put_the_largest_value_at_half_the_range(checkpoint_dir):
+def test_calibrated_fp8_scales_put_the_largest_value_at_half_the_range(checkpoint_dir, monkeypatch):
     from pagedserve.kernels.kv_cache_dtype import fp8_max
     from pagedserve.worker.kv_scales import calibrate_kv_scales
 
@@ -120,7 +120,9 @@ def test_calibrated_fp8_scales_put_the_largest_value_at_half_the_range(checkpoin
     for layer in float32.model.layers:
         layer.self_attn.attn.register_forward_pre_hook(
             lambda module, args: maxima.append((float(args[1].abs().max()), float(args[2].abs().max()))))
-    sequence_logits(float32, calibration)
+    with monkeypatch.context() as patch:
+        patch.setenv("PAGEDSERVE_NATIVE", "0")  # K and V pass through PagedAttention.forward (the hook)
+        sequence_logits(float32, calibration)
     runner = _runner(checkpoint_dir, "fp8_e4m3")
     scales = calibrate_kv_scales(runner, calibration, margin=2.0)
     assert scales == calibrate_kv_scales(runner, calibration, margin=2.0)  # deterministic

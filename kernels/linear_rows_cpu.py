@@ -1,0 +1,60 @@
+"""bfloat16 linear layers for a few rows (decoding few sequences) on the CPU: a native kernel that
+streams the dense weight once (kernels/native/linear_rows.c); reference F.linear.
+
+oneDNN (prepacked_linear_cpu) is the better path for many rows, where AMX tiles pay off; with
+few rows a step is a pass over every weight and the question is only how fast it streams. The
+kernel prefetches each weight row 16 KiB ahead. SmolLM2-135M's 121 projections of one decode
+step (268 MB of bfloat16 weights, each read once, so from memory and not from cache), 2 threads,
+this machine (bench/linear_rows.py):
+
+    rows      1        2        3        4        8
+    oneDNN    14.90    14.49    14.34    14.46    14.67 ms
+    native    11.31    12.58    13.75    14.69    17.95 ms
+
+so the layers take it up to MAX_ROWS rows (two) and oneDNN above.
+
+The sums run in another order than oneDNN's, so results differ from F.linear in the last bit of
+some values (float32 accumulation both). Float32 models keep their matmuls: float32 is the
+dtype of the exact-equality tests.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.kernels import native_lib
+
+KERNEL_MAX_ROWS = 8  # the C kernel's LINEAR_ROWS_MAX
+MAX_ROWS = 2  # where it beats oneDNN (above)
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
+    """x [M, K] with 1 <= M <= max_rows, weight [N, K]: bfloat16, contiguous, on the CPU, and the CPU
+    has AVX-512 BF16."""
+    if not (x.dtype == torch.bfloat16 and x.dim() == 2 and 0 < x.shape[0] <= max_rows and x.device.type == "cpu"
+            and x.is_contiguous() and weight.dtype == torch.bfloat16 and weight.is_contiguous()):
+        return False
+    lib = native_lib.load()
+    return lib is not None and _available(lib)
+
+
+def _available(lib) -> bool:
+    flag = getattr(lib, "_pagedserve_linear_rows", None)
+    if flag is None:
+        flag = lib._pagedserve_linear_rows = bool(lib.linear_rows_available())
+    return flag
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T + bias [N] -> [M, N] (callers check supports first)."""
+    num_rows, size_in = x.shape
+    y = torch.empty(num_rows, weight.shape[0], dtype=x.dtype)
+    native_lib.load().linear_rows_bf16(x.data_ptr(), weight.data_ptr(),
+                                       bias.data_ptr() if bias is not None else None, y.data_ptr(), num_rows,
+                                       weight.shape[0], size_in)
+    return y
+
+
+def linear_rows_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, weight, bias)

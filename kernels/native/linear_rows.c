@@ -1,0 +1,72 @@
+/* y = x @ w^T (+ bias) for a few rows of x, streaming the weight once at memory speed; torch
+ * reference: F.linear (kernels/linear_rows_cpu.py).
+ *
+ * x [M, K], w [N, K] (row-major, the dense weight as the checkpoint has it), bias [N] or NULL,
+ * y [M, N]; all bfloat16 (products and sums in float32 with AVX-512 BF16 dot products, one
+ * rounding at the end). 1 <= M <= LINEAR_ROWS_MAX. Decoding a small model reads every weight once
+ * per step and does almost no arithmetic on it, so the limit is how fast the weights stream
+ * in: output rows go to threads in blocks of ROWS_PER_BLOCK, each block's weight rows are read
+ * side by side, and each is prefetched PREFETCH_AHEAD elements ahead (16 KiB: far enough to
+ * cover memory latency across the next blocks). */
+#include <immintrin.h>
+
+#include "common.h"
+
+#define LINEAR_ROWS_MAX 8
+#define ROWS_PER_BLOCK 4
+#define PREFETCH_AHEAD 8192
+
+#if defined(__AVX512BF16__)
+static inline __attribute__((always_inline)) void block_bf16(const int M, const uint16_t *x, const uint16_t *w,
+                                                              const uint16_t *bias, uint16_t *y, int64_t n0,
+                                                              int64_t nr, int64_t N, int64_t K) {
+    __m512 acc[LINEAR_ROWS_MAX][ROWS_PER_BLOCK];
+    for (int m = 0; m < M; m++)
+        for (int r = 0; r < ROWS_PER_BLOCK; r++) acc[m][r] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k < K; k += 32) {
+        __mmask32 mask = K - k >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (K - k)) - 1u);
+        __m512bh xv[LINEAR_ROWS_MAX];
+        for (int m = 0; m < M; m++) xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + (int64_t)m * K + k);
+        for (int64_t r = 0; r < nr; r++) {
+            const uint16_t *row = w + (n0 + r) * K + k;
+            _mm_prefetch((const char *)(row + PREFETCH_AHEAD), _MM_HINT_T0);
+            __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, row);
+            for (int m = 0; m < M; m++) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], wv, xv[m]);
+        }
+    }
+    for (int m = 0; m < M; m++)
+        for (int64_t r = 0; r < nr; r++) {
+            float sum = _mm512_reduce_add_ps(acc[m][r]);
+            if (bias) sum += bf16_to_f32(bias[n0 + r]);
+            y[(int64_t)m * N + n0 + r] = f32_to_bf16(sum);
+        }
+}
+
+#define CASE(m)                                                   \
+    case m:                                                       \
+        block_bf16(m, x, w, bias, y, n0, nr, N, K);               \
+        break;
+
+void linear_rows_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t M, int64_t N,
+                      int64_t K) {
+    int64_t num_blocks = (N + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK;
+#pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t b = 0; b < num_blocks; b++) {
+        int64_t n0 = b * ROWS_PER_BLOCK;
+        int64_t nr = N - n0 < ROWS_PER_BLOCK ? N - n0 : ROWS_PER_BLOCK;
+        switch (M) {
+            CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+        }
+    }
+}
+
+int32_t linear_rows_available(void) { return 1; }
+#else
+void linear_rows_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t M, int64_t N,
+                      int64_t K) {
+    (void)x, (void)w, (void)bias, (void)y, (void)M, (void)N, (void)K;
+}
+
+int32_t linear_rows_available(void) { return 0; } /* no AVX-512 BF16: the callers keep oneDNN */
+#endif
