@@ -29,14 +29,14 @@ KERNEL_MAX_ROWS = 8  # the C kernel's LINEAR_ROWS_MAX
 MAX_ROWS = 2  # where it beats oneDNN (above)
 
 
-def supports(x: torch.Tensor, weight: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
+def supports(x: torch.Tensor, weight: torch.Tensor, max_rows: int = MAX_ROWS):
     """x [M, K] with 1 <= M <= max_rows, weight [N, K]: bfloat16, contiguous, on the CPU, and the CPU
-    has AVX-512 BF16."""
-    if not (x.dtype == torch.bfloat16 and x.dim() == 2 and 0 < x.shape[0] <= max_rows and x.device.type == "cpu"
+    has AVX-512 BF16 -> the native library (pass it to linear_rows), else None."""
+    if not (x.dtype == torch.bfloat16 and 0 < x.shape[0] <= max_rows and x.dim() == 2 and x.device.type == "cpu"
             and x.is_contiguous() and weight.dtype == torch.bfloat16 and weight.is_contiguous()):
-        return False
+        return None
     lib = native_lib.load()
-    return lib is not None and _available(lib)
+    return lib if lib is not None and _available(lib) else None
 
 
 def _available(lib) -> bool:
@@ -46,13 +46,13 @@ def _available(lib) -> bool:
     return flag
 
 
-def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lib=None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T + bias [N] -> [M, N] (callers check supports first)."""
     num_rows, size_in = x.shape
     y = torch.empty(num_rows, weight.shape[0], dtype=x.dtype)
-    native_lib.load().linear_rows_bf16(x.data_ptr(), weight.data_ptr(),
-                                       bias.data_ptr() if bias is not None else None, y.data_ptr(), num_rows,
-                                       weight.shape[0], size_in)
+    (lib or native_lib.load()).linear_rows_bf16(x.data_ptr(), weight.data_ptr(),
+                                                bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                                                num_rows, weight.shape[0], size_in)
     return y
 
 

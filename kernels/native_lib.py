@@ -18,7 +18,7 @@ build at the same time (tensor-parallel ranks) never load half a file. Parallel 
 the library links libgomp.so.1 by name, which resolves to the copy torch has already loaded, so the
 kernels share torch's threads (and torch.set_num_threads) instead of starting a second pool.
 
-PAGEDSERVE_KERNELS=reference, or PAGEDSERVE_NATIVE=0, or a failed build: load() returns None and
+PAGEDSERVE_KERNELS=reference or triton, or PAGEDSERVE_NATIVE=0, or a failed build: load() returns None and
 the torch paths run; a failed build is logged once (native_kernels_unavailable) with the
 compiler's message.
 """
@@ -110,7 +110,10 @@ def build(cc: str, target: Path) -> Path:
 
 
 def is_enabled() -> bool:
-    return os.environ.get(NATIVE_ENV, "1") != "0" and os.environ.get("PAGEDSERVE_KERNELS") != "reference"
+    """Not with PAGEDSERVE_NATIVE=0, and only under PAGEDSERVE_KERNELS=auto (reference and triton
+    name the paths they want)."""
+    environ = os.environ
+    return environ.get(NATIVE_ENV, "1") != "0" and environ.get("PAGEDSERVE_KERNELS", "auto") == "auto"
 
 
 @cache

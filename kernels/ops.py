@@ -130,31 +130,29 @@ def quantized_linear(x, weight, bias=None):
     return (int8_linear_dequant if is_int8 else int4_linear_dequant)(x, weight, bias)
 
 
-def _native_allowed() -> bool:
-    return os.environ.get(KERNELS_ENV, "auto") == "auto"
-
-
 def add_rms_norm(x, residual, weight, eps):
     """x [T, H], residual [T, H] or None (residual += x in place), weight [H] -> normalised [T, H]."""
-    if _native_allowed() and layer_ops_native.supports_rows(x, weight) and (
-            residual is None or (residual.dtype == x.dtype and residual.is_contiguous())):
-        return layer_ops_native.add_rms_norm(x, residual, weight, eps)
+    lib = layer_ops_native.supports_rows(x, weight)
+    if lib is not None and (residual is None or (residual.dtype == x.dtype and residual.is_contiguous())):
+        return layer_ops_native.add_rms_norm(x, residual, weight, eps, lib)
     return layer_ops_ref.add_rms_norm(x, residual, weight, eps)
 
 
 def silu_mul(gate_up, inner):
     """gate_up [T, 2 inner] -> silu(gate) * up [T, inner]."""
-    if _native_allowed() and layer_ops_native.supports_silu_mul(gate_up):
-        return layer_ops_native.silu_mul(gate_up, inner)
+    lib = layer_ops_native.supports_silu_mul(gate_up)
+    if lib is not None:
+        return layer_ops_native.silu_mul(gate_up, inner, lib)
     return layer_ops_ref.silu_mul(gate_up, inner)
 
 
-def can_fuse_rotary_write_kv(qkv, cos_sin, key_cache) -> bool:
-    """Whether rotary_write_kv takes these tensors (else the model rotates and PagedAttention writes)."""
-    return _native_allowed() and layer_ops_native.supports_rotary_write_kv(qkv, cos_sin, key_cache)
-
-
-def rotary_write_kv(qkv, cos_sin, positions, slot_mapping, key_cache, value_cache, num_heads, num_kv_heads):
-    """qkv [T, (nh + 2 kvh) hs]: query and key heads rotated in place, K/V written to their slots."""
+def rotary_write_kv(qkv, cos_sin, positions, slot_mapping, key_cache, value_cache, num_heads, num_kv_heads) -> bool:
+    """qkv [T, (nh + 2 kvh) hs]: when the native kernel takes these tensors, rotates the query and key
+    heads in place, writes K/V into their slots and returns True; otherwise does nothing and returns
+    False (the model then rotates with torch and PagedAttention writes)."""
+    lib = layer_ops_native.supports_rotary_write_kv(qkv, cos_sin, key_cache)
+    if lib is None:
+        return False
     layer_ops_native.rotary_write_kv(qkv, cos_sin, positions, slot_mapping, key_cache, value_cache, num_heads,
-                                     num_kv_heads)
+                                     num_kv_heads, lib)
+    return True

@@ -165,8 +165,9 @@ class ParallelLMHead(torch.nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [L, hidden] -> logits [L, vocab_size] on rank 0, None on the others."""
-        if self.onednn_weight is not None and linear_rows_cpu.supports(hidden, self.weight):
-            logits = linear_rows_cpu.linear_rows(hidden, self.weight, None)  # [L, rows_per_rank]
+        lib = linear_rows_cpu.supports(hidden, self.weight) if self.onednn_weight is not None else None
+        if lib is not None:
+            logits = linear_rows_cpu.linear_rows(hidden, self.weight, None, lib)  # [L, rows_per_rank]
         elif self.onednn_weight is not None:
             logits = prepacked_linear(hidden, self.onednn_weight, None)  # [L, rows_per_rank]
         else:

@@ -43,8 +43,9 @@ class QuantizableLinear(torch.nn.Module):
         if self.packed is not None:
             return ops.quantized_linear(x, self.packed, bias)
         if self.onednn_weight is not None:
-            if linear_rows_cpu.supports(x, self.weight):
-                return linear_rows_cpu.linear_rows(x, self.weight, bias)
+            lib = linear_rows_cpu.supports(x, self.weight)
+            if lib is not None:
+                return linear_rows_cpu.linear_rows(x, self.weight, bias, lib)
             return prepacked_linear(x, self.onednn_weight, bias)
         return F.linear(x, self.weight, bias)
 

@@ -102,7 +102,11 @@ def test_dispatch_keeps_torch_for_float32_and_under_reference(monkeypatch):
     assert layer_ops_native.supports_silu_mul(gate_up)
     monkeypatch.setenv("PAGEDSERVE_KERNELS", "reference")
     assert native_lib.load() is None
-    assert not ops.can_fuse_rotary_write_kv(torch.randn(2, 6 * 64), torch.randn(10, 128), torch.randn(2, 16, 1, 64))
+    qkv = torch.randn(2, 6 * 64)
+    assert not ops.rotary_write_kv(qkv.clone(), torch.randn(10, 128), torch.tensor([0, 1]), torch.tensor([0, 1]),
+                                   torch.randn(2, 16, 1, 64), torch.randn(2, 16, 1, 64), 4, 1)
+    monkeypatch.setenv("PAGEDSERVE_KERNELS", "triton")
+    assert native_lib.load() is None
     monkeypatch.setenv("PAGEDSERVE_KERNELS", "auto")
     monkeypatch.setenv("PAGEDSERVE_NATIVE", "0")
     assert native_lib.load() is None

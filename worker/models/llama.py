@@ -63,10 +63,9 @@ class LlamaAttention(torch.nn.Module):
                 metadata: AttentionMetadata) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
-        if ops.can_fuse_rotary_write_kv(qkv, rotary.cos_sin, kv_cache[0]):
-            rotary.check_positions(metadata.positions, metadata.step_plans)
-            ops.rotary_write_kv(qkv, rotary.cos_sin, metadata.positions, metadata.slot_mapping, kv_cache[0],
-                                kv_cache[1], self.num_heads, self.num_kv_heads)  # q and k rotated in place
+        rotary.check_positions(metadata.positions, metadata.step_plans)
+        if ops.rotary_write_kv(qkv, rotary.cos_sin, metadata.positions, metadata.slot_mapping, kv_cache[0],
+                               kv_cache[1], self.num_heads, self.num_kv_heads):  # q and k rotated in place
             q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_size)  # [T, nh, hs]
             return self.o_proj(self.attn.attend(q, kv_cache, metadata))
         cos, sin = rotary.step_rows(metadata.positions, metadata.step_plans)  # [T, 1, hs] each
