@@ -24,6 +24,7 @@ from pagedserve.kernels import ops
 from pagedserve.worker.attention import AttentionMetadata, PagedAttention
 from pagedserve.worker.layernorm import RMSNorm
 from pagedserve.worker.models.llama_config import LlamaModelConfig
+from pagedserve.worker.models.llama_native import NativeDecodeStep
 from pagedserve.worker.parallel_layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -163,9 +164,13 @@ class LlamaForCausalLM(torch.nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"{len(kv_caches)} KV caches for {len(self.layers)} layers")
         hidden = self.embed_tokens(token_ids)  # [T, hidden]
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(hidden, residual, self.rotary, kv_cache, metadata)
+        native_step = NativeDecodeStep.for_step(self, metadata, kv_caches)
+        if native_step is not None:  # a few decodes in bfloat16: one native call per layer
+            hidden, residual = native_step.run(hidden)
+        else:
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                hidden, residual = layer(hidden, residual, self.rotary, kv_cache, metadata)
         rows = metadata.logits_indices  # [num_sampled]
         selected, _ = self.norm(hidden.index_select(0, rows), residual.index_select(0, rows))
         return selected  # [num_sampled, hidden]

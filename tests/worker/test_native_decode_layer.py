@@ -1,0 +1,95 @@
+"""Whole decoder layers in one native call for bfloat16 decode steps of one or two rows
+(worker/models/llama_native.py) against the per-op path of the same model, and both against
+float32: the same cache, the same decode step, logits compared."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_prompts
+
+from pagedserve.kernels import linear_rows_cpu, native_lib
+from pagedserve.step_plan import SampleSpec, ScheduledSeq
+from pagedserve.worker.model_input import build_model_input
+from pagedserve.worker.model_runner import ModelRunner
+from pagedserve.worker.models import llama_native
+
+pytestmark = pytest.mark.skipif(
+    native_lib.load() is None or linear_rows_cpu.supports(torch.zeros(1, 2, dtype=torch.bfloat16),
+                                                          torch.zeros(2, 2, dtype=torch.bfloat16)) is None,
+    reason="needs a C compiler and AVX-512 BF16")
+
+
+def _runner(path, dtype: str, kv_cache_dtype: str = "auto") -> ModelRunner:
+    runner = ModelRunner(path, device="cpu", dtype=dtype, block_size=16, kv_cache_dtype=kv_cache_dtype)
+    runner.load()
+    runner.init_cache(64, 0)
+    return runner
+
+
+def _decode_logits(runner: ModelRunner, prompts: list[list[int]], native: bool, monkeypatch,
+                   expect_native: bool | None = None) -> torch.Tensor:
+    """Prefills the prompts but their last token (per-op path), then one decode step of the last tokens,
+    native layers allowed or not; checks which path the decode step took (expect_native, default native)."""
+    model = runner.model
+    tables = [[2 * i * 10 + j for j in range(-(-len(prompt) // 16))] for i, prompt in enumerate(prompts)]
+    taken = []
+    original = llama_native.NativeDecodeStep.for_step.__func__
+
+    def for_step(cls, *args):
+        step = original(cls, *args) if native else None
+        taken.append(step is not None)
+        return step
+
+    monkeypatch.setattr(llama_native.NativeDecodeStep, "for_step", classmethod(for_step))
+
+    def forward(seqs):
+        inputs = build_model_input(seqs, block_size=16, num_blocks=64, max_positions=model.max_positions,
+                                   device=runner.device)
+        with torch.inference_mode():
+            return model.compute_logits(model(inputs.token_ids, inputs.metadata, runner.cache.gpu_cache))
+
+    forward([ScheduledSeq(seq_id=i, token_ids=prompt[:-1], start_position=0, block_table=table, sample=SampleSpec())
+             for i, (prompt, table) in enumerate(zip(prompts, tables))])
+    taken.clear()
+    logits = forward([ScheduledSeq(seq_id=i, token_ids=prompt[-1:], start_position=len(prompt) - 1,
+                                   block_table=table, sample=SampleSpec())
+                      for i, (prompt, table) in enumerate(zip(prompts, tables))])
+    assert taken == [native if expect_native is None else expect_native]
+    return logits.float()
+
+
+@pytest.mark.parametrize("name", ["llama-gqa-untied", "qwen2-bias-tied", "mistral-window-48", "llama3-rope-scaling"])
+@pytest.mark.parametrize("lengths", [(70,), (33, 90)])
+def test_native_layers_give_the_per_op_logits(checkpoint_dir, monkeypatch, name, lengths):
+    prompts = make_prompts(seed=len(lengths), lengths=lengths)
+    bf16 = _runner(checkpoint_dir(name), "bfloat16")
+    native = _decode_logits(bf16, prompts, True, monkeypatch)
+    per_op = _decode_logits(bf16, prompts, False, monkeypatch)
+    exact = _decode_logits(_runner(checkpoint_dir(name), "float32"), prompts, False, monkeypatch)
+    scale = exact.abs().max()
+    assert (native - per_op).abs().max() <= 0.03 * scale
+    assert torch.equal(native.argmax(-1), per_op.argmax(-1))
+    # as close to float32 as the per-op bfloat16 path (bfloat16 rounding, not a wrong result)
+    assert (native - exact).abs().max() <= 2 * (per_op - exact).abs().max() + 0.01 * scale
+
+
+def test_a_float32_cache_under_a_bfloat16_model(checkpoint_dir, monkeypatch):
+    prompts = make_prompts(seed=3, lengths=(40,))
+    runner = _runner(checkpoint_dir("llama-gqa-untied"), "bfloat16", kv_cache_dtype="float32")
+    native = _decode_logits(runner, prompts, True, monkeypatch)
+    per_op = _decode_logits(runner, prompts, False, monkeypatch)
+    assert (native - per_op).abs().max() <= 0.03 * per_op.abs().max()
+
+
+def test_steps_it_does_not_take(checkpoint_dir, monkeypatch):
+    prompts = make_prompts(seed=4, lengths=(20, 21, 22))
+    runner = _runner(checkpoint_dir("llama-gqa-untied"), "bfloat16")
+    _decode_logits(runner, prompts, True, monkeypatch, expect_native=False)  # three rows: above MAX_ROWS
+    float32 = _runner(checkpoint_dir("llama-gqa-untied"), "float32")
+    _decode_logits(float32, prompts[:1], True, monkeypatch, expect_native=False)
+    fp8 = _runner(checkpoint_dir("llama-gqa-untied"), "bfloat16", kv_cache_dtype="fp8_e4m3")
+    _decode_logits(fp8, prompts[:1], True, monkeypatch, expect_native=False)
+    monkeypatch.setenv("PAGEDSERVE_KERNELS", "reference")
+    _decode_logits(_runner(checkpoint_dir("llama-gqa-untied"), "bfloat16"), prompts[:1], True, monkeypatch,
+                   expect_native=False)
