@@ -16,7 +16,10 @@ forwards under torch.profiler, the ops' self CPU time grouped into classes:
     norm/rope/act the elementwise ops of RMSNorm, rotary and SiLU-mul (mul, add, pow, mean, rsqrt,
                   silu, neg, cat, ...), casts and copies
     other ops     everything else torch dispatched
-    python        forward wall time not inside any op: Python and dispatch between the ops
+    outside ops   forward wall time not inside any torch op: Python and dispatch between the ops, and
+                  the native kernels (pagedserve.kernels.native_lib: RMSNorm, RoPE with the K/V
+                  write, SiLU-mul, the few-rows linears, whole decoder layers at one or two
+                  sequences), which the profiler does not see
 
 Gives the absolute ms per step and the share of each. The `serve` part (ZeroMQ, gRPC, frontend) is
 in bench/real_model.py's step records and bench/overheads.py. A table goes to stdout, JSON to
@@ -92,7 +95,7 @@ def forward_profile(model_path, dtype: str, num_seqs: int, num_steps: int) -> di
     row = {"dtype": dtype, "num_seqs": num_seqs, "forward_ms": wall_ms}
     for cls in (*CLASSES, "norm/rope/act", "other ops"):
         row[cls] = classes.get(cls, 0.0) * scale
-    row["python"] = max(0.0, wall_ms - profiled_ms * scale)
+    row["outside ops"] = max(0.0, wall_ms - profiled_ms * scale)
     row["ops_per_step"] = sum(count for _, _, count in top)
     row["top_ops"] = [{"op": key, "self_ms": ms, "calls": count} for ms, key, count in sorted(top, reverse=True)[:12]]
     return row

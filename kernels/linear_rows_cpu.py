@@ -14,8 +14,9 @@ this machine (bench/linear_rows.py):
 so the layers take it up to MAX_ROWS rows (two) and oneDNN above.
 
 The sums run in another order than oneDNN's, so results differ from F.linear in the last bit of
-some values (float32 accumulation both). Float32 models keep their matmuls: float32 is the
-dtype of the exact-equality tests.
+some values (float32 accumulation both). A float32 twin (linear_rows_f32, AVX-512 FMAs) serves
+the native decoder layers (pagedserve.worker.models.llama_native); float32 layers called one by
+one keep F.linear.
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ def supports(x: torch.Tensor, weight: torch.Tensor, max_rows: int = MAX_ROWS):
     if not (x.dtype == torch.bfloat16 and 0 < x.shape[0] <= max_rows and x.dim() == 2 and x.device.type == "cpu"
             and x.is_contiguous() and weight.dtype == torch.bfloat16 and weight.is_contiguous()):
         return None
+    return library()
+
+
+def library():
+    """The native library where it has the row kernels (AVX-512 BF16), else None."""
     lib = native_lib.load()
     return lib if lib is not None and _available(lib) else None
 

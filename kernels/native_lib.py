@@ -50,7 +50,8 @@ SIGNATURES = {  # exported function -> argument types (every function returns vo
     "silu_mul": (P, P, I64, I64, I64, I32),
     "linear_rows_bf16": (P, P, P, P, I64, I64, I64),
     "linear_rows_available": (),
-    "decode_layer_bf16": (P, P, P, P, I32, P, P),
+    "linear_rows_f32": (P, P, P, P, I64, I64, I64),
+    "decode_layer": (P, P, P, P, I32, P, P),
 }
 RESTYPES = {"linear_rows_available": I32}
 

@@ -2,8 +2,8 @@
  * reference: F.linear (kernels/linear_rows_cpu.py).
  *
  * x [M, K], w [N, K] (row-major, the dense weight as the checkpoint has it), bias [N] or NULL,
- * y [M, N]; all bfloat16 (products and sums in float32 with AVX-512 BF16 dot products, one
- * rounding at the end). 1 <= M <= LINEAR_ROWS_MAX. Decoding a small model reads every weight once
+ * y [M, N]; linear_rows_bf16: all bfloat16 (products and sums in float32 with AVX-512 BF16 dot
+ * products, one rounding at the end); linear_rows_f32: all float32 (AVX-512 FMAs). 1 <= M <= LINEAR_ROWS_MAX. Decoding a small model reads every weight once
  * per step and does almost no arithmetic on it, so the limit is how fast the weights stream
  * in: output rows go to threads in blocks of ROWS_PER_BLOCK, each block's weight rows are read
  * side by side, and each is prefetched PREFETCH_AHEAD elements ahead (16 KiB: far enough to
@@ -62,9 +62,54 @@ void linear_rows_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias
 }
 
 int32_t linear_rows_available(void) { return 1; }
+
+static inline __attribute__((always_inline)) void block_f32(const int M, const float *x, const float *w,
+                                                             const float *bias, float *y, int64_t n0, int64_t nr,
+                                                             int64_t N, int64_t K) {
+    __m512 acc[LINEAR_ROWS_MAX][ROWS_PER_BLOCK];
+    for (int m = 0; m < M; m++)
+        for (int r = 0; r < ROWS_PER_BLOCK; r++) acc[m][r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        __mmask16 mask = K - k >= 16 ? (__mmask16)0xffffu : (__mmask16)((1u << (K - k)) - 1u);
+        __m512 xv[LINEAR_ROWS_MAX];
+        for (int m = 0; m < M; m++) xv[m] = _mm512_maskz_loadu_ps(mask, x + (int64_t)m * K + k);
+        for (int64_t r = 0; r < nr; r++) {
+            const float *row = w + (n0 + r) * K + k;
+            _mm_prefetch((const char *)(row + PREFETCH_AHEAD / 2), _MM_HINT_T0);
+            __m512 wv = _mm512_maskz_loadu_ps(mask, row);
+            for (int m = 0; m < M; m++) acc[m][r] = _mm512_fmadd_ps(wv, xv[m], acc[m][r]);
+        }
+    }
+    for (int m = 0; m < M; m++)
+        for (int64_t r = 0; r < nr; r++) {
+            float sum = _mm512_reduce_add_ps(acc[m][r]);
+            y[(int64_t)m * N + n0 + r] = bias ? sum + bias[n0 + r] : sum;
+        }
+}
+
+#define CASE_F32(m)                                               \
+    case m:                                                       \
+        block_f32(m, x, w, bias, y, n0, nr, N, K);                \
+        break;
+
+void linear_rows_f32(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K) {
+    int64_t num_blocks = (N + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK;
+#pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t b = 0; b < num_blocks; b++) {
+        int64_t n0 = b * ROWS_PER_BLOCK;
+        int64_t nr = N - n0 < ROWS_PER_BLOCK ? N - n0 : ROWS_PER_BLOCK;
+        switch (M) {
+            CASE_F32(1) CASE_F32(2) CASE_F32(3) CASE_F32(4) CASE_F32(5) CASE_F32(6) CASE_F32(7) CASE_F32(8)
+        }
+    }
+}
 #else
 void linear_rows_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t M, int64_t N,
                       int64_t K) {
+    (void)x, (void)w, (void)bias, (void)y, (void)M, (void)N, (void)K;
+}
+
+void linear_rows_f32(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K) {
     (void)x, (void)w, (void)bias, (void)y, (void)M, (void)N, (void)K;
 }
 

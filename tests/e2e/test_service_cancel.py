@@ -22,7 +22,9 @@ LONG = 900  # far more tokens than any test waits for
 
 
 def _long_request(request_id: str, max_tokens: int = LONG):
-    request = token_request(PROMPT, max_tokens=max_tokens, ignore_eos=True)
+    # three choices (three sequences, the most the pool holds at this length): one sequence of the
+    # toy model decodes 900 tokens in about half a second, too fast to cancel reliably
+    request = token_request(PROMPT, max_tokens=max_tokens, ignore_eos=True, n=3)
     request.request_id = request_id
     return request
 
@@ -62,16 +64,16 @@ def test_cancelled_unary_call_is_aborted_and_its_blocks_freed(service_server):
 @pytest.mark.parametrize("streaming", [False, True])
 def test_deadline_exceeded_is_reported_and_the_request_aborted(service_server, streaming):
     request_id = f"deadline-{'stream' if streaming else 'unary'}"
-    request = _long_request(request_id, max_tokens=1024 - len(PROMPT))
+    request = _long_request(request_id)
     num_tokens = 0
     with pytest.raises(grpc.RpcError) as info:
         if streaming:
-            for message in service_server.stub.GenerateStream(request, timeout=1.0):
+            for message in service_server.stub.GenerateStream(request, timeout=0.5):
                 num_tokens += len(message.completions[0].token_ids)
         else:
-            service_server.stub.Generate(request, timeout=1.0)
+            service_server.stub.Generate(request, timeout=0.5)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert num_tokens < 1024 - len(PROMPT)
+    assert num_tokens < LONG
     assert_pool_whole(service_server)
     assert _was_aborted(service_server, request_id)
     frontend_codes = wait_for(lambda: any(

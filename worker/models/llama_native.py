@@ -8,8 +8,10 @@ top of its work; with 30 layers that was about a fifth of a SmolLM2 step.
     hidden, residual = step.run(hidden)                            # after the embedding
 
 It applies when every row of the step is a one-token decode, there are at most
-linear_rows_cpu.MAX_ROWS of them, the model is bfloat16 on one CPU rank with dense (not
-quantized) linear layers, the caches hold bfloat16 or float32, and the native library is built.
+linear_rows_cpu.MAX_ROWS of them, the model is bfloat16 or float32 on one CPU rank with dense
+(not quantized) linear layers, the caches hold the model's dtype or float32, and the native
+library is built. In float32 the results differ from the per-op path in the last bits (sums in
+another order: the matmuls, RMSNorm's sum of squares), as bfloat16's do.
 Each layer's weight and cache pointers are gathered once into a ctypes structure kept on the
 layer (and rebuilt if a tensor moved).
 """
@@ -23,7 +25,7 @@ import torch
 from pagedserve.kernels import linear_rows_cpu
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
-CACHE_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 class LayerWeights(ctypes.Structure):  # struct layer_weights in decode_layer.c
@@ -31,7 +33,7 @@ class LayerWeights(ctypes.Structure):  # struct layer_weights in decode_layer.c
                                         "w_down", "b_down", "key_cache", "value_cache")] + [
         (name, _I64) for name in ("hidden", "num_heads", "num_kv_heads", "head_size", "inner", "num_slots",
                                   "block_size")] + [("eps", _F32), ("scale", _F32), ("cache_dtype", _I32),
-                                                    ("sliding_window", _I32)]
+                                                    ("sliding_window", _I32), ("dtype", _I32)]
 
 
 class StepRows(ctypes.Structure):  # struct step_rows in decode_layer.c
@@ -43,13 +45,13 @@ def _ptr(tensor: torch.Tensor | None) -> int | None:
     return tensor.data_ptr() if tensor is not None else None
 
 
-def _is_dense_bf16(linear) -> bool:
+def _is_dense(linear, dtype: torch.dtype) -> bool:
     weight = linear.weight
-    return (linear.packed is None and weight is not None and weight.dtype == torch.bfloat16 and weight.is_contiguous()
+    return (linear.packed is None and weight is not None and weight.dtype == dtype and weight.is_contiguous()
             and (linear.bias is None or linear.bias.is_contiguous()))
 
 
-def _layer_weights(layer, kv_cache) -> LayerWeights | None:
+def _layer_weights(layer, kv_cache, dtype: torch.dtype) -> LayerWeights | None:
     """The layer's structure (cached on it), or None when the layer does not qualify."""
     attention, mlp = layer.self_attn, layer.mlp
     key_cache, value_cache = kv_cache
@@ -58,9 +60,9 @@ def _layer_weights(layer, kv_cache) -> LayerWeights | None:
                                             is not None else None, key_cache.data_ptr(), value_cache.data_ptr()):
         return cached[1]
     linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    if not (all(_is_dense_bf16(linear) for linear in linears) and key_cache.dtype in CACHE_DTYPE_CODES
+    if not (all(_is_dense(linear, dtype) for linear in linears) and key_cache.dtype in (dtype, torch.float32)
             and key_cache.dtype == value_cache.dtype and key_cache.is_contiguous() and value_cache.is_contiguous()
-            and attention.head_size <= 512 and layer.input_layernorm.weight.dtype == torch.bfloat16):
+            and attention.head_size <= 512 and layer.input_layernorm.weight.dtype == dtype):
         layer._native_decode = None
         return None
     num_blocks, block_size = key_cache.shape[:2]
@@ -71,7 +73,7 @@ def _layer_weights(layer, kv_cache) -> LayerWeights | None:
         _ptr(mlp.down_proj.weight), _ptr(mlp.down_proj.bias), key_cache.data_ptr(), value_cache.data_ptr(),
         layer.input_layernorm.hidden_size, attention.num_heads, attention.num_kv_heads, attention.head_size,
         mlp.inner_size, num_blocks * block_size, block_size, layer.input_layernorm.eps, attention.attn.scale,
-        CACHE_DTYPE_CODES[key_cache.dtype], attention.attn.sliding_window or 0)
+        DTYPE_CODES[key_cache.dtype], attention.attn.sliding_window or 0, DTYPE_CODES[dtype])
     weights._keep = (key_cache, value_cache)  # the pointers stay valid while the structure lives
     layer._native_decode = ((attention.qkv_proj.weight.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr()),
                             weights)
@@ -90,16 +92,16 @@ class NativeDecodeStep:
     @classmethod
     def for_step(cls, model, metadata, kv_caches) -> "NativeDecodeStep | None":
         num_rows = metadata.num_tokens
+        dtype = model.rotary.cos_sin.dtype
         if not (0 < num_rows <= linear_rows_cpu.MAX_ROWS and metadata.num_seqs == num_rows and model.tp.world_size == 1
-                and model.rotary.cos_sin.dtype == torch.bfloat16 and model.rotary.cos_sin.device.type == "cpu"):
+                and dtype in DTYPE_CODES and model.rotary.cos_sin.device.type == "cpu"):
             return None
-        lib = linear_rows_cpu.supports(torch.empty(num_rows, 1, dtype=torch.bfloat16),
-                                       model.rotary.cos_sin)
+        lib = linear_rows_cpu.library()
         if lib is None or metadata.query_start_loc.tolist() != list(range(num_rows + 1)):
             return None
         layer_weights = []
         for layer, kv_cache in zip(model.layers, kv_caches):
-            weights = _layer_weights(layer, kv_cache)
+            weights = _layer_weights(layer, kv_cache, dtype)
             if weights is None:
                 return None
             layer_weights.append(weights)
@@ -122,12 +124,12 @@ class NativeDecodeStep:
         attention, inner = first.self_attn, first.mlp.inner_size
         qkv_width = (attention.num_heads + 2 * attention.num_kv_heads) * attention.head_size
         scratch = torch.empty(num_rows * (2 * size + qkv_width + attention.num_heads * attention.head_size
-                                          + 3 * inner), dtype=torch.bfloat16)
+                                          + 3 * inner), dtype=hidden.dtype)
         hidden = hidden.contiguous()
         residual = None
-        run_layer = self.lib.decode_layer_bf16
+        run_layer = self.lib.decode_layer
         for weights in self.layer_weights:
-            out = torch.empty(num_rows, size, dtype=torch.bfloat16)
+            out = torch.empty(num_rows, size, dtype=hidden.dtype)
             run_layer(weights, self.rows_address, hidden.data_ptr(),
                       residual.data_ptr() if residual is not None else None, residual is not None, out.data_ptr(),
                       scratch.data_ptr())
