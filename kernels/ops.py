@@ -5,7 +5,9 @@ The worker calls only these functions; their signatures are those of the referen
 implementation:
 
     auto (default)   Triton when the tensors are on CUDA and triton is installed; otherwise
-                     the production CPU paths: paged_attention_cpu (batched SDPA) and
+                     the production CPU paths: decodes through the native kernel
+                     (paged_attention_native) and prefill chunks through SDPA, or where the
+                     native library is missing paged_attention_cpu (batched SDPA) for both;
                      write_kv_cache_cpu (index_copy_), and the references for the block copies
     triton           always Triton; on CPU tensors this needs TRITON_INTERPRET=1 set before the
                      kernel modules are first imported (the Triton interpreter, for tests)
@@ -38,10 +40,11 @@ from functools import cache
 
 import torch
 
-from pagedserve.kernels import layer_ops_native, layer_ops_ref
+from pagedserve.kernels import layer_ops_native, layer_ops_ref, paged_attention_native
 from pagedserve.kernels.cache_ops_cpu import slot_mapping_has_padding, write_kv_cache_cpu
 from pagedserve.kernels.cache_ops_ref import copy_blocks_ref, swap_blocks_ref, write_kv_cache_ref
-from pagedserve.kernels.paged_attention_cpu import paged_attention_cpu, plan_cpu_attention
+from pagedserve.kernels.paged_attention_cpu import attend_prefills, paged_attention_cpu, plan_cpu_attention
+from pagedserve.kernels.paged_attention_native import paged_decode_attention, plan_native_decodes
 from pagedserve.kernels.packed_weights import Int8Weight
 from pagedserve.kernels.paged_attention_ref import paged_attention_ref
 from pagedserve.kernels.quantized_matmul_cpu import int4_linear_dequant, int8_linear_dequant, linear_cpu
@@ -75,6 +78,10 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query
     if os.environ.get(KERNELS_ENV) == "reference":
         return paged_attention_ref(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                                    scale, sliding_window, k_scale, v_scale)
+    lib = paged_attention_native.supports(query, key_cache, value_cache)
+    if lib is not None:
+        return _paged_attention_native(lib, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                                       scale, sliding_window, k_scale, v_scale, step_plans)
     plan = None
     if step_plans is not None:
         key = ("cpu_attention", key_cache.shape[1], sliding_window)
@@ -84,6 +91,27 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query
                                                         sliding_window)
     return paged_attention_cpu(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                                scale, sliding_window, k_scale, v_scale, plan)
+
+
+def _paged_attention_native(lib, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                            sliding_window, k_scale, v_scale, step_plans):
+    """Decodes by the native kernel, prefill chunks by SDPA (paged_attention_cpu.attend_prefills)."""
+    step_plans = {} if step_plans is None else step_plans
+    decodes = step_plans.get("native_decodes")
+    if decodes is None:
+        decodes = step_plans["native_decodes"] = plan_native_decodes(block_tables, seq_lens, query_start_loc)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [T, nh, hs]
+    if decodes.num_seqs < seq_lens.shape[0]:
+        key = ("cpu_attention", key_cache.shape[1], sliding_window)
+        plan = step_plans.get(key)
+        if plan is None:
+            plan = step_plans[key] = plan_cpu_attention(block_tables, seq_lens, query_start_loc, key_cache.shape[1],
+                                                        sliding_window)
+        attend_prefills(out, query, key_cache, value_cache, plan, scale * k_scale, v_scale)
+    if decodes.num_seqs:
+        paged_decode_attention(lib, query, key_cache, value_cache, out, decodes, scale * k_scale, sliding_window,
+                               v_scale)
+    return out
 
 
 def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=1.0, v_scale=1.0,

@@ -135,6 +135,16 @@ def paged_attention_cpu(
     return out if v_scale == 1.0 else out.mul_(v_scale)
 
 
+def attend_prefills(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    plan: CpuAttentionPlan, scale: float, v_scale: float = 1.0) -> None:
+    """Only the prefill chunks of plan, into their rows of out [T, nh, hs] (the native decode path's
+    companion: pagedserve.kernels.paged_attention_native attends the decodes)."""
+    for chunk in plan.prefills:
+        _prefill(out, query, key_cache, value_cache, chunk, scale)
+        if v_scale != 1.0:
+            out[chunk.q_start:chunk.q_start + chunk.q_len].mul_(v_scale)
+
+
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """cache [num_blocks, bs, kvh, hs], block_ids [n] -> [n * bs, kvh, hs] in dtype (a copy)."""
     return cache.index_select(0, block_ids).flatten(0, 1).to(dtype)

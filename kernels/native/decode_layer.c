@@ -1,6 +1,6 @@
 /* One pre-norm decoder layer of the Llama family for a decode step of a few rows, in one call:
- * the chain of the per-op native kernels (rms_norm.c, linear_rows.c, rotary_write_kv.c, the decode
- * attention, silu_mul.c) that the model otherwise calls one by one from Python, so its results are
+ * the chain of the per-op native kernels (rms_norm.c, linear_rows.c, rotary_write_kv.c,
+ * decode_attention.c, silu_mul.c) that the model otherwise calls one by one from Python, so its results are
  * those of that chain bit for bit. Activations and weights all bfloat16 or all float32 (dtype).
  *
  *   has_residual: residual += x, normed = norm1(residual)   else: normed = norm1(x), residual = x
@@ -12,8 +12,6 @@
  * `x` may be `residual` itself only when has_residual is 0 (the first layer: the residual stream
  * starts as the embeddings). scratch holds M * (H + qkv width + nh * hs + H + 2 inner + inner)
  * values of the dtype. */
-#include <math.h>
-
 #include "common.h"
 
 struct layer_weights {
@@ -35,6 +33,7 @@ struct step_rows {
     const int32_t *block_tables;         /* [M, max_blocks]: row i is sequence i's table */
     const int32_t *seq_lens;             /* [M] */
     const int32_t *query_start_loc;      /* [M + 1]: 0, 1, ..., M */
+    const int64_t *seqs;                 /* [M]: 0, 1, ..., M - 1 */
     int64_t num_rows, max_blocks;
 };
 
@@ -47,8 +46,12 @@ void rotary_write_kv(void *qkv, const void *cos_sin, const int64_t *positions, c
                      int64_t head_size, int64_t stride, int64_t num_slots, int32_t dtype, int32_t cache_dtype);
 void linear_rows_f32(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K);
 void silu_mul(const void *gate_up, void *out, int64_t T, int64_t inner, int64_t stride, int32_t dtype);
-void decode_layer_attention(const void *qkv, int64_t qkv_stride, void *out, const struct layer_weights *lw,
-                            const struct step_rows *st);
+void paged_decode_attention(const void *query, int64_t q_stride, void *out, int64_t out_stride, const void *key_cache,
+                            const void *value_cache, const int32_t *block_tables, int64_t max_blocks,
+                            const int32_t *seq_lens, const int32_t *query_start_loc, const int64_t *seqs,
+                            int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
+                            int64_t block_size, float scale, int32_t sliding_window, float v_scale, int32_t dtype,
+                            int32_t cache_dtype);
 
 static void linear(int32_t dtype, const void *x, const void *w, const void *bias, void *y, int64_t M, int64_t N,
                    int64_t K) {
@@ -70,47 +73,13 @@ void decode_layer(const struct layer_weights *lw, const struct step_rows *st, vo
     linear(dtype, normed, lw->w_qkv, lw->b_qkv, qkv, M, qkv_width, H);
     rotary_write_kv(qkv, st->cos_sin, st->positions, st->slot_mapping, lw->key_cache, lw->value_cache, M,
                     lw->num_heads, lw->num_kv_heads, hs, qkv_width, lw->num_slots, dtype, lw->cache_dtype);
-    decode_layer_attention(qkv, qkv_width, attn, lw, st);
+    paged_decode_attention(qkv, qkv_width, attn, q_width, lw->key_cache, lw->value_cache, st->block_tables,
+                           st->max_blocks, st->seq_lens, st->query_start_loc, st->seqs, M, lw->num_heads,
+                           lw->num_kv_heads, hs, lw->block_size, lw->scale, lw->sliding_window, 1.0f, dtype,
+                           lw->cache_dtype);
     linear(dtype, attn, lw->w_o, lw->b_o, o, M, H, q_width);
     add_rms_norm(o, residual, lw->norm2, normed, M, H, lw->eps, dtype, 1);
     linear(dtype, normed, lw->w_gate_up, lw->b_gate_up, gate_up, M, 2 * lw->inner, H);
     silu_mul(gate_up, act, M, lw->inner, 2 * lw->inner, dtype);
     linear(dtype, act, lw->w_down, lw->b_down, out, M, H, lw->inner);
-}
-
-/* Each row's query (in qkv, row stride qkv_stride) over positions [0, seq_lens[i]) of its own
- * sequence (block table row i), float32 scores and sums.
- * Parallel over (row, kv head). The output rounded once to the dtype. */
-void decode_layer_attention(const void *qkv, int64_t qkv_stride, void *out, const struct layer_weights *lw,
-                            const struct step_rows *st) {
-    int64_t hs = lw->head_size, kvh = lw->num_kv_heads, group = lw->num_heads / kvh;
-    int64_t bs = lw->block_size, kv_width = kvh * hs;
-    int64_t pairs = st->num_rows * kvh;
-#pragma omp parallel for schedule(dynamic)
-    for (int64_t pair = 0; pair < pairs; pair++) {
-        int64_t row = pair / kvh, kv_head = pair % kvh;
-        int64_t len = st->seq_lens[row];
-        int64_t first = lw->sliding_window > 0 && len > lw->sliding_window ? len - lw->sliding_window : 0;
-        const int32_t *table = st->block_tables + row * st->max_blocks;
-        for (int64_t g = 0; g < group; g++) {
-            int64_t head = kv_head * group + g;
-            int64_t query = row * qkv_stride + head * hs;
-            float qf[512], acc[512], max_score = -INFINITY, denom = 0.0f;
-            for (int64_t d = 0; d < hs; d++) qf[d] = load_elem(qkv, query + d, lw->dtype) * lw->scale, acc[d] = 0.0f;
-            for (int64_t p = first; p < len; p++) {
-                int64_t slot = (int64_t)table[p / bs] * bs + p % bs;
-                int64_t base = slot * kv_width + kv_head * hs;
-                float score = 0.0f;
-#pragma omp simd reduction(+ : score)
-                for (int64_t d = 0; d < hs; d++) score += qf[d] * load_elem(lw->key_cache, base + d, lw->cache_dtype);
-                float new_max = score > max_score ? score : max_score;
-                float correction = expf(max_score - new_max), weight = expf(score - new_max);
-                denom = denom * correction + weight;
-                for (int64_t d = 0; d < hs; d++)
-                    acc[d] = acc[d] * correction + weight * load_elem(lw->value_cache, base + d, lw->cache_dtype);
-                max_score = new_max;
-            }
-            for (int64_t d = 0; d < hs; d++) store_elem(out, row * lw->num_heads * hs + head * hs + d, acc[d] / denom, lw->dtype);
-        }
-    }
 }

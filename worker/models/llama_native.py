@@ -38,7 +38,7 @@ class LayerWeights(ctypes.Structure):  # struct layer_weights in decode_layer.c
 
 class StepRows(ctypes.Structure):  # struct step_rows in decode_layer.c
     _fields_ = [(name, _P) for name in ("cos_sin", "positions", "slot_mapping", "block_tables", "seq_lens",
-                                        "query_start_loc")] + [("num_rows", _I64), ("max_blocks", _I64)]
+                                        "query_start_loc", "seqs")] + [("num_rows", _I64), ("max_blocks", _I64)]
 
 
 def _ptr(tensor: torch.Tensor | None) -> int | None:
@@ -62,7 +62,9 @@ def _layer_weights(layer, kv_cache, dtype: torch.dtype) -> LayerWeights | None:
     linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
     if not (all(_is_dense(linear, dtype) for linear in linears) and key_cache.dtype in (dtype, torch.float32)
             and key_cache.dtype == value_cache.dtype and key_cache.is_contiguous() and value_cache.is_contiguous()
-            and attention.head_size <= 512 and layer.input_layernorm.weight.dtype == dtype):
+            and attention.head_size <= 512 and attention.num_heads // attention.num_kv_heads <= 64
+            and attention.num_heads // attention.num_kv_heads * attention.head_size <= 8192
+            and layer.input_layernorm.weight.dtype == dtype):
         layer._native_decode = None
         return None
     num_blocks, block_size = key_cache.shape[:2]
@@ -111,11 +113,12 @@ class NativeDecodeStep:
         query_start_loc = metadata.query_start_loc.to(torch.int32).contiguous()
         positions = metadata.positions.contiguous()
         slot_mapping = metadata.slot_mapping.contiguous()
+        seqs = torch.arange(num_rows)
         rows = StepRows(model.rotary.cos_sin.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(),
-                        block_tables.data_ptr(), seq_lens.data_ptr(), query_start_loc.data_ptr(), num_rows,
-                        block_tables.shape[1])
+                        block_tables.data_ptr(), seq_lens.data_ptr(), query_start_loc.data_ptr(), seqs.data_ptr(),
+                        num_rows, block_tables.shape[1])
         return cls(lib, model, layer_weights, rows,
-                   (block_tables, seq_lens, query_start_loc, positions, slot_mapping))
+                   (block_tables, seq_lens, query_start_loc, positions, slot_mapping, seqs))
 
     def run(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [M, H] (the embeddings) -> (last layer's output, residual stream), as the layer loop returns."""

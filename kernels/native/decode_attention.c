@@ -1,0 +1,110 @@
+/* Decode attention straight from the paged KV cache: each listed sequence's one query row attends
+ * over its context [0, seq_lens[s]) read through its block table, with no gathered copy; torch
+ * reference: paged_attention_ref (kernels/paged_attention_native.py wraps it).
+ *
+ * query [*, nh, hs] with row stride q_stride (elements; the query heads of a fused QKV output),
+ * out with row stride out_stride; sequence s's query and output row is query_start_loc[s].
+ * key_cache / value_cache [num_blocks, block_size, kvh, hs]; query head h reads kv head
+ * h / (nh / kvh). scale multiplies the scores (k_scale folded in by the caller), v_scale the
+ * output. sliding_window > 0 keeps positions p > L - 1 - window. Query and output in dtype,
+ * caches in cache_dtype (float32 or bfloat16); scores, softmax and sums in float32, the output
+ * rounded once.
+ *
+ * One (sequence, kv head) pair per task: every K and V row is read once for all the query heads
+ * of its group. Two passes: the scores of all positions (kept in a scratch row per head), then
+ * one exp per score and the weighted sum of V. exp is a polynomial (exp_poly) that gcc
+ * vectorises; it is within 2 units in the last place of expf on the softmax's range (x <= 0). */
+#include <math.h>
+#include <stdlib.h>
+
+#include "common.h"
+
+#define MAX_GROUP_WIDTH 8192 /* query heads per kv head x head size held on the stack */
+
+static inline float exp_poly(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = nearbyintf(x * 1.44269504088896341f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+static inline void load_row(const void *base, int64_t offset, int64_t n, int dtype, float *dst) {
+    if (dtype == DTYPE_BF16) {
+        const uint16_t *src = (const uint16_t *)base + offset;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(src[i]);
+    } else {
+        memcpy(dst, (const float *)base + offset, (size_t)n * sizeof(float));
+    }
+}
+
+void paged_decode_attention(const void *query, int64_t q_stride, void *out, int64_t out_stride, const void *key_cache,
+                            const void *value_cache, const int32_t *block_tables, int64_t max_blocks,
+                            const int32_t *seq_lens, const int32_t *query_start_loc, const int64_t *seqs,
+                            int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
+                            int64_t block_size, float scale, int32_t sliding_window, float v_scale, int32_t dtype,
+                            int32_t cache_dtype) {
+    int64_t group = num_heads / num_kv_heads, hs = head_size, kv_width = num_kv_heads * hs;
+    int64_t tasks = num_seqs * num_kv_heads;
+#pragma omp parallel for schedule(dynamic) if (tasks >= 4)
+    for (int64_t task = 0; task < tasks; task++) {
+        int64_t s = seqs[task / num_kv_heads], kv_head = task % num_kv_heads;
+        int64_t len = seq_lens[s], row = query_start_loc[s];
+        int64_t first = sliding_window > 0 && len > sliding_window ? len - sliding_window : 0;
+        int64_t n = len - first;
+        const int32_t *table = block_tables + s * max_blocks;
+        float q[MAX_GROUP_WIDTH], acc[MAX_GROUP_WIDTH], kv[512], denom[64];
+        float *scores = malloc((size_t)(group * n) * sizeof(float));
+        for (int64_t j = 0; j < group; j++) {
+            load_row(query, row * q_stride + (kv_head * group + j) * hs, hs, dtype, q + j * hs);
+            for (int64_t d = 0; d < hs; d++) q[j * hs + d] *= scale, acc[j * hs + d] = 0.0f;
+        }
+        for (int64_t p = first; p < len; p++) {
+            int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
+            load_row(key_cache, slot * kv_width + kv_head * hs, hs, cache_dtype, kv);
+            for (int64_t j = 0; j < group; j++) {
+                float dot = 0.0f;
+                const float *qj = q + j * hs;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t d = 0; d < hs; d++) dot += qj[d] * kv[d];
+                scores[j * n + p - first] = dot;
+            }
+        }
+        for (int64_t j = 0; j < group; j++) {
+            float *row_scores = scores + j * n, max_score = -INFINITY, sum = 0.0f;
+            for (int64_t i = 0; i < n; i++) max_score = row_scores[i] > max_score ? row_scores[i] : max_score;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t i = 0; i < n; i++) {
+                row_scores[i] = exp_poly(row_scores[i] - max_score);
+                sum += row_scores[i];
+            }
+            denom[j] = sum;
+        }
+        for (int64_t p = first; p < len; p++) {
+            int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
+            load_row(value_cache, slot * kv_width + kv_head * hs, hs, cache_dtype, kv);
+            for (int64_t j = 0; j < group; j++) {
+                float weight = scores[j * n + p - first];
+                float *aj = acc + j * hs;
+#pragma omp simd
+                for (int64_t d = 0; d < hs; d++) aj[d] += weight * kv[d];
+            }
+        }
+        for (int64_t j = 0; j < group; j++) {
+            float factor = v_scale / denom[j];
+            int64_t base = row * out_stride + (kv_head * group + j) * hs;
+            for (int64_t d = 0; d < hs; d++) store_elem(out, base + d, acc[j * hs + d] * factor, dtype);
+        }
+        free(scores);
+    }
+}
