@@ -29,7 +29,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from pagedserve.kernels.linear_rows_cpu import linear_rows, supports
+    from pagedserve.kernels.linear_rows_cpu import KERNEL_MAX_ROWS, linear_rows, supports
     from pagedserve.kernels.prepacked_linear_cpu import prepack_linear_weight, prepacked_linear
 
     weights = [torch.randn(shape).bfloat16() for _ in range(30) for shape in SHAPES] + [
@@ -38,7 +38,7 @@ def main() -> None:
     rows_out = []
     for num_rows in (int(value) for value in args.rows.split(",")):
         inputs = {size: torch.randn(num_rows, size).bfloat16() for size in (576, 1536)}
-        assert supports(inputs[576], weights[0]), "the native kernel is not available here"
+        assert supports(inputs[576], weights[0], KERNEL_MAX_ROWS), "the native kernel is not available here"
 
         def onednn() -> None:
             for weight in packed:

@@ -7,11 +7,13 @@ kernel prefetches each weight row 16 KiB ahead. SmolLM2-135M's 121 projections o
 step (268 MB of bfloat16 weights, each read once, so from memory and not from cache), 2 threads,
 this machine (bench/linear_rows.py):
 
-    rows      1        2        3        4        8
-    oneDNN    14.90    14.49    14.34    14.46    14.67 ms
-    native    11.31    12.58    13.75    14.69    17.95 ms
+    rows      1        2        3        4        5        8
+    oneDNN    14.87    14.64    14.98    15.03    15.13    15.60 ms
+    native    11.55    12.86    13.92    14.87    15.59    19.22 ms
 
-so the layers take it up to MAX_ROWS rows (two) and oneDNN above.
+so layers called one by one take it up to MAX_ROWS rows (two) and oneDNN above; the native
+decoder layers (pagedserve.worker.models.llama_native) take it up to four rows, where the calls
+they save outweigh the rest.
 
 The sums run in another order than oneDNN's, so results differ from F.linear in the last bit of
 some values (float32 accumulation both). A float32 twin (linear_rows_f32, AVX-512 FMAs) serves

@@ -17,14 +17,13 @@
 #define PREFETCH_AHEAD 8192
 
 #if defined(__AVX512BF16__)
-static inline __attribute__((always_inline)) void block_bf16(const int M, const uint16_t *x, const uint16_t *w,
-                                                              const uint16_t *bias, uint16_t *y, int64_t n0,
-                                                              int64_t nr, int64_t N, int64_t K) {
+static inline __attribute__((always_inline)) void rows_bf16(const int M, const int R, const uint16_t *x,
+                                                             const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                                                             int64_t n0, int64_t nr, int64_t N, int64_t K) {
     __m512 acc[LINEAR_ROWS_MAX][ROWS_PER_BLOCK];
     for (int m = 0; m < M; m++)
-        for (int r = 0; r < ROWS_PER_BLOCK; r++) acc[m][r] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k < K; k += 32) {
+        for (int r = 0; r < R; r++) acc[m][r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
         __mmask32 mask = K - k >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (K - k)) - 1u);
         __m512bh xv[LINEAR_ROWS_MAX];
         for (int m = 0; m < M; m++) xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + (int64_t)m * K + k);
@@ -41,6 +40,19 @@ static inline __attribute__((always_inline)) void block_bf16(const int M, const 
             if (bias) sum += bf16_to_f32(bias[n0 + r]);
             y[(int64_t)m * N + n0 + r] = f32_to_bf16(sum);
         }
+}
+
+/* one block of up to ROWS_PER_BLOCK weight rows; above 4 input rows, M x 4 accumulators would
+ * spill out of the 32 vector registers, so the block runs as two halves of 2 weight rows */
+static inline __attribute__((always_inline)) void block_bf16(const int M, const uint16_t *x, const uint16_t *w,
+                                                              const uint16_t *bias, uint16_t *y, int64_t n0,
+                                                              int64_t nr, int64_t N, int64_t K) {
+    if (M <= 4) {
+        rows_bf16(M, ROWS_PER_BLOCK, x, w, bias, y, n0, nr, N, K);
+        return;
+    }
+    rows_bf16(M, 2, x, w, bias, y, n0, nr < 2 ? nr : 2, N, K);
+    if (nr > 2) rows_bf16(M, 2, x, w, bias, y, n0 + 2, nr - 2, N, K);
 }
 
 #define CASE(m)                                                   \

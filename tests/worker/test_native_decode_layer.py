@@ -35,7 +35,7 @@ def _decode_logits(runner: ModelRunner, prompts: list[list[int]], native: bool, 
     """Prefills the prompts but their last token (per-op path), then one decode step of the last tokens,
     native layers allowed or not; checks which path the decode step took (expect_native, default native)."""
     model = runner.model
-    tables = [[2 * i * 10 + j for j in range(-(-len(prompt) // 16))] for i, prompt in enumerate(prompts)]
+    tables = [[8 * i + j for j in range(-(-len(prompt) // 16))] for i, prompt in enumerate(prompts)]
     taken = []
     def for_step(cls, *args):
         step = FOR_STEP(cls, *args) if native else None
@@ -61,7 +61,7 @@ def _decode_logits(runner: ModelRunner, prompts: list[list[int]], native: bool, 
 
 
 @pytest.mark.parametrize("name", ["llama-gqa-untied", "qwen2-bias-tied", "mistral-window-48", "llama3-rope-scaling"])
-@pytest.mark.parametrize("lengths", [(70,), (33, 90)])
+@pytest.mark.parametrize("lengths", [(70,), (33, 90), (5, 17, 40, 81)])
 def test_native_layers_give_the_per_op_logits(checkpoint_dir, monkeypatch, name, lengths):
     prompts = make_prompts(seed=len(lengths), lengths=lengths)
     bf16 = _runner(checkpoint_dir(name), "bfloat16")
@@ -87,9 +87,9 @@ def test_a_float32_cache_under_a_bfloat16_model(checkpoint_dir, monkeypatch):
 
 
 def test_steps_it_does_not_take(checkpoint_dir, monkeypatch):
-    prompts = make_prompts(seed=4, lengths=(20, 21, 22))
+    prompts = make_prompts(seed=4, lengths=(20, 21, 22, 23, 24))
     runner = _runner(checkpoint_dir("llama-gqa-untied"), "bfloat16")
-    _decode_logits(runner, prompts, True, monkeypatch, expect_native=False)  # three rows: above MAX_ROWS
+    _decode_logits(runner, prompts, True, monkeypatch, expect_native=False)  # five rows: above MAX_ROWS
     fp8 = _runner(checkpoint_dir("llama-gqa-untied"), "bfloat16", kv_cache_dtype="fp8_e4m3")
     _decode_logits(fp8, prompts[:1], True, monkeypatch, expect_native=False)
     monkeypatch.setenv("PAGEDSERVE_KERNELS", "reference")

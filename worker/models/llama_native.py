@@ -7,8 +7,8 @@ top of its work; with 30 layers that was about a fifth of a SmolLM2 step.
     step = NativeDecodeStep.for_step(model, metadata, kv_caches)   # None: the model's own loop runs
     hidden, residual = step.run(hidden)                            # after the embedding
 
-It applies when every row of the step is a one-token decode, there are at most
-linear_rows_cpu.MAX_ROWS of them, the model is bfloat16 or float32 on one CPU rank with dense
+It applies when every row of the step is a one-token decode, there are at most MAX_ROWS (4) of
+them, the model is bfloat16 or float32 on one CPU rank with dense
 (not quantized) linear layers, the caches hold the model's dtype or float32, and the native
 library is built. In float32 the results differ from the per-op path in the last bits (sums in
 another order: the matmuls, RMSNorm's sum of squares), as bfloat16's do.
@@ -24,6 +24,9 @@ import torch
 
 from pagedserve.kernels import linear_rows_cpu
 
+# up to 4 rows: the row kernel streams the weights about as fast as oneDNN there (bench/linear_rows.py:
+# 1.29x at one row, 1.01x at four, 0.97x at five) and the layer saves the per-op calls
+MAX_ROWS = 4
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -95,7 +98,7 @@ class NativeDecodeStep:
     def for_step(cls, model, metadata, kv_caches) -> "NativeDecodeStep | None":
         num_rows = metadata.num_tokens
         dtype = model.rotary.cos_sin.dtype
-        if not (0 < num_rows <= linear_rows_cpu.MAX_ROWS and metadata.num_seqs == num_rows and model.tp.world_size == 1
+        if not (0 < num_rows <= MAX_ROWS and metadata.num_seqs == num_rows and model.tp.world_size == 1
                 and dtype in DTYPE_CODES and model.rotary.cos_sin.device.type == "cpu"):
             return None
         lib = linear_rows_cpu.library()
