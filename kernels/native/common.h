@@ -44,6 +44,25 @@ static inline float round_to(float v, int dtype) {
     return dtype == DTYPE_BF16 ? bf16_to_f32(f32_to_bf16(v)) : v;
 }
 
+/* exp(x) for x <= 88: a degree-6 polynomial on the reduced argument (Cephes' expf), within 2
+ * units in the last place of expf; plain arithmetic, so gcc vectorises loops that call it */
+static inline float exp_poly(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
 #define PARALLEL_MIN_ELEMENTS 32768 /* below this a loop runs on the calling thread */
 
 #endif

@@ -12,8 +12,10 @@
  *
  * One (sequence, kv head) pair per task: every K and V row is read once for all the query heads
  * of its group. Two passes: the scores of all positions (kept in a scratch row per head), then
- * one exp per score and the weighted sum of V. exp is a polynomial (exp_poly) that gcc
- * vectorises; it is within 2 units in the last place of expf on the softmax's range (x <= 0). */
+ * one exp per score and the weighted sum of V. exp is a polynomial (common.h exp_poly) that
+ * gcc vectorises. Head sizes that are multiples of 16 take AVX-512 loops (K and V rows widened
+ * 16 at a time); others the scalar ones. */
+#include <immintrin.h>
 #include <math.h>
 #include <stdlib.h>
 
@@ -21,22 +23,15 @@
 
 #define MAX_GROUP_WIDTH 8192 /* query heads per kv head x head size held on the stack */
 
-static inline float exp_poly(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float n = nearbyintf(x * 1.44269504088896341f);
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    return p * scale;
+#if defined(__AVX512F__)
+/* 16 elements of a float32 or bfloat16 row, widened */
+static inline __m512 load16(const void *base, int64_t offset, int dtype) {
+    if (dtype == DTYPE_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + offset))), 16));
+    return _mm512_loadu_ps((const float *)base + offset);
 }
+#endif
 
 static inline void load_row(const void *base, int64_t offset, int64_t n, int dtype, float *dst) {
     if (dtype == DTYPE_BF16) {
@@ -71,6 +66,19 @@ void paged_decode_attention(const void *query, int64_t q_stride, void *out, int6
         }
         for (int64_t p = first; p < len; p++) {
             int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
+#if defined(__AVX512F__)
+            if (hs % 16 == 0) {
+                __m512 dots[64];
+                for (int64_t j = 0; j < group; j++) dots[j] = _mm512_setzero_ps();
+                for (int64_t d = 0; d < hs; d += 16) {
+                    __m512 k = load16(key_cache, slot * kv_width + kv_head * hs + d, cache_dtype);
+                    for (int64_t j = 0; j < group; j++)
+                        dots[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * hs + d), k, dots[j]);
+                }
+                for (int64_t j = 0; j < group; j++) scores[j * n + p - first] = _mm512_reduce_add_ps(dots[j]);
+                continue;
+            }
+#endif
             load_row(key_cache, slot * kv_width + kv_head * hs, hs, cache_dtype, kv);
             for (int64_t j = 0; j < group; j++) {
                 float dot = 0.0f;
@@ -92,6 +100,19 @@ void paged_decode_attention(const void *query, int64_t q_stride, void *out, int6
         }
         for (int64_t p = first; p < len; p++) {
             int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
+#if defined(__AVX512F__)
+            if (hs % 16 == 0) {
+                for (int64_t d = 0; d < hs; d += 16) {
+                    __m512 v = load16(value_cache, slot * kv_width + kv_head * hs + d, cache_dtype);
+                    for (int64_t j = 0; j < group; j++) {
+                        float *aj = acc + j * hs + d;
+                        _mm512_storeu_ps(aj, _mm512_fmadd_ps(_mm512_set1_ps(scores[j * n + p - first]), v,
+                                                             _mm512_loadu_ps(aj)));
+                    }
+                }
+                continue;
+            }
+#endif
             load_row(value_cache, slot * kv_width + kv_head * hs, hs, cache_dtype, kv);
             for (int64_t j = 0; j < group; j++) {
                 float weight = scores[j * n + p - first];
