@@ -43,6 +43,67 @@ static inline void load_row(const void *base, int64_t offset, int64_t n, int dty
     }
 }
 
+#if defined(__AVX512BF16__)
+/* The common case, specialised: bfloat16 query and cache, head size 64, G <= 4 query heads per KV
+ * head. Scores by AVX-512 BF16 dot products on the raw bfloat16 rows (the query is bfloat16
+ * already; float32 sums), the V sums in G x 4 registers. */
+static inline __attribute__((always_inline)) void attend_bf16_64(
+    const int G, const uint16_t *query, int64_t q_row, uint16_t *out, int64_t out_row, const uint16_t *key_cache,
+    const uint16_t *value_cache, const int32_t *table, int64_t first, int64_t len, int64_t block_size,
+    int64_t kv_width, int64_t kv_head, float scale, float v_scale, float *scores) {
+    int64_t n = len - first;
+    __m512bh q[4][2];
+    for (int j = 0; j < G; j++) {
+        const uint16_t *qj = query + q_row + (kv_head * G + j) * 64;
+        q[j][0] = (__m512bh)_mm512_loadu_si512((const void *)qj);
+        q[j][1] = (__m512bh)_mm512_loadu_si512((const void *)(qj + 32));
+    }
+    for (int64_t p = first; p < len; p++) {
+        const uint16_t *k = key_cache + ((int64_t)table[p / block_size] * block_size + p % block_size) * kv_width
+                            + kv_head * 64;
+        __m512bh k0 = (__m512bh)_mm512_loadu_si512((const void *)k), k1 = (__m512bh)_mm512_loadu_si512((const void *)(k + 32));
+        for (int j = 0; j < G; j++) {
+            __m512 dot = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), q[j][0], k0), q[j][1], k1);
+            scores[j * n + p - first] = _mm512_reduce_add_ps(dot) * scale;
+        }
+    }
+    float denom[4];
+    for (int j = 0; j < G; j++) {
+        float *row_scores = scores + j * n, max_score = -INFINITY, sum = 0.0f;
+        for (int64_t i = 0; i < n; i++) max_score = row_scores[i] > max_score ? row_scores[i] : max_score;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < n; i++) {
+            row_scores[i] = exp_poly(row_scores[i] - max_score);
+            sum += row_scores[i];
+        }
+        denom[j] = sum;
+    }
+    __m512 acc[4][4];
+    for (int j = 0; j < G; j++)
+        for (int c = 0; c < 4; c++) acc[j][c] = _mm512_setzero_ps();
+    for (int64_t p = first; p < len; p++) {
+        const uint16_t *v = value_cache + ((int64_t)table[p / block_size] * block_size + p % block_size) * kv_width
+                            + kv_head * 64;
+        __m512 vf[4];
+        for (int c = 0; c < 4; c++)
+            vf[c] = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v + 16 * c))), 16));
+        for (int j = 0; j < G; j++) {
+            __m512 w = _mm512_set1_ps(scores[j * n + p - first]);
+            for (int c = 0; c < 4; c++) acc[j][c] = _mm512_fmadd_ps(w, vf[c], acc[j][c]);
+        }
+    }
+    for (int j = 0; j < G; j++) {
+        __m512 factor = _mm512_set1_ps(v_scale / denom[j]);
+        uint16_t *o = out + out_row + (kv_head * G + j) * 64;
+        for (int c = 0; c < 4; c++) {
+            __m512 r = _mm512_mul_ps(acc[j][c], factor);
+            for (int i = 0; i < 16; i++) o[16 * c + i] = f32_to_bf16(r[i]);
+        }
+    }
+}
+#endif
+
 void paged_decode_attention(const void *query, int64_t q_stride, void *out, int64_t out_stride, const void *key_cache,
                             const void *value_cache, const int32_t *block_tables, int64_t max_blocks,
                             const int32_t *seq_lens, const int32_t *query_start_loc, const int64_t *seqs,
@@ -58,8 +119,26 @@ void paged_decode_attention(const void *query, int64_t q_stride, void *out, int6
         int64_t first = sliding_window > 0 && len > sliding_window ? len - sliding_window : 0;
         int64_t n = len - first;
         const int32_t *table = block_tables + s * max_blocks;
-        float q[MAX_GROUP_WIDTH], acc[MAX_GROUP_WIDTH], kv[512], denom[64];
         float *scores = malloc((size_t)(group * n) * sizeof(float));
+#if defined(__AVX512BF16__)
+        if (dtype == DTYPE_BF16 && cache_dtype == DTYPE_BF16 && hs == 64 && group <= 4) {
+            const uint16_t *qb = query, *kb = key_cache, *vb = value_cache;
+            uint16_t *ob = out;
+            switch (group) {
+            case 1: attend_bf16_64(1, qb, row * q_stride, ob, row * out_stride, kb, vb, table, first, len, block_size,
+                                   kv_width, kv_head, scale, v_scale, scores); break;
+            case 2: attend_bf16_64(2, qb, row * q_stride, ob, row * out_stride, kb, vb, table, first, len, block_size,
+                                   kv_width, kv_head, scale, v_scale, scores); break;
+            case 3: attend_bf16_64(3, qb, row * q_stride, ob, row * out_stride, kb, vb, table, first, len, block_size,
+                                   kv_width, kv_head, scale, v_scale, scores); break;
+            default: attend_bf16_64(4, qb, row * q_stride, ob, row * out_stride, kb, vb, table, first, len,
+                                    block_size, kv_width, kv_head, scale, v_scale, scores); break;
+            }
+            free(scores);
+            continue;
+        }
+#endif
+        float q[MAX_GROUP_WIDTH], acc[MAX_GROUP_WIDTH], kv[512], denom[64];
         for (int64_t j = 0; j < group; j++) {
             load_row(query, row * q_stride + (kv_head * group + j) * hs, hs, dtype, q + j * hs);
             for (int64_t d = 0; d < hs; d++) q[j * hs + d] *= scale, acc[j * hs + d] = 0.0f;
