@@ -63,6 +63,6 @@ static inline float exp_poly(float x) {
     return p * scale;
 }
 
-#define PARALLEL_MIN_ELEMENTS 32768 /* below this a loop runs on the calling thread */
+#define PARALLEL_MIN_ELEMENTS 8192 /* below this a loop runs on the calling thread */
 
 #endif

@@ -21,7 +21,8 @@
 
 #include "common.h"
 
-#define MAX_GROUP_WIDTH 8192 /* query heads per kv head x head size held on the stack */
+#define MAX_GROUP_WIDTH 8192
+#define PREFETCH_POSITIONS 8 /* context positions ahead */ /* query heads per kv head x head size held on the stack */
 
 #if defined(__AVX512F__)
 /* 16 elements of a float32 or bfloat16 row, widened */
@@ -61,6 +62,14 @@ static inline __attribute__((always_inline)) void attend_bf16_64(
     for (int64_t p = first; p < len; p++) {
         const uint16_t *k = key_cache + ((int64_t)table[p / block_size] * block_size + p % block_size) * kv_width
                             + kv_head * 64;
+        if (p + PREFETCH_POSITIONS < len) { /* the cache is read from memory: fetch K and V rows ahead */
+            int64_t ahead = ((int64_t)table[(p + PREFETCH_POSITIONS) / block_size] * block_size
+                             + (p + PREFETCH_POSITIONS) % block_size) * kv_width + kv_head * 64;
+            _mm_prefetch((const char *)(key_cache + ahead), _MM_HINT_T0);
+            _mm_prefetch((const char *)(key_cache + ahead + 32), _MM_HINT_T0);
+            _mm_prefetch((const char *)(value_cache + ahead), _MM_HINT_T1);
+            _mm_prefetch((const char *)(value_cache + ahead + 32), _MM_HINT_T1);
+        }
         __m512bh k0 = (__m512bh)_mm512_loadu_si512((const void *)k), k1 = (__m512bh)_mm512_loadu_si512((const void *)(k + 32));
         for (int j = 0; j < G; j++) {
             __m512 dot = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), q[j][0], k0), q[j][1], k1);
