@@ -44,6 +44,20 @@ static inline void load_row(const void *base, int64_t offset, int64_t n, int dty
     }
 }
 
+/* scores [G, n] -> exp(score - row max) in place; denom[j] = the row's sum */
+static inline void softmax_rows(float *scores, int64_t G, int64_t n, float *denom) {
+    for (int64_t j = 0; j < G; j++) {
+        float *row_scores = scores + j * n, max_score = -INFINITY, sum = 0.0f;
+        for (int64_t i = 0; i < n; i++) max_score = row_scores[i] > max_score ? row_scores[i] : max_score;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < n; i++) {
+            row_scores[i] = exp_poly(row_scores[i] - max_score);
+            sum += row_scores[i];
+        }
+        denom[j] = sum;
+    }
+}
+
 #if defined(__AVX512BF16__)
 /* The common case, specialised: bfloat16 query and cache, head size 64, G <= 4 query heads per KV
  * head. Scores by AVX-512 BF16 dot products on the raw bfloat16 rows (the query is bfloat16
@@ -77,16 +91,7 @@ static inline __attribute__((always_inline)) void attend_bf16_64(
         }
     }
     float denom[4];
-    for (int j = 0; j < G; j++) {
-        float *row_scores = scores + j * n, max_score = -INFINITY, sum = 0.0f;
-        for (int64_t i = 0; i < n; i++) max_score = row_scores[i] > max_score ? row_scores[i] : max_score;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < n; i++) {
-            row_scores[i] = exp_poly(row_scores[i] - max_score);
-            sum += row_scores[i];
-        }
-        denom[j] = sum;
-    }
+    softmax_rows(scores, G, n, denom);
     __m512 acc[4][4];
     for (int j = 0; j < G; j++)
         for (int c = 0; c < 4; c++) acc[j][c] = _mm512_setzero_ps();
@@ -176,16 +181,7 @@ void paged_decode_attention(const void *query, int64_t q_stride, void *out, int6
                 scores[j * n + p - first] = dot;
             }
         }
-        for (int64_t j = 0; j < group; j++) {
-            float *row_scores = scores + j * n, max_score = -INFINITY, sum = 0.0f;
-            for (int64_t i = 0; i < n; i++) max_score = row_scores[i] > max_score ? row_scores[i] : max_score;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t i = 0; i < n; i++) {
-                row_scores[i] = exp_poly(row_scores[i] - max_score);
-                sum += row_scores[i];
-            }
-            denom[j] = sum;
-        }
+        softmax_rows(scores, group, n, denom);
         for (int64_t p = first; p < len; p++) {
             int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
 #if defined(__AVX512F__)

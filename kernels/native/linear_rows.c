@@ -16,6 +16,24 @@
 #define ROWS_PER_BLOCK 4
 #define PREFETCH_AHEAD 8192
 
+/* the blocks of ROWS_PER_BLOCK output rows over the threads, M specialised by a switch */
+#define FOR_EACH_BLOCK(block)                                                                  \
+    int64_t num_blocks = (N + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK;                            \
+    _Pragma("omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_ELEMENTS)")           \
+    for (int64_t b = 0; b < num_blocks; b++) {                                                 \
+        int64_t n0 = b * ROWS_PER_BLOCK, nr = N - n0 < ROWS_PER_BLOCK ? N - n0 : ROWS_PER_BLOCK; \
+        switch (M) {                                                                           \
+        case 1: block(1, x, w, bias, y, n0, nr, N, K); break;                                  \
+        case 2: block(2, x, w, bias, y, n0, nr, N, K); break;                                  \
+        case 3: block(3, x, w, bias, y, n0, nr, N, K); break;                                  \
+        case 4: block(4, x, w, bias, y, n0, nr, N, K); break;                                  \
+        case 5: block(5, x, w, bias, y, n0, nr, N, K); break;                                  \
+        case 6: block(6, x, w, bias, y, n0, nr, N, K); break;                                  \
+        case 7: block(7, x, w, bias, y, n0, nr, N, K); break;                                  \
+        default: block(8, x, w, bias, y, n0, nr, N, K); break;                                 \
+        }                                                                                      \
+    }
+
 #if defined(__AVX512BF16__)
 static inline __attribute__((always_inline)) void rows_bf16(const int M, const int R, const uint16_t *x,
                                                              const uint16_t *w, const uint16_t *bias, uint16_t *y,
@@ -55,22 +73,9 @@ static inline __attribute__((always_inline)) void block_bf16(const int M, const 
     if (nr > 2) rows_bf16(M, 2, x, w, bias, y, n0 + 2, nr - 2, N, K);
 }
 
-#define CASE(m)                                                   \
-    case m:                                                       \
-        block_bf16(m, x, w, bias, y, n0, nr, N, K);               \
-        break;
-
 void linear_rows_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t M, int64_t N,
                       int64_t K) {
-    int64_t num_blocks = (N + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK;
-#pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_ELEMENTS)
-    for (int64_t b = 0; b < num_blocks; b++) {
-        int64_t n0 = b * ROWS_PER_BLOCK;
-        int64_t nr = N - n0 < ROWS_PER_BLOCK ? N - n0 : ROWS_PER_BLOCK;
-        switch (M) {
-            CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
-        }
-    }
+    FOR_EACH_BLOCK(block_bf16)
 }
 
 int32_t linear_rows_available(void) { return 1; }
@@ -99,21 +104,8 @@ static inline __attribute__((always_inline)) void block_f32(const int M, const f
         }
 }
 
-#define CASE_F32(m)                                               \
-    case m:                                                       \
-        block_f32(m, x, w, bias, y, n0, nr, N, K);                \
-        break;
-
 void linear_rows_f32(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K) {
-    int64_t num_blocks = (N + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK;
-#pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_ELEMENTS)
-    for (int64_t b = 0; b < num_blocks; b++) {
-        int64_t n0 = b * ROWS_PER_BLOCK;
-        int64_t nr = N - n0 < ROWS_PER_BLOCK ? N - n0 : ROWS_PER_BLOCK;
-        switch (M) {
-            CASE_F32(1) CASE_F32(2) CASE_F32(3) CASE_F32(4) CASE_F32(5) CASE_F32(6) CASE_F32(7) CASE_F32(8)
-        }
-    }
+    FOR_EACH_BLOCK(block_f32)
 }
 #else
 void linear_rows_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t M, int64_t N,
