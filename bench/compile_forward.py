@@ -30,11 +30,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from pagedserve.models.smollm2 import ensure_smollm2
-    from pagedserve.worker.attention import PagedAttention
+    from pagedserve.checkpoints.smollm2 import ensure_smollm2
+    from pagedserve.worker.layers.attention import PagedAttention
     from pagedserve.worker.model_input import build_model_input
     from pagedserve.worker.model_runner import ModelRunner
-    from pagedserve.worker.quantized_linear import QuantizableLinear
+    from pagedserve.worker.quantization.linear import QuantizableLinear
 
     PagedAttention.forward = torch._dynamo.disable(PagedAttention.forward)
     if args.eager_linears:

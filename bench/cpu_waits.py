@@ -21,7 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from output import print_table
-from pagedserve.serve_process import ServeProcess
+from pagedserve.launch.serve_process import ServeProcess
 from speculative import CHAT, GROUNDED, chat_request
 from workload import RESULTS_DIR
 

@@ -24,8 +24,8 @@ from output import print_table, save_report, timestamp
 from runner_driver import blocks_needed, generate, generate_drafting
 from speculative import CHAT, GROUNDED
 
-from pagedserve.frontend.tokenizer import load_tokenizer
-from pagedserve.models.resolve import resolve_model
+from pagedserve.frontend.tokenization.tokenizer import load_tokenizer
+from pagedserve.checkpoints.resolve import resolve_model
 from pagedserve.worker.model_runner import ModelRunner
 
 

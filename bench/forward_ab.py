@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from output import print_table
-from pagedserve.step_plan import ScheduledSeq
+from pagedserve.contracts.step_plan import ScheduledSeq
 from overheads import decode_scheduler
 
 REPO = Path(__file__).resolve().parent.parent
@@ -106,7 +106,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from pagedserve.models.smollm2 import ensure_smollm2
+    from pagedserve.checkpoints.smollm2 import ensure_smollm2
     from pagedserve.worker.model_input import build_model_input
     from pagedserve.worker.model_runner import ModelRunner
 

@@ -1,5 +1,5 @@
 """The projections of one SmolLM2-135M decode step at few rows: oneDNN (prepacked, the default for
-bfloat16 before this kernel) against the native row kernel (pagedserve.kernels.linear_rows_cpu).
+bfloat16 before this kernel) against the native row kernel (pagedserve.kernels.linear.native_rows).
 
     python bench/linear_rows.py [--rows 1,2,3,4,6,8] [--threads 2] [--iters 20]
 
@@ -29,8 +29,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from pagedserve.kernels.linear_rows_cpu import KERNEL_MAX_ROWS, linear_rows, supports
-    from pagedserve.kernels.prepacked_linear_cpu import prepack_linear_weight, prepacked_linear
+    from pagedserve.kernels.linear.native_rows import KERNEL_MAX_ROWS, linear_rows, supports
+    from pagedserve.kernels.linear.onednn import prepack_linear_weight, prepacked_linear
 
     weights = [torch.randn(shape).bfloat16() for _ in range(30) for shape in SHAPES] + [
         torch.randn(LM_HEAD).bfloat16()]

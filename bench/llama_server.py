@@ -22,8 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedserve.models.demo import cache_dir
-from pagedserve.serve_config import free_port
+from pagedserve.checkpoints.demo import cache_dir
+from pagedserve.launch.serve_config import free_port
 from workload import BenchRequest
 
 LLAMA_SERVER_ENV = "LLAMA_SERVER"

@@ -44,7 +44,7 @@ from memory_swap import SWAP_CYCLES, ModelTiming, measure_swap_and_recompute, pr
 from output import markdown_table, save_report, timestamp
 from workload import MODELS_DIR
 
-from pagedserve.scheduler.scheduler_config import SchedulerConfig
+from pagedserve.scheduler.core.config import SchedulerConfig
 
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 2048

@@ -1,6 +1,6 @@
 """KV block accounting of the real Scheduler over a workload, driven by a deterministic fake worker.
 
-The worker (pagedserve/digest_worker.py, no torch) keeps one digest per KV slot, chained over the
+The worker (pagedserve/testing/digest_worker.py, no torch) keeps one digest per KV slot, chained over the
 tokens before it, and picks the next token from the digests of a sequence's context read through
 its block table, so sequences that diverge (parallel samples, beams) keep diverging and beams that
 share a history share it block for block. Candidates come from seeded Gaussian logits (a peaked,
@@ -22,13 +22,13 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pagedserve.digest_worker import DigestWorker
-from pagedserve.request_types import Request
-from pagedserve.sampling_params import SamplingParams
-from pagedserve.scheduler.scheduler import Scheduler
-from pagedserve.scheduler.scheduler_config import SchedulerConfig
-from pagedserve.scheduler.sequence import SequenceGroup
-from pagedserve.step_plan import StepPlan
+from pagedserve.testing.digest_worker import DigestWorker
+from pagedserve.contracts.request_types import Request
+from pagedserve.contracts.sampling_params import SamplingParams
+from pagedserve.scheduler.core.scheduler import Scheduler
+from pagedserve.scheduler.core.config import SchedulerConfig
+from pagedserve.scheduler.core.sequence import SequenceGroup
+from pagedserve.contracts.step_plan import StepPlan
 
 VOCAB_SIZE = 64
 LOGIT_STD = 2.0

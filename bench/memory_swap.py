@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pagedserve.step_plan import ScheduledSeq, StepPlan
+from pagedserve.contracts.step_plan import ScheduledSeq, StepPlan
 
 BLOCK_SIZE = 16
 SWAP_CYCLES = 5
@@ -36,8 +36,8 @@ MAX_RUNS = 40
 
 @dataclass(frozen=True, slots=True)
 class SwapBenchModel:
-    """A Llama-shaped checkpoint built by pagedserve.models.tiny_checkpoint (the demo model is built by
-    pagedserve.models.demo with its own shape)."""
+    """A Llama-shaped checkpoint built by pagedserve.checkpoints.tiny_checkpoint (the demo model is built by
+    pagedserve.checkpoints.demo with its own shape)."""
 
     label: str
     hidden_size: int
@@ -66,7 +66,7 @@ class PreparedModel:
 
 
 def prepare_demo_model() -> PreparedModel:
-    from pagedserve.models.demo import demo_path, ensure_demo_model
+    from pagedserve.checkpoints.demo import demo_path, ensure_demo_model
 
     was_built = (demo_path() / "config.json").is_file()
     started = time.perf_counter()
@@ -75,7 +75,7 @@ def prepare_demo_model() -> PreparedModel:
 
 
 def prepare_bench_model(models_dir: Path, shape: SwapBenchModel = BENCH_MODEL) -> PreparedModel:
-    from pagedserve.models.tiny_checkpoint import build_tiny_checkpoint
+    from pagedserve.checkpoints.tiny_checkpoint import build_tiny_checkpoint
 
     folder = models_dir / shape.folder_name
     if (folder / "config.json").is_file():

@@ -38,7 +38,7 @@ from tqdm import tqdm
 from machine_info import machine
 from output import print_table, save_figure, save_report, timestamp
 from roofline import measure_matmul
-from pagedserve.serve_process import ServeProcess
+from pagedserve.launch.serve_process import ServeProcess
 from step_recorder import StepRecorder
 from stream_client import RequestTrace, run_requests
 from workload import BENCH_MODEL, RESULTS_DIR, BenchRequest, ModelShape, build_model, make_requests

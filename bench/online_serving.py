@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from machine_info import machine
 from output import print_table, save_figure, save_report, timestamp
-from pagedserve.serve_process import ServeProcess
+from pagedserve.launch.serve_process import ServeProcess
 from http_stream_client import run_http_requests
 from overheads import cpu_seconds
 from stream_client import RequestTrace, run_requests

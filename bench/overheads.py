@@ -28,12 +28,12 @@ from pathlib import Path
 from tqdm import tqdm
 
 from pagedserve.internal import step_pb2
-from pagedserve.plan_codec import encode_plan, encode_result, plan_from_proto, result_from_proto
-from pagedserve.request_types import Request
-from pagedserve.sampling_params import SamplingParams
-from pagedserve.scheduler.scheduler import Scheduler
-from pagedserve.scheduler.scheduler_config import SchedulerConfig
-from pagedserve.step_plan import SeqSample, StepResult
+from pagedserve.contracts.plan_codec import encode_plan, encode_result, plan_from_proto, result_from_proto
+from pagedserve.contracts.request_types import Request
+from pagedserve.contracts.sampling_params import SamplingParams
+from pagedserve.scheduler.core.scheduler import Scheduler
+from pagedserve.scheduler.core.config import SchedulerConfig
+from pagedserve.contracts.step_plan import SeqSample, StepResult
 from output import print_table, save_figure, save_report, timestamp
 from workload import RESULTS_DIR, ModelShape, build_model
 
@@ -189,7 +189,7 @@ def serving_step_row(num_seqs: int, num_steps: int, model_path: Path, *, dtype: 
 def serve_row(num_seqs: int, model_path: Path, threads: int, log_dir: Path) -> dict:
     """num_seqs long greedy requests at once through `serve`; step and forward seconds of the
     steps where all of them decode, from the scheduler's recent step records."""
-    from pagedserve.serve_process import ServeProcess
+    from pagedserve.launch.serve_process import ServeProcess
     from step_recorder import StepRecorder
     from stream_client import run_requests
     from workload import BenchRequest

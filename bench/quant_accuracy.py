@@ -15,7 +15,7 @@ weights and a float32 KV cache. Two workloads:
               count continuations identical to the reference's
 
 "calibrated" fp8 variants set per-layer KV scales from one prefill of the 32 chat prompts
-concatenated (pagedserve.worker.kv_scales; the default scale is 1.0).
+concatenated (pagedserve.testing.kv_scales; the default scale is 1.0).
 
 Metrics per variant: perplexity ratio (variant / reference, corpus), mean KL(reference || variant)
 per next-token distribution, top-1 agreement (the argmax tokens equal), share of identical greedy
@@ -44,9 +44,9 @@ import torch
 
 from machine_info import machine
 from output import print_table, save_report, timestamp
-from pagedserve.worker.kv_scales import calibrate_kv_scales
+from pagedserve.testing.kv_scales import calibrate_kv_scales
 from pagedserve.worker.model_runner import ModelRunner
-from pagedserve.worker.prompt_scoring import sequence_logits
+from pagedserve.testing.prompt_scoring import sequence_logits
 from runner_driver import blocks_needed, generate
 
 DATA = Path(__file__).resolve().parent / "data"

@@ -29,14 +29,14 @@ import torch.nn.functional as F
 from machine_info import machine
 from output import print_table, save_report, timestamp
 from pagedserve.kernels import ops
-from pagedserve.kernels.quantized_matmul_cpu import (
+from pagedserve.kernels.linear.quantized import (
     MAX_KERNEL_ROWS,
     int4_linear_cpu,
     int4_linear_dequant,
     int8_linear_cpu,
     int8_linear_dequant,
 )
-from pagedserve.worker.quantization import quantize_int4, quantize_int8
+from pagedserve.worker.quantization.quantizers import quantize_int4, quantize_int8
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}  # (N, K)
 

@@ -31,10 +31,10 @@ import torch
 
 from machine_info import machine
 from output import print_table, save_report, timestamp
-from pagedserve.kernels.kv_cache_dtype import KV_CACHE_DTYPES
+from pagedserve.kernels.cache.kv_dtype import KV_CACHE_DTYPES
 from pagedserve.worker.cache_engine import GIB, CacheShape, blocks_for_bytes
 from pagedserve.worker.model_runner import ModelRunner
-from pagedserve.worker.quantized_linear import QuantizableLinear
+from pagedserve.worker.quantization.linear import QuantizableLinear
 from runner_driver import blocks_needed, generate
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -76,7 +76,7 @@ def main() -> None:
     parser.add_argument("--formats", default=",".join(FORMATS), help="comma-separated subset")
     args = parser.parse_args()
     if args.gguf is not None:
-        from pagedserve.models.resolve import resolve_model
+        from pagedserve.checkpoints.resolve import resolve_model
 
         args.gguf = resolve_model(args.gguf)
     if args.threads:

@@ -59,8 +59,8 @@ from llama_server import LlamaServer, LlamaServerExited, default_llama_server
 from machine_info import machine
 from offline_throughput import decode_phase, step_summary
 from output import RESULTS_DIR, print_table, save_report, timestamp
-from pagedserve.models.smollm2 import ensure_smollm2
-from pagedserve.serve_process import ServeProcess
+from pagedserve.checkpoints.smollm2 import ensure_smollm2
+from pagedserve.launch.serve_process import ServeProcess
 from roofline import measure_matmul
 from step_recorder import StepRecorder
 from stream_client import run_requests
@@ -125,7 +125,7 @@ def run_pagedserve(dtype: str, workloads: dict[int, tuple[list[BenchRequest], bo
 def hf_folder(gguf: Path) -> Path:
     """A plain float32 Hugging Face folder of the GGUF's weights (transformers keeps a GGUF's
     weights packed and dequantizes them in every matmul); built once into the cache."""
-    from pagedserve.models.demo import cache_dir
+    from pagedserve.checkpoints.demo import cache_dir
     from quant_accuracy import build_from_gguf
 
     folder = cache_dir() / f"{gguf.stem}-hf-float32"

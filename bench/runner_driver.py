@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from pagedserve.step_plan import SampleSpec, ScheduledSeq, StepPlan
+from pagedserve.contracts.step_plan import SampleSpec, ScheduledSeq, StepPlan
 from pagedserve.worker.model_runner import ModelRunner
 
 GREEDY = SampleSpec()

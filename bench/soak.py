@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from output import RESULTS_DIR, save_report, timestamp
-from pagedserve.serve_process import ServeProcess
+from pagedserve.launch.serve_process import ServeProcess
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.worker.resident_memory import status_bytes
 

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from machine_info import machine
 from output import print_table, save_report, timestamp
-from pagedserve.serve_process import ServeProcess
+from pagedserve.launch.serve_process import ServeProcess
 from speculative import CHAT, GROUNDED, chat_request, finish, serve, spec_counters
 from workload import RESULTS_DIR
 

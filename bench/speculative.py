@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from machine_info import machine
 from output import print_table, save_report, timestamp
-from pagedserve.serve_process import ServeProcess
+from pagedserve.launch.serve_process import ServeProcess
 from pagedserve.v1 import generation_pb2 as pb
 from workload import RESULTS_DIR
 

@@ -17,7 +17,7 @@ forwards under torch.profiler, the ops' self CPU time grouped into classes:
                   silu, neg, cat, ...), casts and copies
     other ops     everything else torch dispatched
     outside ops   forward wall time not inside any torch op: Python and dispatch between the ops, and
-                  the native kernels (pagedserve.kernels.native_lib: RMSNorm, RoPE with the K/V
+                  the native kernels (pagedserve.kernels.native.library: RMSNorm, RoPE with the K/V
                   write, SiLU-mul, the few-rows linears, whole decoder layers at one or two
                   sequences), which the profiler does not see
 
@@ -109,7 +109,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from pagedserve.models.smollm2 import ensure_smollm2
+    from pagedserve.checkpoints.smollm2 import ensure_smollm2
 
     model_path = ensure_smollm2()
     loop_rows, forward_rows = [], []

@@ -1,5 +1,5 @@
 """Collects the scheduler's per-step records (tokens, step and forward seconds) while a run of
-benchmark requests goes on against a `pagedserve.serve_process.ServeProcess`."""
+benchmark requests goes on against a `pagedserve.launch.serve_process.ServeProcess`."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import threading
 
 import grpc
 
-from pagedserve.bearer_auth import with_bearer
+from pagedserve.security.bearer_auth import with_bearer
 from pagedserve.internal import scheduler_pb2, scheduler_pb2_grpc
-from pagedserve.serve_process import ServeProcess
+from pagedserve.launch.serve_process import ServeProcess
 
 
 class StepRecorder:

@@ -1,6 +1,6 @@
 """The benchmark model and workloads, shared by every script in bench/.
 
-The model is Llama-shaped with seeded weights (pagedserve.models.tiny_checkpoint), built once into
+The model is Llama-shaped with seeded weights (pagedserve.checkpoints.tiny_checkpoint), built once into
 bench/results/models/ and reused:
 
     hidden 768, 8 layers, 12 query heads / 2 KV heads of 64, MLP 2048, vocabulary 8192 (tied)
@@ -73,8 +73,8 @@ BENCH_MODEL = ModelShape()
 
 def build_model(shape: ModelShape = BENCH_MODEL, dtype: str = "float32") -> Path:
     """The checkpoint folder (config, safetensors, tokenizer) for shape and dtype; built on first use."""
-    from pagedserve.models.tiny_checkpoint import build_tiny_checkpoint
-    from pagedserve.models.tiny_tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID, build_tokenizer
+    from pagedserve.checkpoints.tiny_checkpoint import build_tiny_checkpoint
+    from pagedserve.checkpoints.tiny_tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID, build_tokenizer
 
     folder = MODELS_DIR / f"{shape.name}-{dtype}"
     marker = folder / "bench_model.json"

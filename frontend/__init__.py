@@ -11,7 +11,7 @@ keepalive, TLS) ->
         and SSE; generation_run.py: Generations on worker threads, read from the event loop)
 both -> admission.py (draining, readiness, limits, requests in flight: drain.py; failures:
 request_errors.py) -> validation.py, generation.py (one request against the scheduler:
-scheduler_client.py, its messages converted by pagedserve/scheduler_codec.py; with several
+scheduler_client.py, its messages converted by pagedserve/contracts/scheduler_codec.py; with several
 replicas replica_set.py stands in for client and readiness, and replica_router.py places each
 request) ->
 completion_state.py (detokenizer.py + stop_strings.py per completion); metrics.py counts both,

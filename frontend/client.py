@@ -8,8 +8,8 @@ from typing import TextIO
 
 import grpc
 
-from pagedserve.config_flags import option
-from pagedserve.shared_options import DEFAULT_HOST, DEFAULT_PORT
+from pagedserve.config.flags import option
+from pagedserve.config.shared_options import DEFAULT_HOST, DEFAULT_PORT
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc
 
 _FINISH_NAMES = {

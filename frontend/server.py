@@ -32,26 +32,26 @@ from typing import TYPE_CHECKING
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
-from pagedserve.frontend.admission import Admission
-from pagedserve.frontend.chat_template import ChatTemplate, ChatTemplateError, read_chat_template
-from pagedserve.frontend.drain import InFlight
-from pagedserve.frontend.frontend_config import FrontendConfig
-from pagedserve.frontend.generation import SchedulerRecovery
+from pagedserve.frontend.generation.admission import Admission
+from pagedserve.frontend.tokenization.chat_template import ChatTemplate, ChatTemplateError, read_chat_template
+from pagedserve.frontend.generation.drain import InFlight
+from pagedserve.frontend.config import FrontendConfig
+from pagedserve.frontend.generation.generation import SchedulerRecovery
 from pagedserve.frontend.metrics import FrontendMetrics
-from pagedserve.frontend.readiness import DEFAULT_POLL_INTERVAL_S, GENERATION_SERVICE, ReadinessMonitor
-from pagedserve.frontend.reflection import enable_reflection
-from pagedserve.frontend.replica_set import ReplicaSet, is_dns_name
-from pagedserve.frontend.scheduler_client import SchedulerClient
-from pagedserve.frontend.servicer import GenerationServicer, generation_rpc_handler
-from pagedserve.frontend.stream_watchdog import StreamWatchdog
-from pagedserve.frontend.tokenizer import TokenizerLoadError, load_tokenizer
-from pagedserve.frontend.transport import TransportConfigError
-from pagedserve.bearer_auth import HEALTH_PREFIX, REFLECTION_PREFIX, BearerTokenInterceptor
-from pagedserve.grpc_options import DEFAULT_SHUTDOWN_TIMEOUT_S
+from pagedserve.frontend.upstream.readiness import DEFAULT_POLL_INTERVAL_S, GENERATION_SERVICE, ReadinessMonitor
+from pagedserve.frontend.grpc.reflection import enable_reflection
+from pagedserve.frontend.upstream.replica_set import ReplicaSet, is_dns_name
+from pagedserve.frontend.upstream.scheduler_client import SchedulerClient
+from pagedserve.frontend.grpc.servicer import GenerationServicer, generation_rpc_handler
+from pagedserve.frontend.generation.stream_watchdog import StreamWatchdog
+from pagedserve.frontend.tokenization.tokenizer import TokenizerLoadError, load_tokenizer
+from pagedserve.frontend.grpc.transport import TransportConfigError
+from pagedserve.security.bearer_auth import HEALTH_PREFIX, REFLECTION_PREFIX, BearerTokenInterceptor
+from pagedserve.config.grpc_options import DEFAULT_SHUTDOWN_TIMEOUT_S
 from pagedserve.log import configure_logging
 
 if TYPE_CHECKING:
-    from pagedserve.frontend.http_server import HttpServer
+    from pagedserve.frontend.openai.server import HttpServer
 
 STOP_GRACE_S = 5.0
 HEALTH_HEADROOM_RPCS = 16  # server call slots beyond --max-concurrent-rpcs: health and reflection
@@ -170,7 +170,7 @@ def serve_frontend(config: FrontendConfig, *, health_poll_interval_s: float = DE
                                      f"{exc}") from exc
     http_server = None
     if config.http.is_enabled:
-        from pagedserve.frontend.http_server import HttpStartError, start_http_server  # FastAPI: only when used
+        from pagedserve.frontend.openai.server import HttpStartError, start_http_server  # FastAPI: only when used
 
         try:
             http_server = start_http_server(

@@ -40,15 +40,17 @@ from functools import cache
 
 import torch
 
-from pagedserve.kernels import layer_ops_native, layer_ops_ref, paged_attention_native
-from pagedserve.kernels.cache_ops_cpu import slot_mapping_has_padding, write_kv_cache_cpu
-from pagedserve.kernels.cache_ops_ref import copy_blocks_ref, swap_blocks_ref, write_kv_cache_ref
-from pagedserve.kernels.paged_attention_cpu import attend_prefills, paged_attention_cpu, plan_cpu_attention
-from pagedserve.kernels.paged_attention_native import paged_decode_attention, plan_native_decodes
-from pagedserve.kernels.packed_weights import Int8Weight
-from pagedserve.kernels.paged_attention_ref import paged_attention_ref
-from pagedserve.kernels.quantized_matmul_cpu import int4_linear_dequant, int8_linear_dequant, linear_cpu
-from pagedserve.kernels.quantized_matmul_ref import int4_linear_ref, int8_linear_ref
+from pagedserve.kernels.layer import native as layer_ops_native
+from pagedserve.kernels.layer import reference as layer_ops_ref
+from pagedserve.kernels.attention import native as paged_attention_native
+from pagedserve.kernels.cache.index_copy import slot_mapping_has_padding, write_kv_cache_cpu
+from pagedserve.kernels.cache.reference import copy_blocks_ref, swap_blocks_ref, write_kv_cache_ref
+from pagedserve.kernels.attention.sdpa import attend_prefills, paged_attention_cpu, plan_cpu_attention
+from pagedserve.kernels.attention.native import paged_decode_attention, plan_native_decodes
+from pagedserve.kernels.linear.packed_weights import Int8Weight
+from pagedserve.kernels.attention.reference import paged_attention_ref
+from pagedserve.kernels.linear.quantized import int4_linear_dequant, int8_linear_dequant, linear_cpu
+from pagedserve.kernels.linear.quantized_reference import int4_linear_ref, int8_linear_ref
 
 KERNELS_ENV = "PAGEDSERVE_KERNELS"
 
@@ -72,7 +74,7 @@ def use_triton(device: torch.device) -> bool:
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
                     sliding_window=None, k_scale=1.0, v_scale=1.0, step_plans: dict | None = None):
     if use_triton(query.device):
-        from pagedserve.kernels.paged_attention import paged_attention as paged_attention_triton
+        from pagedserve.kernels.attention.triton_kernel import paged_attention as paged_attention_triton
         return paged_attention_triton(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                                       scale, sliding_window, k_scale, v_scale)
     if os.environ.get(KERNELS_ENV) == "reference":
@@ -117,7 +119,7 @@ def _paged_attention_native(lib, query, key_cache, value_cache, block_tables, se
 def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=1.0, v_scale=1.0,
                    step_plans: dict | None = None):
     if use_triton(key_cache.device):
-        from pagedserve.kernels.cache_ops import write_kv_cache as write_kv_cache_triton
+        from pagedserve.kernels.cache.triton_kernel import write_kv_cache as write_kv_cache_triton
         write_kv_cache_triton(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
         return
     if os.environ.get(KERNELS_ENV) == "reference":
@@ -133,7 +135,7 @@ def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=1.0
 
 def copy_blocks(key_caches, value_caches, block_mapping):
     if key_caches and use_triton(key_caches[0].device):
-        from pagedserve.kernels.cache_ops import copy_blocks as copy_blocks_triton
+        from pagedserve.kernels.cache.triton_kernel import copy_blocks as copy_blocks_triton
         copy_blocks_triton(key_caches, value_caches, block_mapping)
         return
     copy_blocks_ref(key_caches, value_caches, block_mapping)
@@ -142,7 +144,7 @@ def copy_blocks(key_caches, value_caches, block_mapping):
 def swap_blocks(src_cache, dst_cache, block_mapping):
     device = dst_cache.device if dst_cache.device.type == "cuda" else src_cache.device
     if use_triton(device):
-        from pagedserve.kernels.cache_ops import swap_blocks as swap_blocks_runs
+        from pagedserve.kernels.cache.triton_kernel import swap_blocks as swap_blocks_runs
         swap_blocks_runs(src_cache, dst_cache, block_mapping)
         return
     swap_blocks_ref(src_cache, dst_cache, block_mapping)

@@ -1,12 +1,12 @@
 """The `pagedserve` command: serve (all processes), frontend, scheduler, worker, generate.
 
-Every subcommand's flags are derived from its config dataclass (pagedserve.config_flags):
+Every subcommand's flags are derived from its config dataclass (pagedserve.config.flags):
 
-    frontend    pagedserve.frontend.frontend_config.FrontendConfig
+    frontend    pagedserve.frontend.config.FrontendConfig
     scheduler   pagedserve.scheduler.server_config.SchedulerServerConfig (engine: SchedulerConfig)
-    worker      pagedserve.worker.worker_config.WorkerConfig
+    worker      pagedserve.worker.config.WorkerConfig
     generate    pagedserve.frontend.client.GenerateOptions
-    serve       pagedserve.serve_config: ServeOptions and the options of the three processes
+    serve       pagedserve.launch.serve_config: ServeOptions and the options of the three processes
                 marked serve=True
 
 A process imports only its own config: `main` builds the parser of the subcommand it runs.
@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from pagedserve.config_flags import add_flags, from_args
+from pagedserve.config.flags import add_flags, from_args
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +30,7 @@ class Command:
 
 
 def _add_frontend_flags(parser: argparse.ArgumentParser) -> None:
-    from pagedserve.frontend.frontend_config import FrontendConfig
+    from pagedserve.frontend.config import FrontendConfig
 
     add_flags(parser, FrontendConfig)
 
@@ -42,7 +42,7 @@ def _add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_worker_flags(parser: argparse.ArgumentParser) -> None:
-    from pagedserve.worker.worker_config import WorkerConfig
+    from pagedserve.worker.config import WorkerConfig
 
     add_flags(parser, WorkerConfig)
 
@@ -54,20 +54,20 @@ def _add_generate_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_serve_flags(parser: argparse.ArgumentParser) -> None:
-    from pagedserve.serve_config import add_serve_flags
+    from pagedserve.launch.serve_config import add_serve_flags
 
     add_serve_flags(parser)
 
 
 def _resolved(config):
     """config with its --model resolved to a checkpoint folder (the demo model built on first use)."""
-    from pagedserve.models.resolve import resolve_model
+    from pagedserve.checkpoints.resolve import resolve_model
 
     return replace(config, model_path=str(resolve_model(config.model_path)))
 
 
 def _run_frontend(args: argparse.Namespace) -> int:
-    from pagedserve.frontend.frontend_config import FrontendConfig
+    from pagedserve.frontend.config import FrontendConfig
     from pagedserve.frontend.server import run_frontend
 
     return run_frontend(_resolved(from_args(FrontendConfig, args)))
@@ -82,10 +82,10 @@ def _run_scheduler(args: argparse.Namespace) -> int:
 
 def _run_worker(args: argparse.Namespace) -> int:
     from pagedserve.worker.cpu_share import choose_openmp_waits
-    from pagedserve.worker.worker_config import WorkerConfig
+    from pagedserve.worker.config import WorkerConfig
 
     adapts_threads = choose_openmp_waits()  # before torch loads
-    from pagedserve.models.resolve import resolve_model
+    from pagedserve.checkpoints.resolve import resolve_model
     from pagedserve.worker.process import run_worker
 
     config = _resolved(from_args(WorkerConfig, args))
@@ -101,8 +101,8 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from pagedserve.serve_config import ServeConfig
-    from pagedserve.supervisor import run_serve
+    from pagedserve.launch.serve_config import ServeConfig
+    from pagedserve.launch.supervisor import run_serve
 
     return run_serve(ServeConfig.from_args(args))
 
@@ -127,7 +127,7 @@ def build_parser(commands: Sequence[str] | None = None) -> argparse.ArgumentPars
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pagedserve.parent_death import die_with_parent
+    from pagedserve.launch.parent_death import die_with_parent
 
     die_with_parent()  # a child of `serve` exits with it
     argv = sys.argv[1:] if argv is None else argv

@@ -33,10 +33,10 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from pagedserve.log import get_logger
-from pagedserve.request_types import Request, RequestOutput
-from pagedserve.scheduler.admission import Admission
-from pagedserve.scheduler.errors import RequestFailed, SchedulerConfigError
-from pagedserve.scheduler.scheduler_config import SchedulerConfig
+from pagedserve.contracts.request_types import Request, RequestOutput
+from pagedserve.scheduler.core.admission import Admission
+from pagedserve.scheduler.core.errors import RequestFailed, SchedulerConfigError
+from pagedserve.scheduler.core.config import SchedulerConfig
 from pagedserve.scheduler.worker_link import WorkerLink, WorkerLost
 
 Sink = Callable[[RequestOutput | Exception], None]
@@ -241,7 +241,7 @@ class Engine:
         self._fail_all(EngineUnavailable(f"workers lost: {reason}"))
 
     def _new_scheduler(self, num_gpu_blocks: int, num_cpu_blocks: int):
-        from pagedserve.scheduler.scheduler import Scheduler
+        from pagedserve.scheduler.core.scheduler import Scheduler
 
         return Scheduler(replace(self.config, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks))
 

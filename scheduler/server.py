@@ -32,22 +32,22 @@ from dataclasses import replace
 import grpc
 import structlog
 
-from pagedserve.bearer_auth import AioBearerTokenInterceptor
-from pagedserve.grpc_options import INTERNAL_SERVER_OPTIONS
-from pagedserve.internal_token import INTERNAL_TOKEN_ENV, INTERNAL_TOKEN_FILE_ENV, internal_token
+from pagedserve.security.bearer_auth import AioBearerTokenInterceptor
+from pagedserve.config.grpc_options import INTERNAL_SERVER_OPTIONS
+from pagedserve.security.internal_token import INTERNAL_TOKEN_ENV, INTERNAL_TOKEN_FILE_ENV, internal_token
 from pagedserve.internal import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.log import configure_logging
-from pagedserve.model_config import ModelInfo, load_model_info
-from pagedserve.request_types import Request, RequestOutput
-from pagedserve.sampling_params import InvalidParameter
-from pagedserve.scheduler.admission import QueueFull
+from pagedserve.checkpoints.model_config import ModelInfo, load_model_info
+from pagedserve.contracts.request_types import Request, RequestOutput
+from pagedserve.contracts.sampling_params import InvalidParameter
+from pagedserve.scheduler.core.admission import QueueFull
 from pagedserve.scheduler.engine import Engine, EngineUnavailable
 from pagedserve.scheduler.metrics import SchedulerMetrics
-from pagedserve.scheduler.scheduler_config import SchedulerConfig
+from pagedserve.scheduler.core.config import SchedulerConfig
 from pagedserve.scheduler.server_config import SchedulerServerConfig
 from pagedserve.scheduler.worker_link import WorkerLink
-from pagedserve.scheduler_codec import output_to_proto, request_from_proto
-from pagedserve.zmq_curve import check_internal_transport, curve_keys_from_env
+from pagedserve.contracts.scheduler_codec import output_to_proto, request_from_proto
+from pagedserve.security.zmq_curve import check_internal_transport, curve_keys_from_env
 
 DRAIN_POLL_S = 0.05
 

@@ -1,7 +1,7 @@
 """Validated configuration of the scheduler process: its ports, its worker link and its engine.
 
 The one definition of `pagedserve scheduler`'s settings; the flags (and what `serve` forwards)
-are derived from the fields' metadata (pagedserve.config_flags).
+are derived from the fields' metadata (pagedserve.config.flags).
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pagedserve.config_flags import nested, option, require
-from pagedserve.scheduler.scheduler_config import SchedulerConfig
-from pagedserve.shared_options import (
+from pagedserve.config.flags import nested, option, require
+from pagedserve.scheduler.core.config import SchedulerConfig
+from pagedserve.config.shared_options import (
     DEFAULT_HOST, DEFAULT_SCHEDULER_PORT, allow_insecure_internal_transport_option, metrics_host_option, model_option, plan_address_option, result_address_option,
     shutdown_timeout_option, tensor_parallel_size_option,
 )

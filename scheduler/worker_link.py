@@ -12,7 +12,7 @@ Epochs start from the link's start time in milliseconds, so they never repeat ac
 restarts: a worker that outlived a scheduler sees the new one's first epoch as new, and takes
 its step numbers afresh.
 
-With CURVE keys in the environment (pagedserve.zmq_curve; serve sets them) both sockets are CURVE
+With CURVE keys in the environment (pagedserve.security.zmq_curve; serve sets them) both sockets are CURVE
 servers admitting only the workers' key. Every worker message is checked before it counts: one that does not parse, is empty, registers
 a rank outside the replica, or answers a step or epoch other than the one awaited is dropped and
 logged (`worker_message_dropped`), never raised into the step loop.
@@ -40,9 +40,9 @@ from google.protobuf.message import DecodeError
 
 from pagedserve.internal import step_pb2
 from pagedserve.log import get_logger
-from pagedserve.plan_codec import encode_plan, result_from_proto
-from pagedserve.step_plan import StepPlan, StepResult
-from pagedserve.zmq_curve import CurveServer, curve_keys_from_env
+from pagedserve.contracts.plan_codec import encode_plan, result_from_proto
+from pagedserve.contracts.step_plan import StepPlan, StepResult
+from pagedserve.security.zmq_curve import CurveServer, curve_keys_from_env
 
 INIT_RESEND_SECONDS = 0.2
 PLAN_SNDHWM = 1000  # plans queued per subscriber before ZeroMQ drops them for it

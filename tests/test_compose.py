@@ -17,8 +17,8 @@ import pytest
 import yaml
 
 from pagedserve.cli import build_parser
-from pagedserve.internal_token import INTERNAL_TOKEN_FILE_ENV
-from pagedserve.zmq_curve import KEY_FILES, ROLE_ENVS
+from pagedserve.security.internal_token import INTERNAL_TOKEN_FILE_ENV
+from pagedserve.security.zmq_curve import KEY_FILES, ROLE_ENVS
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIABLE = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
@@ -119,7 +119,7 @@ def test_interpolation_uses_the_defaults(text, expected):
 def test_each_service_mounts_only_the_secrets_of_its_role():
     """The scheduler: the internal token, its CURVE key pair and the workers' public key; a worker:
     its key pair and the scheduler's public key; a frontend: the token. Each from a secret file
-    named as `python -m pagedserve.zmq_curve DIR` writes it."""
+    named as `python -m pagedserve.security.zmq_curve DIR` writes it."""
     compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
     declared = {name: spec["file"] for name, spec in compose["secrets"].items()}
     for name, args in _commands().items():

@@ -15,16 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve import serve_config
+from pagedserve.launch import serve_config
 from pagedserve.cli import COMMANDS, build_parser
-from pagedserve.config_flags import ConfigError, Flag, add_flags, flags_of, from_args, internal, option, to_argv
+from pagedserve.config.flags import ConfigError, Flag, add_flags, flags_of, from_args, internal, option, to_argv
 from pagedserve.frontend.client import GenerateOptions
-from pagedserve.frontend.frontend_config import FrontendConfig
-from pagedserve.scheduler.errors import SchedulerConfigError
-from pagedserve.scheduler.scheduler_config import SchedulerConfig
+from pagedserve.frontend.config import FrontendConfig
+from pagedserve.scheduler.core.errors import SchedulerConfigError
+from pagedserve.scheduler.core.config import SchedulerConfig
 from pagedserve.scheduler.server_config import SchedulerServerConfig
-from pagedserve.serve_config import SERVE_CONFIGS, ServeConfig, ServeOptions
-from pagedserve.worker.worker_config import WorkerConfig
+from pagedserve.launch.serve_config import SERVE_CONFIGS, ServeConfig, ServeOptions
+from pagedserve.worker.config import WorkerConfig
 
 PROCESS_CONFIGS = {"frontend": FrontendConfig, "scheduler": SchedulerServerConfig, "worker": WorkerConfig,
                    "generate": GenerateOptions}

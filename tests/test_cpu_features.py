@@ -2,8 +2,8 @@
 
 from pagedserve import cpu_features
 from pagedserve.cpu_features import cpu_auto_dtype, has_native_bfloat16
-from pagedserve.model_config import ModelInfo
-from pagedserve.serve_preflight import Deployment, _dtype_bytes
+from pagedserve.checkpoints.model_config import ModelInfo
+from pagedserve.launch.serve_preflight import Deployment, _dtype_bytes
 
 
 def test_native_bfloat16_flags():

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import socket
 
-from pagedserve import serve_config
-from pagedserve.serve_config import free_port
+from pagedserve.launch import serve_config
+from pagedserve.launch.serve_config import free_port
 
 
 def test_a_port_offered_again_is_skipped(monkeypatch):

@@ -11,16 +11,16 @@ import gguf
 import numpy as np
 import pytest
 
-from pagedserve.gguf_config import (
+from pagedserve.checkpoints.gguf_config import (
     GGUFFormatError,
     UnsupportedGGUFError,
     find_gguf_file,
     is_gguf,
     read_gguf_config,
 )
-from pagedserve.model_config import load_model_info
-from pagedserve.models.tiny_gguf import write_gguf
-from pagedserve.models.tiny_checkpoint import build_tiny_checkpoint
+from pagedserve.checkpoints.model_config import load_model_info
+from pagedserve.testing.tiny_gguf import write_gguf
+from pagedserve.checkpoints.tiny_checkpoint import build_tiny_checkpoint
 from pagedserve.worker.models.llama_config import LlamaModelConfig
 
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
@@ -174,7 +174,7 @@ def test_which_paths_are_gguf_models(tmp_path):
 
 
 def test_config_is_cached_per_file_version(checkpoints, tmp_path, monkeypatch):
-    import pagedserve.gguf_config as gguf_config
+    import pagedserve.checkpoints.gguf_config as gguf_config
 
     path = write_gguf(checkpoints["qwen2"], tmp_path / "model.gguf", chat_template=TEMPLATE)
     first = read_gguf_config(path)
@@ -192,7 +192,7 @@ def test_config_is_cached_per_file_version(checkpoints, tmp_path, monkeypatch):
 
 def test_reading_needs_no_torch(checkpoints, tmp_path):
     path = write_gguf(checkpoints["qwen2"], tmp_path / "model.gguf")
-    code = ("import sys; from pagedserve.model_config import load_model_info; "
+    code = ("import sys; from pagedserve.checkpoints.model_config import load_model_info; "
             f"info = load_model_info({str(path)!r}); "
             "assert 'torch' not in sys.modules, 'torch imported'; print(info.num_layers)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -201,7 +201,7 @@ def test_reading_needs_no_torch(checkpoints, tmp_path):
 
 
 def test_cached_config_is_json(checkpoints, tmp_path):
-    from pagedserve.gguf_cache import derived_folder
+    from pagedserve.checkpoints.gguf_cache import derived_folder
 
     path = write_gguf(checkpoints["qwen2"], tmp_path / "model.gguf")
     read_gguf_config(path)

@@ -6,8 +6,12 @@
  scheduler/   pagedserve.scheduler   -                      and never torch
  worker/      pagedserve.worker      kernels/
  kernels/     pagedserve.kernels     -
- pagedserve/  pagedserve             -  (cli.py and supervisor.py start the processes: left out)
+ pagedserve/  pagedserve             -  (cli.py and launch/ start the processes: left out)
 ```
+
+`pagedserve/testing/` holds test doubles and research tools (a torch-free worker stand-in, a GGUF
+writer, fp8 KV calibration): it may import any process, and nothing outside tests/ and bench/
+imports it.
 
 Every .py file is parsed with `ast`, so imports inside functions and under TYPE_CHECKING count
 too. A second check imports the frontend's and the scheduler's modules in a fresh interpreter and
@@ -30,14 +34,17 @@ PROCESS_FOLDERS = ("frontend", "scheduler", "worker", "kernels")
 MAY_IMPORT = {"frontend": set(), "scheduler": set(), "worker": {"kernels"}, "kernels": set(), "pagedserve": set()}
 TORCH_FREE = ("frontend", "scheduler")
 # The launcher: `pagedserve` and `serve` build every process's config and start the processes.
-LAUNCH_MODULES = {"pagedserve/cli.py", "pagedserve/supervisor.py", "pagedserve/serve_config.py"}
+LAUNCH_MODULES = {"pagedserve/cli.py", "pagedserve/launch/supervisor.py", "pagedserve/launch/serve_config.py"}
+TESTING_FOLDER = "pagedserve/testing/"
+TESTING_PACKAGE = "pagedserve.testing"
 
 
 def _source_files() -> list[Path]:
     files = []
     for folder in PACKAGE_OF_FOLDER:
         files += sorted((REPO_ROOT / folder).rglob("*.py"))
-    return [path for path in files if path.relative_to(REPO_ROOT).as_posix() not in LAUNCH_MODULES]
+    return [path for path in files if path.relative_to(REPO_ROOT).as_posix() not in LAUNCH_MODULES
+            and not path.relative_to(REPO_ROOT).as_posix().startswith(TESTING_FOLDER)]
 
 
 def _module_name(path: Path) -> str:
@@ -90,7 +97,7 @@ def test_the_walk_sees_every_folder() -> None:
 def test_module_names_follow_the_package_dir_mapping() -> None:
     assert _module_name(REPO_ROOT / "scheduler" / "engine.py") == "pagedserve.scheduler.engine"
     assert _module_name(REPO_ROOT / "worker" / "models" / "__init__.py") == "pagedserve.worker.models"
-    assert _module_name(REPO_ROOT / "pagedserve" / "plan_codec.py") == "pagedserve.plan_codec"
+    assert _module_name(REPO_ROOT / "pagedserve" / "contracts" / "plan_codec.py") == "pagedserve.contracts.plan_codec"
 
 
 def test_every_import_form_is_seen() -> None:
@@ -143,3 +150,15 @@ def test_loading_frontend_or_scheduler_leaves_torch_out(folder: str) -> None:
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]", f"importing {folder}/ loaded {result.stdout.strip()}"
+
+
+def test_nothing_in_the_product_imports_the_testing_package() -> None:
+    violations = []
+    for folder in PACKAGE_OF_FOLDER:
+        for path in sorted((REPO_ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(REPO_ROOT).as_posix()
+            if rel.startswith(TESTING_FOLDER):
+                continue
+            violations += [f"{rel}:{line} imports {module}" for line, module in _imports_of(path)
+                           if module == TESTING_PACKAGE or module.startswith(TESTING_PACKAGE + ".")]
+    assert not violations, "\n".join(violations)

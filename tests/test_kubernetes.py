@@ -12,10 +12,10 @@ from pathlib import Path
 import yaml
 
 from pagedserve.cli import build_parser
-from pagedserve.frontend.readiness import GENERATION_SERVICE
-from pagedserve.frontend.replica_set import is_dns_name
-from pagedserve.internal_token import INTERNAL_TOKEN_FILE_ENV
-from pagedserve.zmq_curve import KEY_FILES, ROLE_ENVS
+from pagedserve.frontend.upstream.readiness import GENERATION_SERVICE
+from pagedserve.frontend.upstream.replica_set import is_dns_name
+from pagedserve.security.internal_token import INTERNAL_TOKEN_FILE_ENV
+from pagedserve.security.zmq_curve import KEY_FILES, ROLE_ENVS
 
 ROOT = Path(__file__).resolve().parent.parent
 MANIFEST = ROOT / "deploy" / "kubernetes" / "pagedserve.yaml"
@@ -111,7 +111,7 @@ def test_frontends_resolve_the_replicas_and_probe_what_the_frontend_answers():
 
 def test_each_container_mounts_only_the_secret_items_of_its_role():
     """The internal token and CURVE keys come from the Secret as files (`python -m
-    pagedserve.zmq_curve DIR` names them); each container gets only the items of its role."""
+    pagedserve.security.zmq_curve DIR` names them); each container gets only the items of its role."""
     for (kind, _), doc in _documents().items():
         if kind not in ("Deployment", "StatefulSet"):
             continue

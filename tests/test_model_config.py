@@ -1,4 +1,4 @@
-"""pagedserve.model_config reads config.json as transformers does, keys left out included."""
+"""pagedserve.checkpoints.model_config reads config.json as transformers does, keys left out included."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
-from pagedserve.model_config import ModelConfigError, load_model_info, model_info_from_dict
+from pagedserve.checkpoints.model_config import ModelConfigError, load_model_info, model_info_from_dict
 
 SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
              num_key_value_heads=2)

@@ -1,4 +1,4 @@
-"""A child started by `serve` dies with it (pagedserve/parent_death.py), even when serve is killed
+"""A child started by `serve` dies with it (pagedserve/launch/parent_death.py), even when serve is killed
 with SIGKILL and has no chance to stop it."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import time
 
 PARENT = """
 import subprocess, sys, time
-from pagedserve.parent_death import child_env
+from pagedserve.launch.parent_death import child_env
 child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], env=child_env(None))
 print(child.pid, flush=True)
 time.sleep(600)
 """
 CHILD = """
 import time
-from pagedserve.parent_death import die_with_parent
+from pagedserve.launch.parent_death import die_with_parent
 die_with_parent()
 time.sleep(600)
 """

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pagedserve.internal import step_pb2
-from pagedserve.plan_codec import (encode_plan, encode_result, plan_from_proto, plan_to_proto,
+from pagedserve.contracts.plan_codec import (encode_plan, encode_result, plan_from_proto, plan_to_proto,
                                    result_from_proto, result_to_proto)
-from pagedserve.step_plan import SampleSpec, ScheduledSeq, SeqFailure, SeqSample, StepPlan, StepResult
+from pagedserve.contracts.step_plan import SampleSpec, ScheduledSeq, SeqFailure, SeqSample, StepPlan, StepResult
 
 
 def _plan() -> StepPlan:

@@ -1,10 +1,10 @@
-"""Back-off and restart budget of `serve` (pagedserve/restart_policy.py), on a clock the test moves."""
+"""Back-off and restart budget of `serve` (pagedserve/launch/restart_policy.py), on a clock the test moves."""
 
 from __future__ import annotations
 
 import pytest
 
-from pagedserve.restart_policy import RestartBudget, RestartPolicy, RestartPolicyError
+from pagedserve.launch.restart_policy import RestartBudget, RestartPolicy, RestartPolicyError
 
 
 def test_back_off_doubles_from_one_second_up_to_thirty():

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from pagedserve.internal import scheduler_pb2
-from pagedserve.request_types import (
+from pagedserve.contracts.request_types import (
     CompletionDelta, Continuation, FinishReason, Request, RequestOutput, TokenLogprob,
 )
-from pagedserve.sampling_params import SamplingParams
-from pagedserve.scheduler_codec import output_from_proto, output_to_proto, request_from_proto, request_to_proto
+from pagedserve.contracts.sampling_params import SamplingParams
+from pagedserve.contracts.scheduler_codec import output_from_proto, output_to_proto, request_from_proto, request_to_proto
 
 
 def _request(seed: int | None) -> Request:

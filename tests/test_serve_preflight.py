@@ -1,4 +1,4 @@
-"""What `serve` refuses before starting anything (pagedserve/serve_preflight.py): tensor-parallel
+"""What `serve` refuses before starting anything (pagedserve/launch/serve_preflight.py): tensor-parallel
 splits the workers cannot make, a context longer than the model's, explicit memory sizes the host
 cannot hold."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.host_memory import GIB
-from pagedserve.model_config import model_info_from_dict
-from pagedserve.serve_preflight import Deployment, PreflightError, block_bytes, check_deployment
+from pagedserve.checkpoints.model_config import model_info_from_dict
+from pagedserve.launch.serve_preflight import Deployment, PreflightError, block_bytes, check_deployment
 
 
 def _model(num_heads: int = 8, num_kv_heads: int = 2, intermediate_size: int = 256, **extra):

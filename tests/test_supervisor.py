@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve import serve_config
+from pagedserve.launch import serve_config
 from pagedserve.cli import build_parser
-from pagedserve.serve_config import ServeConfig, threads_per_rank
+from pagedserve.launch.serve_config import ServeConfig, threads_per_rank
 
 
 @pytest.mark.parametrize("num_cores, num_ranks, expected", [

@@ -1,4 +1,4 @@
-"""What `serve` (pagedserve/supervisor.py) does when a child exits on its own, with stand-in
+"""What `serve` (pagedserve/launch/supervisor.py) does when a child exits on its own, with stand-in
 children (small Python processes that sleep, or exit with a chosen code) and a readiness probe the
 test sets, so each rule is checked in a second or two:
 
@@ -17,8 +17,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from pagedserve.restart_policy import RestartPolicy
-from pagedserve.supervisor import Supervisor
+from pagedserve.launch.restart_policy import RestartPolicy
+from pagedserve.launch.supervisor import Supervisor
 
 CHILD = """
 import sys, time

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from pagedserve.zmq_curve import (
+from pagedserve.security.zmq_curve import (
     CLIENT_PUBLIC_ENV, CLIENT_SECRET_ENV, CURVE_ENVS, KEY_FILES, SERVER_PUBLIC_ENV, SERVER_SECRET_ENV,
     CurveKeyError, check_internal_transport, curve_env_for, curve_keys_from_env, new_curve_env,
 )
@@ -50,7 +50,7 @@ def test_keys_are_read_from_files(no_keys, tmp_path):
 
 def test_the_generator_writes_owner_only_key_files(no_keys, tmp_path):
     folder = tmp_path / "zmq"
-    done = subprocess.run([sys.executable, "-m", "pagedserve.zmq_curve", str(folder)], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "pagedserve.security.zmq_curve", str(folder)], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     for name, file_name in KEY_FILES.items():

@@ -15,7 +15,7 @@ number of blocks and the same block size, addressed by the same block ids. A blo
 the pair's (`pair_bytes_per_block`), so the pool sizes below count both, and every swap and copy
 moves the draft part with the target part.
 
-The tensors hold the KV cache dtype (pagedserve.kernels.kv_cache_dtype): the model's dtype, or a
+The tensors hold the KV cache dtype (pagedserve.kernels.cache.kv_dtype): the model's dtype, or a
 narrower one (fp8 stores one byte per value), so the same memory holds proportionally more
 blocks. Swaps and copies move raw bytes whatever the dtype.
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedserve.step_plan import SampleSpec, ScheduledSeq
-from pagedserve.worker.attention import AttentionMetadata
+from pagedserve.contracts.step_plan import SampleSpec, ScheduledSeq
+from pagedserve.worker.layers.attention import AttentionMetadata
 
 
 class PlanError(ValueError):

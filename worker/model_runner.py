@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.kernels.kv_cache_dtype import resolve_kv_cache_dtype
-from pagedserve.model_config import load_model_info
-from pagedserve.step_plan import SampleSpec, ScheduledSeq, StepPlan, StepResult
+from pagedserve.kernels.cache.kv_dtype import resolve_kv_cache_dtype
+from pagedserve.checkpoints.model_config import load_model_info
+from pagedserve.contracts.step_plan import SampleSpec, ScheduledSeq, StepPlan, StepResult
 from pagedserve.worker.cache_engine import (
     GIB,
     CacheEngine,
@@ -34,18 +34,18 @@ from pagedserve.worker.cache_engine import (
     cuda_device_blocks,
     pair_bytes_per_block,
 )
-from pagedserve.worker.draft_model import DraftModel
-from pagedserve.worker.draft_proposer import DraftProposer
-from pagedserve.worker.draft_verify import sample_verifying_drafts
-from pagedserve.worker.loader import resolve_dtype
+from pagedserve.worker.speculation.draft_model import DraftModel
+from pagedserve.worker.speculation.draft_proposer import DraftProposer
+from pagedserve.worker.speculation.draft_verify import sample_verifying_drafts
+from pagedserve.worker.loading.hf_checkpoint import resolve_dtype
 from pagedserve.worker.model_input import PlanError, build_model_input
-from pagedserve.worker.model_loading import load_model
+from pagedserve.worker.loading.build import load_model
 from pagedserve.worker.models.llama import LlamaForCausalLM
 from pagedserve.worker.models.llama_config import LlamaModelConfig
-from pagedserve.worker.quantization import QuantizationConfig
+from pagedserve.worker.quantization.quantizers import QuantizationConfig
 from pagedserve.worker.sampler import Sampler
-from pagedserve.worker.spec_verify import sample_verifying
-from pagedserve.worker.tensor_parallel import TensorParallelGroup
+from pagedserve.worker.speculation.ngram_verify import sample_verifying
+from pagedserve.worker.layers.tensor_parallel import TensorParallelGroup
 
 DEFAULT_PROFILE_TOKENS = 2048
 DEFAULT_PROFILE_SEQS = 256
@@ -65,7 +65,7 @@ class ModelRunner:
     positions (default max_position_embeddings); seed fixes the generator of unseeded sampling;
     quantization int8|int4 (with quantization_group_size for int4, default 128) quantizes the
     linear layers' weights after the load, auto keeps a GGUF's Q4_0/Q4_1/Q8_0 linear weights
-    quantized as loaded, none dequantizes them (see pagedserve.worker.quantization); kv_cache_dtype
+    quantized as loaded, none dequantizes them (see pagedserve.worker.quantization.quantizers); kv_cache_dtype
     auto|float32|bfloat16|float16|fp8_e4m3|fp8_e5m2 is the KV cache's storage dtype (auto: the
     model's), which sets the bytes per block and so the pool's size in blocks.
 
@@ -141,7 +141,7 @@ class ModelRunner:
     @property
     def num_weight_bytes(self) -> int:
         """Bytes of this rank's parameters of the target model (its shard; a tied LM head counted
-        once) and of their prepacked copies (worker/prepacked_weights.py)."""
+        once) and of their prepacked copies (worker/loading/prepacked_weights.py)."""
         parameters = sum(param.numel() * param.element_size() for param in self._require_model().parameters())
         return parameters + self.num_prepacked_bytes
 

@@ -30,15 +30,15 @@ from datetime import timedelta
 
 import zmq
 
-from pagedserve.zmq_curve import CurveKeys, check_internal_transport, curve_keys_from_env, secure_client
+from pagedserve.security.zmq_curve import CurveKeys, check_internal_transport, curve_keys_from_env, secure_client
 from pagedserve.internal import step_pb2
 from pagedserve.log import configure_logging
-from pagedserve.plan_codec import encode_result, plan_from_proto
+from pagedserve.contracts.plan_codec import encode_result, plan_from_proto
 from pagedserve.worker import resident_memory
 from pagedserve.worker.cpu_share import CpuShare
 from pagedserve.worker.memory_budget import exceeds_available, plan_memory
-from pagedserve.worker.tensor_parallel import CollectiveError
-from pagedserve.worker.worker_config import WorkerConfig
+from pagedserve.worker.layers.tensor_parallel import CollectiveError
+from pagedserve.worker.config import WorkerConfig
 
 HEARTBEAT_SECONDS = 1.0
 
@@ -105,7 +105,7 @@ def run_worker(config: WorkerConfig, *, adapts_threads: bool = False) -> int:
     from pagedserve.worker.model_runner import ModelRunner
 
     log = configure_logging("worker").bind(rank=config.rank)
-    curve = curve_keys_from_env()  # the scheduler's CURVE link (pagedserve.zmq_curve), when set
+    curve = curve_keys_from_env()  # the scheduler's CURVE link (pagedserve.security.zmq_curve), when set
     if check_internal_transport((config.plan_address, config.result_address), curve,
                                 is_insecure_allowed=config.allow_insecure_internal_transport):
         log.warning("internal_zmq_unauthenticated", plan_address=config.plan_address,

@@ -25,7 +25,7 @@ import struct
 import numpy as np
 import torch
 
-from pagedserve.step_plan import SampleSpec, SeqFailure, SeqSample
+from pagedserve.contracts.step_plan import SampleSpec, SeqFailure, SeqSample
 
 
 GREEDY_ROWS_PER_PASS = 4  # logits rows per pass of the greedy path (see Sampler._sample_greedy)

@@ -1,6 +1,6 @@
 /* Decode attention straight from the paged KV cache: each listed sequence's one query row attends
  * over its context [0, seq_lens[s]) read through its block table, with no gathered copy; torch
- * reference: paged_attention_ref (kernels/paged_attention_native.py wraps it).
+ * reference: paged_attention_ref (kernels/attention/native.py wraps it).
  *
  * query [*, nh, hs] with row stride q_stride (elements; the query heads of a fused QKV output),
  * out with row stride out_stride; sequence s's query and output row is query_start_loc[s].

@@ -1,5 +1,5 @@
 /* y = x @ w^T (+ bias) for a few rows of x, streaming the weight once at memory speed; torch
- * reference: F.linear (kernels/linear_rows_cpu.py).
+ * reference: F.linear (kernels/linear/native_rows.py).
  *
  * x [M, K], w [N, K] (row-major, the dense weight as the checkpoint has it), bias [N] or NULL,
  * y [M, N]; linear_rows_bf16: all bfloat16 (products and sums in float32 with AVX-512 BF16 dot

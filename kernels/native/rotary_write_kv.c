@@ -3,7 +3,7 @@
  *
  * qkv [T, stride]: query heads [0, nh * hs), key heads [nh * hs, (nh + kvh) * hs), value heads after.
  * cos_sin [P, 2 hs]: per position cos_full = [cos | cos] then sin_signed = [-sin | sin]
- * (pagedserve.worker.rotary.RotaryEmbedding). For every query and key head x = [x1 | x2]:
+ * (pagedserve.worker.layers.rotary.RotaryEmbedding). For every query and key head x = [x1 | x2]:
  *   x <- round(round(x * cos_full) + round([x2 | x1] * sin_signed))
  * key_cache, value_cache [num_slots, kvh, hs] (a block is block_size consecutive slots): row t's
  * rotated key and its value go to slot slot_mapping[t]; a slot of -1 is skipped. The caches hold

@@ -19,8 +19,8 @@ OPENAI_API_KEY = "test-key"
 
 
 def build_checkpoint(folder: Path, architecture: str, **sizes) -> Path:
-    from pagedserve.models.tiny_checkpoint import build_tiny_checkpoint
-    from pagedserve.models.tiny_tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID, build_tokenizer
+    from pagedserve.checkpoints.tiny_checkpoint import build_tiny_checkpoint
+    from pagedserve.checkpoints.tiny_tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID, build_tokenizer
 
     build_tokenizer(folder, vocab_size=VOCAB_SIZE)
     build_tiny_checkpoint(folder, architecture=architecture, vocab_size=VOCAB_SIZE,

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from pagedserve.internal import scheduler_pb2
-from pagedserve.serve_process import READY_SERVICE, ServeProcess as _ServeProcess
+from pagedserve.launch.serve_process import READY_SERVICE, ServeProcess as _ServeProcess
 from pagedserve.v1 import generation_pb2
 
 

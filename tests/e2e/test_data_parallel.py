@@ -103,7 +103,7 @@ def dp_server(llama_checkpoint, tmp_path_factory):
 
 def _scheduler_pids(server) -> list[int]:
     """pids of the replicas' schedulers (children of the replica serves)."""
-    from pagedserve.serve_process import _children, _role
+    from pagedserve.launch.serve_process import _children, _role
 
     pids = []
     for replica_pid in _children(server.proc.pid):

@@ -20,10 +20,10 @@ import pytest
 import zmq
 from grpc_health.v1 import health_pb2
 
-from pagedserve.bearer_auth import with_bearer
+from pagedserve.security.bearer_auth import with_bearer
 from pagedserve.internal import scheduler_pb2, scheduler_pb2_grpc, step_pb2
-from pagedserve.serve_config import free_port
-from pagedserve.zmq_curve import CURVE_ENVS, ROLE_ENVS
+from pagedserve.launch.serve_config import free_port
+from pagedserve.security.zmq_curve import CURVE_ENVS, ROLE_ENVS
 from tests.e2e.conftest import VOCAB_SIZE, start_server
 from tests.e2e.harness import assert_pool_whole, token_request, wait_for
 
@@ -179,7 +179,7 @@ def test_a_tcp_link_without_curve_keys_is_refused_naming_the_fix(llama_checkpoin
     done = subprocess.run(args, capture_output=True, text=True, timeout=120, env=_plain_env())
     assert done.returncode == 2, done.stderr[-2000:]
     assert "--allow-insecure-internal-transport" in done.stderr and "CURVE" in done.stderr, done.stderr
-    assert "python -m pagedserve.zmq_curve" in done.stderr
+    assert "python -m pagedserve.security.zmq_curve" in done.stderr
 
 
 @pytest.mark.parametrize("transport", ["tcp-opted-out", "ipc"])

@@ -16,10 +16,10 @@ from pathlib import Path
 
 from openai import OpenAI
 
-from pagedserve.models.resolve import resolve_model
-from pagedserve.frontend.tokenizer import load_tokenizer
+from pagedserve.checkpoints.resolve import resolve_model
+from pagedserve.frontend.tokenization.tokenizer import load_tokenizer
 from pagedserve.v1 import generation_pb2
-from pagedserve.serve_process import ServeProcess
+from pagedserve.launch.serve_process import ServeProcess
 from tests.e2e.harness import text_request
 
 QUESTION = "What is the capital of France?"

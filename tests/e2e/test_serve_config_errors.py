@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.serve_config import free_port
+from pagedserve.launch.serve_config import free_port
 from tests.e2e.conftest import build_checkpoint
 
 CONFIG_ERROR_WITHIN_S = 60.0  # a worker's start (torch import) on a busy 2-core host, at most

@@ -12,8 +12,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedserve.internal_token import INTERNAL_TOKEN_ENV
-from pagedserve.serve_config import free_port
+from pagedserve.security.internal_token import INTERNAL_TOKEN_ENV
+from pagedserve.launch.serve_config import free_port
 from pagedserve.v1 import generation_pb2_grpc
 from tests.e2e.harness import assert_pool_whole, token_request, wait_for
 

@@ -15,9 +15,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.internal import scheduler_pb2, scheduler_pb2_grpc
-from pagedserve.serve_config import free_port
+from pagedserve.launch.serve_config import free_port
 from pagedserve.v1 import generation_pb2_grpc
-from pagedserve.zmq_curve import curve_env_for, new_curve_env
+from pagedserve.security.zmq_curve import curve_env_for, new_curve_env
 from tests.e2e.harness import ServeProcess, assert_pool_whole, parse_log_events, token_request, wait_for
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

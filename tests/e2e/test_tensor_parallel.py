@@ -27,9 +27,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedserve.serve_config import free_port
+from pagedserve.launch.serve_config import free_port
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc
-from pagedserve.zmq_curve import curve_env_for, new_curve_env
+from pagedserve.security.zmq_curve import curve_env_for, new_curve_env
 from tests.e2e.conftest import VOCAB_SIZE, build_checkpoint, start_server
 from tests.e2e.harness import READY_SERVICE, token_request, wait_for
 

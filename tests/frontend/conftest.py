@@ -9,7 +9,7 @@ import pytest
 
 from fake_scheduler import FakeSchedulerServer
 
-from pagedserve.models.tiny_tokenizer import build_tokenizer
+from pagedserve.checkpoints.tiny_tokenizer import build_tokenizer
 from pagedserve.v1 import generation_pb2_grpc
 
 VOCAB_SIZE = 512
@@ -22,7 +22,7 @@ def tokenizer_folder(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer(tokenizer_folder):
-    from pagedserve.frontend.tokenizer import load_tokenizer
+    from pagedserve.frontend.tokenization.tokenizer import load_tokenizer
 
     return load_tokenizer(tokenizer_folder)
 
@@ -42,10 +42,10 @@ def fake(scheduler_server):
 
 @pytest.fixture(scope="module")
 def frontend(tokenizer_folder, scheduler_server):
-    from pagedserve.frontend.frontend_config import FrontendConfig
-    from pagedserve.frontend.http_config import HttpConfig
+    from pagedserve.frontend.config import FrontendConfig
+    from pagedserve.frontend.openai.config import HttpConfig
     from pagedserve.frontend.server import serve_frontend
-    from pagedserve.serve_config import free_port
+    from pagedserve.launch.serve_config import free_port
 
     config = FrontendConfig(model_path=str(tokenizer_folder), scheduler_address=scheduler_server.address,
                             host="127.0.0.1", port=0, metrics_port=0, http=HttpConfig(port=free_port()))

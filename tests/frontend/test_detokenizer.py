@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedserve.frontend.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
-from pagedserve.models.tiny_tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID
+from pagedserve.frontend.tokenization.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from pagedserve.checkpoints.tiny_tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID
 
 MULTIBYTE_TEXT = "Prices: 3 € in Zürich, a star ★, a heart ♥ and “quotes” — done."
 

@@ -11,15 +11,15 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedserve.serve_config import free_port
+from pagedserve.launch.serve_config import free_port
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc
 
 
 def test_run_frontend_serves_until_sigterm(tokenizer_folder, scheduler_server, fake):
     port = free_port()
-    code = (f"import sys; from pagedserve.frontend.frontend_config import FrontendConfig; "
-            f"from pagedserve.frontend.http_config import HttpConfig; "
+    code = (f"import sys; from pagedserve.frontend.config import FrontendConfig; "
+            f"from pagedserve.frontend.openai.config import HttpConfig; "
             f"from pagedserve.frontend.server import run_frontend; "
             f"sys.exit(run_frontend(FrontendConfig(model_path={str(tokenizer_folder)!r}, "
             f"scheduler_address={scheduler_server.address!r}, host='127.0.0.1', port={port}, "

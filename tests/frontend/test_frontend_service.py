@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from fake_scheduler import FakeSchedulerServer
 
 from pagedserve.frontend.client import GenerateOptions, generate_cli
-from pagedserve.serve_config import free_port
+from pagedserve.launch.serve_config import free_port
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc
 
@@ -236,8 +236,8 @@ def test_deadline_exceeded_aborts_the_request(stub, fake, tokenizer):
 
 
 def test_unreachable_scheduler_is_unavailable_until_it_starts(tokenizer_folder, tokenizer):
-    from pagedserve.frontend.frontend_config import FrontendConfig
-    from pagedserve.frontend.http_config import HttpConfig
+    from pagedserve.frontend.config import FrontendConfig
+    from pagedserve.frontend.openai.config import HttpConfig
     from pagedserve.frontend.server import serve_frontend
 
     scheduler_port = free_port()

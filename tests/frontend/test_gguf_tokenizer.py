@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.frontend.gguf_tokenizer import tokenizer_cache_path
-from pagedserve.frontend.tokenizer import TokenizerLoadError, load_tokenizer
-from pagedserve.models.tiny_gguf import write_gguf
-from pagedserve.models.tiny_checkpoint import build_tiny_checkpoint
-from pagedserve.models.tiny_tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID, build_tokenizer
+from pagedserve.frontend.tokenization.gguf_tokenizer import tokenizer_cache_path
+from pagedserve.frontend.tokenization.tokenizer import TokenizerLoadError, load_tokenizer
+from pagedserve.testing.tiny_gguf import write_gguf
+from pagedserve.checkpoints.tiny_checkpoint import build_tiny_checkpoint
+from pagedserve.checkpoints.tiny_tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID, build_tokenizer
 
 TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
 TEXTS = ["The old lighthouse stood at the edge of the harbour.", "naïve café, 3 € — ★", "  two  spaces\n\nand lines"]

@@ -136,10 +136,10 @@ def test_request_id_header_is_echoed_or_made(frontend, fake, tokenizer, model_na
 
 def test_drain_lets_streams_finish_then_cuts_them_with_an_error_frame(tokenizer_folder, scheduler_server, fake,
                                                                       tokenizer):
-    from pagedserve.frontend.frontend_config import FrontendConfig
-    from pagedserve.frontend.http_config import HttpConfig
+    from pagedserve.frontend.config import FrontendConfig
+    from pagedserve.frontend.openai.config import HttpConfig
     from pagedserve.frontend.server import serve_frontend
-    from pagedserve.serve_config import free_port
+    from pagedserve.launch.serve_config import free_port
 
     config = FrontendConfig(model_path=str(tokenizer_folder), scheduler_address=scheduler_server.address, port=0,
                             http=HttpConfig(port=free_port(), served_model_name="m"))

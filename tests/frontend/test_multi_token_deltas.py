@@ -4,9 +4,9 @@ delta."""
 
 from __future__ import annotations
 
-from pagedserve.frontend.completion_state import CompletionFinish, CompletionState
-from pagedserve.request_types import CompletionDelta, FinishReason, TokenLogprob
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.frontend.generation.completion_state import CompletionFinish, CompletionState
+from pagedserve.contracts.request_types import CompletionDelta, FinishReason, TokenLogprob
+from pagedserve.contracts.sampling_params import SamplingParams
 
 
 def _run(tokenizer, token_ids: list[int], chunk: int, **params) -> CompletionState:

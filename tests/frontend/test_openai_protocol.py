@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.frontend.openai_protocol import (
+from pagedserve.frontend.openai.protocol import (
     ChatCompletionBody, CompletionBody, chat_messages, generation_plan, parse_body, prompts_of,
 )
-from pagedserve.sampling_params import InvalidParameter
+from pagedserve.contracts.sampling_params import InvalidParameter
 
 
 def _completion(**fields):

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import argparse
 
-from pagedserve.config_flags import add_flags, from_args, to_argv
-from pagedserve.frontend.frontend_config import FrontendConfig
-from pagedserve.frontend.replica_router import MIN_IMBALANCE, PrefixIndex, ReplicaRouter
-from pagedserve.prefix_hash import full_block_keys
-from pagedserve.scheduler.prefix_cache import hash_block
+from pagedserve.config.flags import add_flags, from_args, to_argv
+from pagedserve.frontend.config import FrontendConfig
+from pagedserve.frontend.upstream.router import MIN_IMBALANCE, PrefixIndex, ReplicaRouter
+from pagedserve.contracts.prefix_hash import full_block_keys
+from pagedserve.scheduler.kv.prefix_cache import hash_block
 
 BLOCK = 4
 
@@ -83,7 +83,7 @@ def test_scheduler_address_repeats_and_round_trips():
 
 
 def test_only_dns_names_are_resolved_into_replicas():
-    from pagedserve.frontend.replica_set import is_dns_name, resolve
+    from pagedserve.frontend.upstream.replica_set import is_dns_name, resolve
 
     assert not is_dns_name("127.0.0.1:6000") and not is_dns_name("[::1]:6000") and not is_dns_name("localhost:1")
     assert is_dns_name("pagedserve-replicas.default.svc:6000")

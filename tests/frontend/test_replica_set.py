@@ -23,7 +23,7 @@ def replicas():
 
 @pytest.fixture(scope="module")
 def frontend(tokenizer_folder, replicas):
-    from pagedserve.frontend.frontend_config import FrontendConfig
+    from pagedserve.frontend.config import FrontendConfig
     from pagedserve.frontend.server import serve_frontend
 
     config = FrontendConfig(model_path=str(tokenizer_folder),

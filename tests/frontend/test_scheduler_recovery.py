@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fake_scheduler import FakeSchedulerServer
 
-from pagedserve.serve_config import free_port
+from pagedserve.launch.serve_config import free_port
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc
 
@@ -63,7 +63,7 @@ def replica():
 
 
 def _frontend(tokenizer_folder, replica: Replica, recovery_timeout: float):
-    from pagedserve.frontend.frontend_config import FrontendConfig
+    from pagedserve.frontend.config import FrontendConfig
     from pagedserve.frontend.server import serve_frontend
 
     config = FrontendConfig(model_path=str(tokenizer_folder), scheduler_address=f"127.0.0.1:{replica.port}",

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from pagedserve.frontend.drain import Draining, InFlight
-from pagedserve.frontend.request_decoding import bad_utf8_field, lenient_deserializer
-from pagedserve.frontend.transport import TransportConfig, TransportConfigError
+from pagedserve.frontend.generation.drain import Draining, InFlight
+from pagedserve.frontend.grpc.request_decoding import bad_utf8_field, lenient_deserializer
+from pagedserve.frontend.grpc.transport import TransportConfig, TransportConfigError
 from pagedserve.v1 import generation_pb2 as pb
 
 

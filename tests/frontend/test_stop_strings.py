@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedserve.frontend.completion_state import CompletionFinish, CompletionState, SchedulerAbortedCompletion
-from pagedserve.frontend.stop_strings import StopStringMatcher
-from pagedserve.request_types import CompletionDelta, FinishReason
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.frontend.generation.completion_state import CompletionFinish, CompletionState, SchedulerAbortedCompletion
+from pagedserve.frontend.generation.stop_strings import StopStringMatcher
+from pagedserve.contracts.request_types import CompletionDelta, FinishReason
+from pagedserve.contracts.sampling_params import SamplingParams
 
 
 def _feed_all(matcher, pieces):

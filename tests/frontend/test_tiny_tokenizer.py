@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from pagedserve.frontend.tokenizer import TokenizerLoadError, load_tokenizer
-from pagedserve.models.tiny_tokenizer import (
+from pagedserve.frontend.tokenization.tokenizer import TokenizerLoadError, load_tokenizer
+from pagedserve.checkpoints.tiny_tokenizer import (
     BOS_TOKEN_ID, EOS_TOKEN_ID, MIN_VOCAB_SIZE, PAD_TOKEN_ID, UNK_TOKEN_ID, build_tokenizer,
 )
 

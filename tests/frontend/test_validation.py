@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from pagedserve.frontend.validation import ModelLimits, sampling_params_from_proto, validate_request
-from pagedserve.sampling_params import InvalidParameter, SamplingParams
+from pagedserve.frontend.grpc.validation import ModelLimits, sampling_params_from_proto, validate_request
+from pagedserve.contracts.sampling_params import InvalidParameter, SamplingParams
 from pagedserve.v1 import generation_pb2 as pb
 
 LIMITS = ModelLimits(max_model_len=64, vocab_size=100)
@@ -144,7 +144,7 @@ def test_bad_chat_messages_are_named(messages, chat, message):
 
 
 def test_text_is_refused_by_its_utf8_length_before_it_is_tokenized():
-    from pagedserve.frontend.validation import MIN_MAX_PROMPT_BYTES, check_text_bytes, max_prompt_bytes
+    from pagedserve.frontend.grpc.validation import MIN_MAX_PROMPT_BYTES, check_text_bytes, max_prompt_bytes
 
     assert max_prompt_bytes(16) == MIN_MAX_PROMPT_BYTES and max_prompt_bytes(100_000) == 1_600_000
     check_text_bytes("prompt", ["a" * 1000], 1000)

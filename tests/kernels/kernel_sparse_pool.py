@@ -17,10 +17,10 @@ import os
 
 import torch
 
-from pagedserve.kernels.cache_ops import copy_blocks, write_kv_cache
-from pagedserve.kernels.cache_ops_ref import copy_blocks_ref, write_kv_cache_ref
-from pagedserve.kernels.paged_attention import paged_attention
-from pagedserve.kernels.paged_attention_ref import paged_attention_ref
+from pagedserve.kernels.cache.triton_kernel import copy_blocks, write_kv_cache
+from pagedserve.kernels.cache.reference import copy_blocks_ref, write_kv_cache_ref
+from pagedserve.kernels.attention.triton_kernel import paged_attention
+from pagedserve.kernels.attention.reference import paged_attention_ref
 
 BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE = 16, 1, 128
 BLOCK_NUMEL = BLOCK_SIZE * NUM_KV_HEADS * HEAD_SIZE

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.kernels.cache_ops_cpu import slot_mapping_has_padding, write_kv_cache_cpu
-from pagedserve.kernels.cache_ops_ref import write_kv_cache_ref
+from pagedserve.kernels.cache.index_copy import slot_mapping_has_padding, write_kv_cache_cpu
+from pagedserve.kernels.cache.reference import write_kv_cache_ref
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

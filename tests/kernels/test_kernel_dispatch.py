@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from pagedserve.kernels import ops
-from pagedserve.kernels.cache_ops_ref import copy_blocks_ref, write_kv_cache_ref
-from pagedserve.kernels.paged_attention_cpu import paged_attention_cpu
-from pagedserve.kernels.paged_attention_ref import paged_attention_ref
+from pagedserve.kernels.cache.reference import copy_blocks_ref, write_kv_cache_ref
+from pagedserve.kernels.attention.sdpa import paged_attention_cpu
+from pagedserve.kernels.attention.reference import paged_attention_ref
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -62,9 +62,9 @@ def triton_spies(monkeypatch):
             return result
         return record
 
-    attention = types.ModuleType("pagedserve.kernels.paged_attention")
+    attention = types.ModuleType("pagedserve.kernels.attention.triton_kernel")
     attention.paged_attention = spy("paged_attention", result="triton output")
-    cache = types.ModuleType("pagedserve.kernels.cache_ops")
+    cache = types.ModuleType("pagedserve.kernels.cache.triton_kernel")
     for name in ("write_kv_cache", "copy_blocks", "swap_blocks"):
         setattr(cache, name, spy(name))
     monkeypatch.setitem(sys.modules, attention.__name__, attention)

@@ -6,22 +6,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.kernels.cache_ops_cpu import write_kv_cache_cpu
-from pagedserve.kernels.cache_ops_ref import copy_blocks_ref, swap_blocks_ref, write_kv_cache_ref
-from pagedserve.kernels.kv_cache_dtype import (
+from pagedserve.kernels.cache.index_copy import write_kv_cache_cpu
+from pagedserve.kernels.cache.reference import copy_blocks_ref, swap_blocks_ref, write_kv_cache_ref
+from pagedserve.kernels.cache.kv_dtype import (
     KVCacheDtypeError,
     fp8_max,
     resolve_kv_cache_dtype,
     to_cache_dtype,
 )
-from pagedserve.kernels.paged_attention_cpu import paged_attention_cpu
-from pagedserve.kernels.paged_attention_ref import paged_attention_ref
+from pagedserve.kernels.attention.sdpa import paged_attention_cpu
+from pagedserve.kernels.attention.reference import paged_attention_ref
 from tests.kernels.conftest import build_paged_batch
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
-WRITE_KV_CACHE = "pagedserve.kernels.cache_ops:write_kv_cache"
-COPY_BLOCKS = "pagedserve.kernels.cache_ops:copy_blocks"
-PAGED_ATTENTION = "pagedserve.kernels.paged_attention:paged_attention"
+WRITE_KV_CACHE = "pagedserve.kernels.cache.triton_kernel:write_kv_cache"
+COPY_BLOCKS = "pagedserve.kernels.cache.triton_kernel:copy_blocks"
+PAGED_ATTENTION = "pagedserve.kernels.attention.triton_kernel:paged_attention"
 RELATIVE_STEP = {torch.float8_e4m3fn: 2 ** -4, torch.float8_e5m2: 2 ** -3}  # half an ulp, relative
 
 

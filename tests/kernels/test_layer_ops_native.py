@@ -11,8 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedserve.kernels import layer_ops_native, layer_ops_ref, native_lib, ops
-from pagedserve.worker.rotary import RopeConfig, RotaryEmbedding
+from pagedserve.kernels import ops
+from pagedserve.kernels.layer import native as layer_ops_native
+from pagedserve.kernels.layer import reference as layer_ops_ref
+from pagedserve.kernels.native import library as native_lib
+from pagedserve.worker.layers.rotary import RopeConfig, RotaryEmbedding
 
 HIDDEN, INNER = 576, 1536
 

@@ -10,10 +10,10 @@ import random
 import pytest
 import torch
 
-from pagedserve.kernels import paged_attention_cpu as cpu_module
+from pagedserve.kernels.attention import sdpa as cpu_module
 from pagedserve.kernels import ops
-from pagedserve.kernels.paged_attention_cpu import paged_attention_cpu, plan_cpu_attention
-from pagedserve.kernels.paged_attention_ref import paged_attention_ref
+from pagedserve.kernels.attention.sdpa import paged_attention_cpu, plan_cpu_attention
+from pagedserve.kernels.attention.reference import paged_attention_ref
 from tests.kernels.conftest import build_paged_batch
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

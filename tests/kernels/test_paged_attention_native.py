@@ -1,4 +1,4 @@
-"""The native decode attention (kernels/paged_attention_native.py, decode_attention.c) against the
+"""The native decode attention (kernels/attention/native.py, decode_attention.c) against the
 reference on the NaN-filled pools of build_paged_batch, alone and through ops.paged_attention,
 which sends a batch's decodes to it and its prefill chunks to SDPA."""
 
@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.kernels import native_lib, ops
-from pagedserve.kernels.paged_attention_native import paged_decode_attention, plan_native_decodes, supports
-from pagedserve.kernels.paged_attention_ref import paged_attention_ref
+from pagedserve.kernels import ops
+from pagedserve.kernels.native import library as native_lib
+from pagedserve.kernels.attention.native import paged_decode_attention, plan_native_decodes, supports
+from pagedserve.kernels.attention.reference import paged_attention_ref
 from tests.kernels.conftest import build_paged_batch
 
 pytestmark = pytest.mark.skipif(native_lib.compiler() is None or native_lib.load() is None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.kernels.prepacked_linear_cpu import (
+from pagedserve.kernels.linear.onednn import (
     can_prepack,
     prepack_linear_weight,
     prepacked_linear,

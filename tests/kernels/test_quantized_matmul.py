@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from pagedserve.kernels import ops
-from pagedserve.kernels.int4_layout import Int4Layout, check_round_trip, pack_int4, unpack_int4, unpack_int4_columns
-from pagedserve.kernels.packed_weights import Int4Weight, Int8Weight
-from pagedserve.kernels.quantized_matmul_cpu import (
+from pagedserve.kernels.linear.int4_layout import Int4Layout, check_round_trip, pack_int4, unpack_int4, unpack_int4_columns
+from pagedserve.kernels.linear.packed_weights import Int4Weight, Int8Weight
+from pagedserve.kernels.linear.quantized import (
     MAX_KERNEL_ROWS,
     int4_linear_cpu,
     int4_linear_dequant,
@@ -16,8 +16,8 @@ from pagedserve.kernels.quantized_matmul_cpu import (
     int8_linear_dequant,
     linear_cpu,
 )
-from pagedserve.kernels.quantized_matmul_ref import int4_linear_ref, int8_linear_ref
-from pagedserve.worker.quantization import quantize_int4, quantize_int8
+from pagedserve.kernels.linear.quantized_reference import int4_linear_ref, int8_linear_ref
+from pagedserve.worker.quantization.quantizers import quantize_int4, quantize_int8
 
 TOLERANCE = 1e-2  # relative Frobenius error; bfloat16 activations give a few 1e-3
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.kernels.cache_ops_ref import copy_blocks_ref, swap_blocks_ref, write_kv_cache_ref
+from pagedserve.kernels.cache.reference import copy_blocks_ref, swap_blocks_ref, write_kv_cache_ref
 
-WRITE_KV_CACHE = "pagedserve.kernels.cache_ops:write_kv_cache"
-COPY_BLOCKS = "pagedserve.kernels.cache_ops:copy_blocks"
-COPY_BLOCK_RUNS = "pagedserve.kernels.cache_ops:copy_block_runs"
-SWAP_BLOCKS = "pagedserve.kernels.cache_ops:swap_blocks"
+WRITE_KV_CACHE = "pagedserve.kernels.cache.triton_kernel:write_kv_cache"
+COPY_BLOCKS = "pagedserve.kernels.cache.triton_kernel:copy_blocks"
+COPY_BLOCK_RUNS = "pagedserve.kernels.cache.triton_kernel:copy_block_runs"
+SWAP_BLOCKS = "pagedserve.kernels.cache.triton_kernel:swap_blocks"
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 
 

@@ -8,14 +8,14 @@ import itertools
 import pytest
 import torch
 
-from pagedserve.kernels.cache_ops_ref import copy_blocks_ref, swap_blocks_ref, write_kv_cache_ref
-from pagedserve.kernels.paged_attention_ref import paged_attention_ref
+from pagedserve.kernels.cache.reference import copy_blocks_ref, swap_blocks_ref, write_kv_cache_ref
+from pagedserve.kernels.attention.reference import paged_attention_ref
 
 if not torch.cuda.is_available():
     pytest.skip("compiled Triton kernels need a CUDA device", allow_module_level=True)
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
-PAGED_ATTENTION = "pagedserve.kernels.paged_attention:paged_attention"
+PAGED_ATTENTION = "pagedserve.kernels.attention.triton_kernel:paged_attention"
 LONG_MIXED = [(2000, 1), (513, 1), (0, 1), (100, 37), (0, 300), (1500, 64), (7, 0), (4095, 1)]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
@@ -50,7 +50,7 @@ def test_decode_batches_with_automatic_splits(kernels, paged_batch, assert_match
 
 
 def test_small_batches_are_split():
-    from pagedserve.kernels.paged_attention import choose_num_kv_splits
+    from pagedserve.kernels.attention.triton_kernel import choose_num_kv_splits
 
     device = torch.device("cuda")
     assert choose_num_kv_splits(num_programs=2, max_context=8192, device=device) > 1
@@ -70,11 +70,11 @@ def test_offsets_beyond_2_pow_31_in_a_real_pool(kernels, paged_batch, assert_mat
     slot_mapping = torch.tensor([min_block_id * 16 + 3, -1, (min_block_id + 63) * 16 + 15, -1, 7], device="cuda")
     expected_key, expected_value = batch.key_cache.clone(), batch.value_cache.clone()
     write_kv_cache_ref(key, key, expected_key, expected_value, slot_mapping)
-    kernels.call("pagedserve.kernels.cache_ops:write_kv_cache", key, key, batch.key_cache, batch.value_cache,
+    kernels.call("pagedserve.kernels.cache.triton_kernel:write_kv_cache", key, key, batch.key_cache, batch.value_cache,
                  slot_mapping)
     mapping = torch.tensor([[min_block_id + 63, min_block_id + 62], [0, min_block_id + 61]], device="cuda")
     copy_blocks_ref([expected_key], [expected_value], mapping)
-    kernels.call("pagedserve.kernels.cache_ops:copy_blocks", [batch.key_cache], [batch.value_cache], mapping)
+    kernels.call("pagedserve.kernels.cache.triton_kernel:copy_blocks", [batch.key_cache], [batch.value_cache], mapping)
     touched = torch.tensor([0, min_block_id, min_block_id + 61, min_block_id + 62, min_block_id + 63], device="cuda")
     torch.testing.assert_close(batch.key_cache[touched], expected_key[touched], atol=0, rtol=0, equal_nan=True)
     torch.testing.assert_close(batch.value_cache[touched], expected_value[touched], atol=0, rtol=0, equal_nan=True)
@@ -82,7 +82,7 @@ def test_offsets_beyond_2_pow_31_in_a_real_pool(kernels, paged_batch, assert_mat
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_swap_between_gpu_and_pinned_host(dtype):
-    from pagedserve.kernels.cache_ops import swap_blocks
+    from pagedserve.kernels.cache.triton_kernel import swap_blocks
 
     gpu_cache = torch.randn(64, 16, 8, 128, device="cuda").to(dtype)  # [64, 16, 8, 128]
     host_cache = torch.zeros(32, 16, 8, 128, dtype=dtype).pin_memory()  # [32, 16, 8, 128]

@@ -7,13 +7,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagedserve.kernels.paged_attention_ref import paged_attention_ref
+from pagedserve.kernels.attention.reference import paged_attention_ref
 
 # (cached context, new tokens): decodes, a chunk after a cached prefix that starts and ends
 # mid-block, a prefill from scratch, a sequence with no new tokens this step, a longer decode.
 MIXED = [(47, 1), (0, 1), (21, 19), (0, 13), (5, 0), (70, 1)]
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
-PAGED_ATTENTION = "pagedserve.kernels.paged_attention:paged_attention"
+PAGED_ATTENTION = "pagedserve.kernels.attention.triton_kernel:paged_attention"
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""A driver that runs a Scheduler against the digest worker (pagedserve/digest_worker.py), which
+"""A driver that runs a Scheduler against the digest worker (pagedserve/testing/digest_worker.py), which
 simulates the KV cache slot by slot and checks every plan. No torch, no processes.
 """
 
@@ -7,12 +7,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pagedserve.digest_worker import DigestWorker
-from pagedserve.request_types import FinishReason, Request, RequestOutput
-from pagedserve.sampling_params import SamplingParams
-from pagedserve.scheduler.scheduler import Scheduler
-from pagedserve.scheduler.scheduler_config import SchedulerConfig
-from pagedserve.step_plan import StepPlan
+from pagedserve.testing.digest_worker import DigestWorker
+from pagedserve.contracts.request_types import FinishReason, Request, RequestOutput
+from pagedserve.contracts.sampling_params import SamplingParams
+from pagedserve.scheduler.core.scheduler import Scheduler
+from pagedserve.scheduler.core.config import SchedulerConfig
+from pagedserve.contracts.step_plan import StepPlan
 
 VOCAB_SIZE = 24
 EOS_TOKEN_ID = 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.scheduler.admission import Admission, DuplicateRequest, QueueFull
+from pagedserve.scheduler.core.admission import Admission, DuplicateRequest, QueueFull
 
 
 def test_request_bound():

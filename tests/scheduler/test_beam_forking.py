@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from pagedserve.request_types import TokenLogprob
-from pagedserve.scheduler.beam_forking import fork_beams
-from pagedserve.scheduler.beam_search import BeamCandidate
-from pagedserve.scheduler.block_manager import BlockManager
-from pagedserve.scheduler.scheduler_config import SchedulerConfig
-from pagedserve.scheduler.sequence import Sequence
+from pagedserve.contracts.request_types import TokenLogprob
+from pagedserve.scheduler.beam.forking import fork_beams
+from pagedserve.scheduler.beam.search import BeamCandidate
+from pagedserve.scheduler.kv.block_manager import BlockManager
+from pagedserve.scheduler.core.config import SchedulerConfig
+from pagedserve.scheduler.core.sequence import Sequence
 
 
 def _beams(manager: BlockManager, last_tokens: list[int]) -> list[Sequence]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.scheduler.beam_search import (NEG_SCORE, BeamCandidate, BeamHypothesis, BeamSearchState, f32,
+from pagedserve.scheduler.beam.search import (NEG_SCORE, BeamCandidate, BeamHypothesis, BeamSearchState, f32,
                                               length_normalised, num_beam_candidates, top_candidates)
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedserve.scheduler.block_manager import BlockManager
-from pagedserve.scheduler.scheduler_config import SchedulerConfig
-from pagedserve.scheduler.sequence import Sequence
+from pagedserve.scheduler.kv.block_manager import BlockManager
+from pagedserve.scheduler.core.config import SchedulerConfig
+from pagedserve.scheduler.core.sequence import Sequence
 
 
 def _manager(num_gpu_blocks: int = 32, num_cpu_blocks: int = 32, block_size: int = 4) -> BlockManager:

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedserve.scheduler.block_pool import BlockPool
-from pagedserve.scheduler.errors import NoFreeBlocks
+from pagedserve.scheduler.kv.block_pool import BlockPool
+from pagedserve.scheduler.core.errors import NoFreeBlocks
 
 
 def _accounting(pool: BlockPool) -> tuple[int, int, int]:

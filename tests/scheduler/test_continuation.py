@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 from scheduler_harness import EOS_TOKEN_ID, RequestRecord, collect, digest_worker
 
-from pagedserve.digest_worker import DigestWorker
-from pagedserve.request_types import Continuation, FinishReason, Request
-from pagedserve.sampling_params import SamplingParams
-from pagedserve.scheduler.errors import RequestRejected
-from pagedserve.scheduler.scheduler import Scheduler
-from pagedserve.scheduler.scheduler_config import SchedulerConfig
+from pagedserve.testing.digest_worker import DigestWorker
+from pagedserve.contracts.request_types import Continuation, FinishReason, Request
+from pagedserve.contracts.sampling_params import SamplingParams
+from pagedserve.scheduler.core.errors import RequestRejected
+from pagedserve.scheduler.core.scheduler import Scheduler
+from pagedserve.scheduler.core.config import SchedulerConfig
 
 PROMPT = [3, 5, 7, 9, 11, 13, 15]
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 import threading
 import time
 
-from pagedserve.request_types import Request
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.contracts.request_types import Request
+from pagedserve.contracts.sampling_params import SamplingParams
 from pagedserve.scheduler.engine import Engine, EngineUnavailable
-from pagedserve.scheduler.errors import RequestFailed, RequestRejected
-from pagedserve.scheduler.scheduler_config import SchedulerConfig
+from pagedserve.scheduler.core.errors import RequestFailed, RequestRejected
+from pagedserve.scheduler.core.config import SchedulerConfig
 from pagedserve.scheduler.worker_link import PoolSize, WorkerLost
-from pagedserve.step_plan import SeqFailure
+from pagedserve.contracts.step_plan import SeqFailure
 from tests.scheduler.scheduler_harness import EOS_TOKEN_ID, digest_worker
 
 NUM_BLOCKS = 64

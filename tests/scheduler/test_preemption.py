@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 from scheduler_harness import RequestSpec, run_workload
 
-from pagedserve.sampling_params import SamplingParams
-from pagedserve.scheduler.block_pool import BlockPool
-from pagedserve.scheduler.preemption import PreemptionMode, choose_preemption_mode, num_tokens_to_recompute
-from pagedserve.scheduler.scheduler_config import SchedulerConfig
-from pagedserve.scheduler.sequence import Sequence
+from pagedserve.contracts.sampling_params import SamplingParams
+from pagedserve.scheduler.kv.block_pool import BlockPool
+from pagedserve.scheduler.core.preemption import PreemptionMode, choose_preemption_mode, num_tokens_to_recompute
+from pagedserve.scheduler.core.config import SchedulerConfig
+from pagedserve.scheduler.core.sequence import Sequence
 
 
 def _config(**overrides) -> SchedulerConfig:

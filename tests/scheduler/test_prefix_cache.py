@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from pagedserve.scheduler.block_pool import BlockPool
-from pagedserve.scheduler.prefix_cache import PrefixCache, hash_block
-from pagedserve.scheduler.sequence import Sequence
+from pagedserve.scheduler.kv.block_pool import BlockPool
+from pagedserve.scheduler.kv.prefix_cache import PrefixCache, hash_block
+from pagedserve.scheduler.core.sequence import Sequence
 
 
 def _seq(tokens: list[int]) -> Sequence:

@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 from scheduler_harness import RequestSpec, run_workload
 from test_scheduler_properties import _HEALTH, _check_against_oracle, _workload
 
-from pagedserve.sampling_params import SamplingParams
-from pagedserve.scheduler.scheduler import Scheduler
-from pagedserve.scheduler.scheduler_config import SchedulerConfig
-from pagedserve.scheduler.sequence import GroupStatus
-from pagedserve.step_plan import StepPlan
+from pagedserve.contracts.sampling_params import SamplingParams
+from pagedserve.scheduler.core.scheduler import Scheduler
+from pagedserve.scheduler.core.config import SchedulerConfig
+from pagedserve.scheduler.core.sequence import GroupStatus
+from pagedserve.contracts.step_plan import StepPlan
 
 _PRIORITIES = st.sampled_from([0, 1, 10, 10])
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.request_types import FinishReason, Request
-from pagedserve.sampling_params import SamplingParams
-from pagedserve.scheduler.scheduler import Scheduler
-from pagedserve.scheduler.scheduler_config import SchedulerConfig
-from pagedserve.step_plan import SeqSample, StepResult
+from pagedserve.contracts.request_types import FinishReason, Request
+from pagedserve.contracts.sampling_params import SamplingParams
+from pagedserve.scheduler.core.scheduler import Scheduler
+from pagedserve.scheduler.core.config import SchedulerConfig
+from pagedserve.contracts.step_plan import SeqSample, StepResult
 
 
 def _scheduler(**overrides) -> Scheduler:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.scheduler.errors import SchedulerConfigError
-from pagedserve.scheduler.scheduler_config import SchedulerConfig
+from pagedserve.scheduler.core.errors import SchedulerConfigError
+from pagedserve.scheduler.core.config import SchedulerConfig
 
 
 def test_defaults() -> None:

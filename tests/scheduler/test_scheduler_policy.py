@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 from scheduler_harness import EOS_TOKEN_ID, RequestRecord, RequestSpec, collect, digest_worker, run_workload
 
-from pagedserve.request_types import FinishReason, Request
-from pagedserve.sampling_params import SamplingParams
-from pagedserve.scheduler.errors import RequestRejected, StepOrderError
-from pagedserve.scheduler.scheduler import Scheduler
-from pagedserve.scheduler.scheduler_config import SchedulerConfig
-from pagedserve.digest_worker import DigestWorker
-from pagedserve.step_plan import SeqSample, StepResult
+from pagedserve.contracts.request_types import FinishReason, Request
+from pagedserve.contracts.sampling_params import SamplingParams
+from pagedserve.scheduler.core.errors import RequestRejected, StepOrderError
+from pagedserve.scheduler.core.scheduler import Scheduler
+from pagedserve.scheduler.core.config import SchedulerConfig
+from pagedserve.testing.digest_worker import DigestWorker
+from pagedserve.contracts.step_plan import SeqSample, StepResult
 
 
 def _config(**overrides) -> SchedulerConfig:

@@ -9,10 +9,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from scheduler_harness import EOS_TOKEN_ID, VOCAB_SIZE, RequestSpec, run_workload
 
-from pagedserve.request_types import FinishReason
-from pagedserve.sampling_params import SamplingParams
-from pagedserve.scheduler.request_intake import max_group_blocks
-from pagedserve.scheduler.scheduler_config import SchedulerConfig
+from pagedserve.contracts.request_types import FinishReason
+from pagedserve.contracts.sampling_params import SamplingParams
+from pagedserve.scheduler.core.request_intake import max_group_blocks
+from pagedserve.scheduler.core.config import SchedulerConfig
 
 _TOKENS = st.integers(1, VOCAB_SIZE - 1)
 

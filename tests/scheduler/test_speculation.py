@@ -14,15 +14,15 @@ from hypothesis import strategies as st
 from scheduler_harness import RequestSpec, run_workload
 from test_scheduler_properties import _HEALTH, _ORACLE, _oracle_specs, _workload
 
-from pagedserve.digest_worker import DigestWorkerError
-from pagedserve.prefix_hash import hash_block
-from pagedserve.sampling_params import SamplingParams
-from pagedserve.scheduler.errors import SchedulerConfigError
-from pagedserve.scheduler.ngram_proposer import propose_ngram
-from pagedserve.scheduler.scheduler import Scheduler
-from pagedserve.scheduler.scheduler_config import SchedulerConfig
-from pagedserve.scheduler.sequence import Sequence
-from pagedserve.scheduler.spec_drafting import MAX_PAUSE_STEPS, record_verification
+from pagedserve.testing.digest_worker import DigestWorkerError
+from pagedserve.contracts.prefix_hash import hash_block
+from pagedserve.contracts.sampling_params import SamplingParams
+from pagedserve.scheduler.core.errors import SchedulerConfigError
+from pagedserve.scheduler.speculation.ngram_proposer import propose_ngram
+from pagedserve.scheduler.core.scheduler import Scheduler
+from pagedserve.scheduler.core.config import SchedulerConfig
+from pagedserve.scheduler.core.sequence import Sequence
+from pagedserve.scheduler.speculation.drafting import MAX_PAUSE_STEPS, record_verification
 
 SMALL_VOCAB = 5  # the worker's tokens repeat often, so proposals are often accepted
 
@@ -229,7 +229,7 @@ def test_the_digest_worker_refuses_a_draft_context_that_skips_missing_draft_kv()
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_a_penalty_history_leaves_out_the_proposals_in_flight(method) -> None:
-    """The worker adds the drafts before each verified row itself (worker/spec_verify.py)."""
+    """The worker adds the drafts before each verified row itself (worker/speculation/ngram_verify.py)."""
     config = _speculating(SchedulerConfig(num_gpu_blocks=64, max_model_len=128, block_size=4), 3, 8, method)
     spec = RequestSpec("r", [1, 2, 1, 2, 1, 2], SamplingParams(max_tokens=12, ignore_eos=True, frequency_penalty=0.5))
     histories = []

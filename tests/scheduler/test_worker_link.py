@@ -11,7 +11,7 @@ import zmq
 
 from pagedserve.internal import step_pb2
 from pagedserve.scheduler.worker_link import WorkerLink, WorkerLost
-from pagedserve.serve_config import free_port
+from pagedserve.launch.serve_config import free_port
 
 
 class FakeRank:
@@ -167,8 +167,8 @@ def test_a_pid_dismissed_long_ago_may_register_again(link):
 def test_garbage_and_unexpected_worker_messages_are_dropped_and_the_step_still_completes(link):
     """Frames that do not parse, empty messages, ranks outside the replica and results of other
     steps are dropped and counted; none of them raises, and the awaited result still arrives."""
-    from pagedserve.plan_codec import encode_result
-    from pagedserve.step_plan import StepPlan, StepResult
+    from pagedserve.contracts.plan_codec import encode_result
+    from pagedserve.contracts.step_plan import StepPlan, StepResult
 
     rank = FakeRank(link, 0, pid=5001)
     _register_until_known(link, rank)
@@ -192,7 +192,7 @@ def test_garbage_and_unexpected_worker_messages_are_dropped_and_the_step_still_c
 def test_with_curve_keys_only_the_workers_key_gets_through(monkeypatch):
     """A local process without the workers' secret key reads no plan and pushes no message; one
     with another key pair is refused by the ZAP handler; the real rank serves as before."""
-    from pagedserve.zmq_curve import CURVE_ENVS, curve_keys_from_env, ensure_curve_keys, secure_client
+    from pagedserve.security.zmq_curve import CURVE_ENVS, curve_keys_from_env, ensure_curve_keys, secure_client
 
     for name in CURVE_ENVS:  # recorded as they were (usually unset), so teardown removes the new keys
         monkeypatch.setenv(name, "")

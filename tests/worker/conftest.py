@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedserve.models.tiny_checkpoint import build_tiny_checkpoint
+from pagedserve.checkpoints.tiny_checkpoint import build_tiny_checkpoint
 
 VOCAB_SIZE = 512
 PROMPT_LENGTHS = (1, 7, 16, 17, 33, 64, 129, 300)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from plan_driver import DrivenSeq, PlanDriver
 
-from pagedserve.step_plan import SampleSpec, ScheduledSeq, StepPlan, StepResult
+from pagedserve.contracts.step_plan import SampleSpec, ScheduledSeq, StepPlan, StepResult
 
 
 def _spec_now(seq: DrivenSeq) -> SampleSpec:

@@ -1,4 +1,4 @@
-"""Tiny GGUF models written by the tests (pagedserve.models.tiny_gguf) and transformers' view of them."""
+"""Tiny GGUF models written by the tests (pagedserve.testing.tiny_gguf) and transformers' view of them."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedserve.models.tiny_gguf import MIXED_TYPES, write_gguf
-from pagedserve.models.tiny_checkpoint import build_tiny_checkpoint
-from pagedserve.models.tiny_tokenizer import build_tokenizer
+from pagedserve.testing.tiny_gguf import MIXED_TYPES, write_gguf
+from pagedserve.checkpoints.tiny_checkpoint import build_tiny_checkpoint
+from pagedserve.checkpoints.tiny_tokenizer import build_tokenizer
 
 VOCAB_SIZE = 512
 SIZES = dict(vocab_size=VOCAB_SIZE, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,

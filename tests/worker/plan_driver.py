@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pagedserve.step_plan import SampleSpec, ScheduledSeq, StepPlan, StepResult
+from pagedserve.contracts.step_plan import SampleSpec, ScheduledSeq, StepPlan, StepResult
 from pagedserve.worker.model_runner import ModelRunner
 
 

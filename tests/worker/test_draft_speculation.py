@@ -19,10 +19,10 @@ import torch
 from conftest import MAX_NEW_TOKENS, PROMPT_LENGTHS, SIZES, make_prompts
 from draft_driver import DraftDriver, DraftedSeq
 
-from pagedserve.kernels.packed_weights import Int4Weight
-from pagedserve.models.tiny_checkpoint import build_tiny_checkpoint
-from pagedserve.step_plan import SampleSpec, ScheduledSeq, StepPlan
-from pagedserve.worker.draft_model import DraftModelError
+from pagedserve.kernels.linear.packed_weights import Int4Weight
+from pagedserve.checkpoints.tiny_checkpoint import build_tiny_checkpoint
+from pagedserve.contracts.step_plan import SampleSpec, ScheduledSeq, StepPlan
+from pagedserve.worker.speculation.draft_model import DraftModelError
 from pagedserve.worker.model_input import PlanError
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.sampler import processed_logits, sampling_probs

@@ -12,8 +12,8 @@ import torch
 import torch.multiprocessing as mp
 from conftest import MAX_NEW_TOKENS, make_prompts
 
-from pagedserve.models.tiny_checkpoint import build_tiny_checkpoint
-from pagedserve.step_plan import SampleSpec
+from pagedserve.checkpoints.tiny_checkpoint import build_tiny_checkpoint
+from pagedserve.contracts.step_plan import SampleSpec
 
 WORLD_SIZE = 2
 VOCAB_SIZE = 509
@@ -41,7 +41,7 @@ def _rank_main(rank: int, folder: str, draft: str, bad_draft: str, init_file: st
     from draft_driver import DraftDriver
     from plan_driver import tensor_parallel_rank
 
-    from pagedserve.worker.draft_model import DraftModel, DraftModelError
+    from pagedserve.worker.speculation.draft_model import DraftModel, DraftModelError
 
     with tensor_parallel_rank(folder, rank, WORLD_SIZE, init_file, num_blocks=NUM_BLOCKS,
                               speculative_model=draft) as (runner, driver):

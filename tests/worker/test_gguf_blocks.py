@@ -8,7 +8,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from pagedserve.worker.gguf_blocks import GGUFBlocks, GGUFBlocksError, to_int4_groups, to_int8_groups
+from pagedserve.worker.quantization.gguf_blocks import GGUFBlocks, GGUFBlocksError, to_int4_groups, to_int8_groups
 
 ROWS, COLS = 6, 128
 

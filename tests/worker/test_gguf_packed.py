@@ -13,12 +13,12 @@ from gguf_fixtures import GGUF_FILE, gguf_model  # noqa: F401 (fixture)
 from plan_driver import DrivenSeq, PlanDriver
 
 from pagedserve.kernels import ops
-from pagedserve.kernels.packed_weights import Int4Weight, Int8Weight
-from pagedserve.models.tiny_checkpoint import build_tiny_checkpoint
-from pagedserve.models.tiny_gguf import write_gguf
+from pagedserve.kernels.linear.packed_weights import Int4Weight, Int8Weight
+from pagedserve.checkpoints.tiny_checkpoint import build_tiny_checkpoint
+from pagedserve.testing.tiny_gguf import write_gguf
 from pagedserve.worker.model_runner import ModelRunner
-from pagedserve.worker.prompt_scoring import sequence_logits
-from pagedserve.worker.quantized_linear import QuantizableLinear
+from pagedserve.testing.prompt_scoring import sequence_logits
+from pagedserve.worker.quantization.linear import QuantizableLinear
 
 NUM_BLOCKS = 64
 MAX_NEW_TOKENS = 10

@@ -7,8 +7,8 @@ import pytest
 import torch
 from plan_driver import DrivenSeq, PlanDriver
 
-from pagedserve.models.resolve import resolve_model
-from pagedserve.frontend.tokenizer import load_tokenizer
+from pagedserve.checkpoints.resolve import resolve_model
+from pagedserve.frontend.tokenization.tokenizer import load_tokenizer
 from pagedserve.worker.model_runner import ModelRunner
 
 QUESTION = "What is the capital of France?"

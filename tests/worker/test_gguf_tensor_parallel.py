@@ -18,9 +18,9 @@ import torch.multiprocessing as mp
 from conftest import make_prompts
 from plan_driver import DrivenSeq, PlanDriver
 
-from pagedserve.models.tiny_gguf import write_gguf
-from pagedserve.kernels.packed_weights import Int4Weight
-from pagedserve.models.tiny_checkpoint import build_tiny_checkpoint
+from pagedserve.testing.tiny_gguf import write_gguf
+from pagedserve.kernels.linear.packed_weights import Int4Weight
+from pagedserve.checkpoints.tiny_checkpoint import build_tiny_checkpoint
 from pagedserve.worker.model_runner import ModelRunner
 
 WORLD_SIZE = 2
@@ -54,7 +54,7 @@ def tp_gguf(tmp_path_factory):
 def test_two_ranks_load_their_slices_and_match_transformers(tp_gguf, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from pagedserve.worker.loader import load_weights
+    from pagedserve.worker.loading.hf_checkpoint import load_weights
     from pagedserve.worker.models.llama import LlamaForCausalLM
     from pagedserve.worker.models.llama_config import LlamaModelConfig
 

@@ -11,12 +11,12 @@ from conftest import make_prompts
 from gguf_fixtures import GGUF_FILE, GGUF_MODELS, gguf_model, hf_gguf_model  # noqa: F401 (fixtures)
 from plan_driver import DrivenSeq, PlanDriver
 
-from pagedserve.models.tiny_gguf import llama_cpp_permute, write_gguf
-from pagedserve.step_plan import SampleSpec
-from pagedserve.models.tiny_checkpoint import build_tiny_checkpoint
-from pagedserve.worker.gguf_blocks import to_int4_groups, to_int8_groups
-from pagedserve.worker.gguf_weights import GGUFCheckpoint, gguf_tensor_name, unpermute_rows
-from pagedserve.worker.loader import CheckpointError, load_weights
+from pagedserve.testing.tiny_gguf import llama_cpp_permute, write_gguf
+from pagedserve.contracts.step_plan import SampleSpec
+from pagedserve.checkpoints.tiny_checkpoint import build_tiny_checkpoint
+from pagedserve.worker.quantization.gguf_blocks import to_int4_groups, to_int8_groups
+from pagedserve.worker.loading.gguf_weights import GGUFCheckpoint, gguf_tensor_name, unpermute_rows
+from pagedserve.worker.loading.hf_checkpoint import CheckpointError, load_weights
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.models.llama import LlamaForCausalLM
 from pagedserve.worker.models.llama_config import LlamaModelConfig

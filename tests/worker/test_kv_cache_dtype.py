@@ -9,9 +9,9 @@ from conftest import make_prompts
 from plan_driver import DrivenSeq, PlanDriver
 
 from pagedserve.kernels import ops
-from pagedserve.kernels.kv_cache_dtype import KVCacheDtypeError
+from pagedserve.kernels.cache.kv_dtype import KVCacheDtypeError
 from pagedserve.worker.model_runner import ModelRunner
-from pagedserve.worker.prompt_scoring import sequence_logits
+from pagedserve.testing.prompt_scoring import sequence_logits
 
 NAME = "llama-gqa-untied"
 NUM_BLOCKS = 64
@@ -111,8 +111,8 @@ def test_narrow_caches_agree_with_the_float32_cache(checkpoint_dir, name):
 
 
 def test_calibrated_fp8_scales_put_the_largest_value_at_half_the_range(checkpoint_dir, monkeypatch):
-    from pagedserve.kernels.kv_cache_dtype import fp8_max
-    from pagedserve.worker.kv_scales import calibrate_kv_scales
+    from pagedserve.kernels.cache.kv_dtype import fp8_max
+    from pagedserve.testing.kv_scales import calibrate_kv_scales
 
     calibration = make_prompts(seed=8, lengths=(80,))[0]
     float32 = _runner(checkpoint_dir, "float32")

@@ -10,9 +10,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from pagedserve.model_config import ModelConfigError
+from pagedserve.checkpoints.model_config import ModelConfigError
 from pagedserve.cpu_features import has_native_bfloat16
-from pagedserve.worker.loader import CheckpointError, load_weights, resolve_dtype
+from pagedserve.worker.loading.hf_checkpoint import CheckpointError, load_weights, resolve_dtype
 from pagedserve.worker.models.llama import LlamaForCausalLM
 from pagedserve.worker.models.llama_config import LlamaModelConfig
 

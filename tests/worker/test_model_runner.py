@@ -6,7 +6,7 @@ import pytest
 from conftest import MAX_NEW_TOKENS, make_prompts
 from plan_driver import DrivenSeq, PlanDriver
 
-from pagedserve.step_plan import SampleSpec, ScheduledSeq, StepPlan
+from pagedserve.contracts.step_plan import SampleSpec, ScheduledSeq, StepPlan
 from pagedserve.worker.model_input import PlanError
 from pagedserve.worker.model_runner import ModelRunner, RunnerStateError
 
@@ -88,8 +88,8 @@ def test_capacity_and_state_errors(checkpoint_dir):
 def test_bfloat16_prepacked_weights_give_the_logits_of_the_dense_ones(checkpoint_dir, monkeypatch):
     import torch
 
-    from pagedserve.kernels.prepacked_linear_cpu import can_prepack
-    from pagedserve.worker.prepacked_weights import prepack_model
+    from pagedserve.kernels.linear.onednn import can_prepack
+    from pagedserve.worker.loading.prepacked_weights import prepack_model
 
     if not can_prepack(torch.zeros(2, 2, dtype=torch.bfloat16)):
         pytest.skip("this CPU or torch build has no oneDNN bfloat16 matmul")

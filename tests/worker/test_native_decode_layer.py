@@ -8,14 +8,15 @@ import pytest
 import torch
 from conftest import make_prompts
 
-from pagedserve.kernels import linear_rows_cpu, native_lib
-from pagedserve.step_plan import SampleSpec, ScheduledSeq
+from pagedserve.kernels.linear import native_rows
+from pagedserve.kernels.native import library as native_lib
+from pagedserve.contracts.step_plan import SampleSpec, ScheduledSeq
 from pagedserve.worker.model_input import build_model_input
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.models import llama_native
 
 pytestmark = pytest.mark.skipif(
-    native_lib.load() is None or linear_rows_cpu.supports(torch.zeros(1, 2, dtype=torch.bfloat16),
+    native_lib.load() is None or native_rows.supports(torch.zeros(1, 2, dtype=torch.bfloat16),
                                                           torch.zeros(2, 2, dtype=torch.bfloat16)) is None,
     reason="needs a C compiler and AVX-512 BF16")
 

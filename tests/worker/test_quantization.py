@@ -5,16 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.kernels.packed_weights import Int4Weight, Int8Weight
-from pagedserve.worker.parallel_layers import ColumnParallelLinear, RowParallelLinear
-from pagedserve.worker.quantization import (
+from pagedserve.kernels.linear.packed_weights import Int4Weight, Int8Weight
+from pagedserve.worker.layers.parallel import ColumnParallelLinear, RowParallelLinear
+from pagedserve.worker.quantization.quantizers import (
     QuantizationConfig,
     QuantizationError,
     QuantizedWeight,
     quantize_int4,
 )
-from pagedserve.worker.quantized_linear import load_prequantized, quantize_model
-from pagedserve.worker.tensor_parallel import ShardRange, TensorParallelGroup
+from pagedserve.worker.quantization.linear import load_prequantized, quantize_model
+from pagedserve.worker.layers.tensor_parallel import ShardRange, TensorParallelGroup
 
 
 def _dense(num_rows: int, num_cols: int, seed: int = 0) -> torch.Tensor:

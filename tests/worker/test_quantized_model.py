@@ -8,11 +8,11 @@ from conftest import CHECKPOINTS, make_prompts
 from plan_driver import DrivenSeq, PlanDriver
 
 from pagedserve.kernels import ops
-from pagedserve.kernels.packed_weights import Int4Weight, Int8Weight
+from pagedserve.kernels.linear.packed_weights import Int4Weight, Int8Weight
 from pagedserve.worker.model_runner import ModelRunner
-from pagedserve.worker.prompt_scoring import sequence_logits
-from pagedserve.worker.quantization import QuantizationConfig, QuantizationError, quantize
-from pagedserve.worker.quantized_linear import QuantizableLinear
+from pagedserve.testing.prompt_scoring import sequence_logits
+from pagedserve.worker.quantization.quantizers import QuantizationConfig, QuantizationError, quantize
+from pagedserve.worker.quantization.linear import QuantizableLinear
 
 NUM_BLOCKS = 128
 MAX_NEW_TOKENS = 8

@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from pagedserve.worker.rotary import RopeConfig, RopeConfigError, RotaryEmbedding
+from pagedserve.worker.layers.rotary import RopeConfig, RopeConfigError, RotaryEmbedding
 
 HEAD_SIZE = 32
 MAX_POSITIONS = 256

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from pagedserve.step_plan import SampleSpec
+from pagedserve.contracts.step_plan import SampleSpec
 from pagedserve.worker.sampler import Sampler, SamplerError, apply_penalties, derive_seed, restrict_support
 
 VOCAB = 64

@@ -9,11 +9,11 @@ import torch
 from conftest import MAX_NEW_TOKENS, make_prompts
 from plan_driver import DrivenSeq, PlanDriver
 
-from pagedserve.step_plan import SampleSpec, ScheduledSeq, StepPlan
+from pagedserve.contracts.step_plan import SampleSpec, ScheduledSeq, StepPlan
 from pagedserve.worker.model_runner import ModelRunner
-from pagedserve.worker.rejection_sampler import num_accepted_one_hot, rejection_sample
+from pagedserve.worker.speculation.rejection_sampler import num_accepted_one_hot, rejection_sample
 from pagedserve.worker.sampler import Sampler, restrict_support
-from pagedserve.worker.spec_verify import row_specs
+from pagedserve.worker.speculation.ngram_verify import row_specs
 
 NAME = "llama-gqa-untied"
 VOCAB = 50

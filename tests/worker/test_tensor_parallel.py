@@ -13,7 +13,7 @@ import torch
 import torch.multiprocessing as mp
 from conftest import MAX_NEW_TOKENS, make_prompts
 
-from pagedserve.models.tiny_checkpoint import build_tiny_checkpoint
+from pagedserve.checkpoints.tiny_checkpoint import build_tiny_checkpoint
 
 WORLD_SIZE = 2
 VOCAB_SIZE = 509

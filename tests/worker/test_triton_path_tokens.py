@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pagedserve.models.tiny_checkpoint import build_tiny_checkpoint
+from pagedserve.checkpoints.tiny_checkpoint import build_tiny_checkpoint
 
 CHILD = Path(__file__).with_name("triton_path_child.py")
 

@@ -8,7 +8,7 @@ import zmq
 
 from pagedserve.internal import step_pb2
 from pagedserve.worker.process import run_worker
-from pagedserve.worker.worker_config import WorkerConfig
+from pagedserve.worker.config import WorkerConfig
 
 BUDGET_GIB = 1 / 256
 
@@ -47,7 +47,7 @@ def _registered_blocks(checkpoint: str, **options) -> int:
 
 
 def test_fp8_worker_registers_four_times_the_float32_blocks(checkpoint_dir, monkeypatch):
-    from pagedserve.zmq_curve import CURVE_ENVS
+    from pagedserve.security.zmq_curve import CURVE_ENVS
 
     for name in CURVE_ENVS:  # this test's sockets are plain: so must the worker's be
         monkeypatch.delenv(name, raising=False)

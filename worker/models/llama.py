@@ -1,6 +1,6 @@
 """The Llama family (Llama 2/3, Mistral, Qwen2) over a paged KV cache, tensor-parallel ready.
 
-One decoder layer on a flat token batch (T rows, see pagedserve.worker.attention):
+One decoder layer on a flat token batch (T rows, see pagedserve.worker.layers.attention):
 
     x --+--> RMSNorm --> qkv_proj --> RoPE(q, k) --> write K/V --> paged attention --> o_proj --> (+) --> h
         +--------------------------------- residual ----------------------------------------------^
@@ -8,7 +8,7 @@ One decoder layer on a flat token batch (T rows, see pagedserve.worker.attention
         +--------------------------------- residual ----------------------------------------------^
 
 The residual adds are folded into the next RMSNorm and done in place on one residual tensor (see
-pagedserve.worker.layernorm); RoPE rotates the query and key heads of the fused projection in one
+pagedserve.worker.layers.layernorm); RoPE rotates the query and key heads of the fused projection in one
 go, and SiLU-mul reads the gate/up output once. On CPU float32/bfloat16 tensors each of these is one
 native kernel call (pagedserve.kernels.ops), and RoPE also writes the new K/V into the cache, so
 PagedAttention only attends (`attend`); elsewhere the torch paths run and PagedAttention writes.
@@ -21,19 +21,19 @@ from __future__ import annotations
 import torch
 
 from pagedserve.kernels import ops
-from pagedserve.worker.attention import AttentionMetadata, PagedAttention
-from pagedserve.worker.layernorm import RMSNorm
+from pagedserve.worker.layers.attention import AttentionMetadata, PagedAttention
+from pagedserve.worker.layers.layernorm import RMSNorm
 from pagedserve.worker.models.llama_config import LlamaModelConfig
 from pagedserve.worker.models.llama_native import NativeDecodeStep
-from pagedserve.worker.parallel_layers import (
+from pagedserve.worker.layers.parallel import (
     ColumnParallelLinear,
     ParallelLMHead,
     RowParallelLinear,
     TensorSlice,
     VocabParallelEmbedding,
 )
-from pagedserve.worker.rotary import RotaryEmbedding
-from pagedserve.worker.tensor_parallel import ShardRange, TensorParallelGroup
+from pagedserve.worker.layers.rotary import RotaryEmbedding
+from pagedserve.worker.layers.tensor_parallel import ShardRange, TensorParallelGroup
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # K and V, each [num_blocks, block_size, num_kv_heads, head_size]
 

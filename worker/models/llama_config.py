@@ -1,4 +1,4 @@
-"""The Llama-family architecture parameters our model needs, built from pagedserve.model_config's
+"""The Llama-family architecture parameters our model needs, built from pagedserve.checkpoints.model_config's
 ModelInfo (the one reader of config.json, where the family differences are read) plus the RoPE
 settings only the worker uses."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedserve.model_config import (
+from pagedserve.checkpoints.model_config import (
     SUPPORTED_ARCHITECTURES, ModelConfigError, ModelInfo, load_model_info, model_info_from_dict,
 )
-from pagedserve.worker.rotary import RopeConfig, RopeConfigError
+from pagedserve.worker.layers.rotary import RopeConfig, RopeConfigError
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,7 @@ import ctypes
 
 import torch
 
-from pagedserve.kernels import linear_rows_cpu
+from pagedserve.kernels.linear import native_rows
 
 # up to 4 rows: the row kernel streams the weights about as fast as oneDNN there (bench/linear_rows.py:
 # 1.29x at one row, 1.01x at four, 0.97x at five) and the layer saves the per-op calls
@@ -101,7 +101,7 @@ class NativeDecodeStep:
         if not (0 < num_rows <= MAX_ROWS and metadata.num_seqs == num_rows and model.tp.world_size == 1
                 and dtype in DTYPE_CODES and model.rotary.cos_sin.device.type == "cpu"):
             return None
-        lib = linear_rows_cpu.library()
+        lib = native_rows.library()
         if lib is None or metadata.query_start_loc.tolist() != list(range(num_rows + 1)):
             return None
         layer_weights = []

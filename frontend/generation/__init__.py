@@ -1,0 +1,1 @@
+"""pagedserve.frontend.generation: see docs/architecture.md."""

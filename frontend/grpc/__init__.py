@@ -1,0 +1,1 @@
+"""pagedserve.frontend.grpc: see docs/architecture.md."""

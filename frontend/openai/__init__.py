@@ -1,0 +1,1 @@
+"""pagedserve.frontend.openai: see docs/architecture.md."""

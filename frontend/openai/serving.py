@@ -1,0 +1,265 @@
+"""POST /v1/completions and /v1/chat/completions: parse, prepare, run, answer.
+
+```
+ body ─parse (openai_protocol)─▶ plan ─prepare (worker thread)─────────▶ GenerationRun ─▶ whole JSON
+        400 invalid_request_error       limits (503 draining/not ready),     one Generation   or SSE
+        404 unknown model               chat template, tokenize, validate    per prompt       (openai_streaming)
+```
+
+Nothing is sent before the first update has arrived, so a failure that comes first (the
+scheduler's RESOURCE_EXHAUSTED, UNAVAILABLE) is an HTTP status (429, 503) that a client or proxy
+can retry; a failure after that is an SSE error frame. A client that disconnects while its
+request runs, streamed or not, cancels the run, which aborts it in the scheduler and frees its
+blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from pagedserve.frontend.generation.admission import Admission
+from pagedserve.frontend.tokenization.chat_template import ChatTemplate
+from pagedserve.frontend.openai.generation_run import GenerationRun
+from pagedserve.frontend.openai.errors import HttpError, error_parts, error_response, unknown_model
+from pagedserve.frontend.metrics import FrontendMetrics
+from pagedserve.frontend.openai.protocol import (
+    ChatCompletionBody, CompletionBody, GenerationPlan, chat_messages, generation_plan, parse_body, prompts_of,
+)
+from pagedserve.frontend.openai.bodies import (
+    ResponseHeader, TokenTexts, chat_choice, chat_logprobs, chat_response, completion_choice, completion_logprobs,
+    completion_response, total_usage,
+)
+from pagedserve.frontend.openai.streaming import ChunkWriter, WatchedStreamingResponse, sse_frames
+from pagedserve.frontend.generation.stream_watchdog import DEFAULT_STREAM_WRITE_TIMEOUT_S
+from pagedserve.frontend.grpc.validation import ValidatedRequest, check_text_bytes, check_token_ids, validate_lengths
+from pagedserve.contracts.sampling_params import InvalidParameter
+
+log = structlog.get_logger()
+PROTOCOL = "http"  # the `protocol` label of the frontend metrics
+BodyReader = Callable[[], Awaitable[Any]]  # the request body, parsed JSON (InvalidParameter when not)
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready."""
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    requests: list[ValidatedRequest]  # one per prompt
+    echo_texts: list[str] | None  # per prompt, with echo
+
+
+class ConcurrencyLimit:
+    """Generations running for HTTP clients at once; beyond it a request gets 429 at once."""
+
+    def __init__(self, max_running: int) -> None:
+        self.max_running = max_running
+        self._running = 0
+        self._lock = threading.Lock()
+
+    def acquire(self, count: int) -> None:
+        with self._lock:
+            if self._running + count > self.max_running:
+                raise HttpError(429, "rate_limit_error", f"too many requests on this frontend (at most "
+                                f"{self.max_running} prompts run at once); retry later", code="too_many_requests")
+            self._running += count
+
+    def release(self, count: int) -> None:
+        with self._lock:
+            self._running -= count
+
+    def release_one(self) -> None:
+        self.release(1)
+
+
+class OpenAIServing:
+    def __init__(self, admission: Admission, metrics: FrontendMetrics, chat_template: ChatTemplate,
+                 served_model_name: str, executor: Executor, limit: ConcurrencyLimit, *,
+                 stream_write_timeout_s: float = DEFAULT_STREAM_WRITE_TIMEOUT_S,
+                 max_undelivered_messages: int | None = None) -> None:
+        """stream_write_timeout_s: how long one SSE write may wait for a client that is not reading;
+        max_undelivered_messages: updates of a request left unread before it is aborted."""
+        self._admission = admission
+        self._stream_write_timeout_s = stream_write_timeout_s
+        self._max_undelivered_messages = max_undelivered_messages
+        self._metrics = metrics
+        self._chat_template = chat_template
+        self.served_model_name = served_model_name
+        self._executor = executor
+        self._limit = limit
+        self._token_text = TokenTexts(admission.tokenizer)
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.served_model_name:
+            raise unknown_model(name, self.served_model_name)
+
+    async def completions(self, request: Request, read_body: BodyReader, request_id: str) -> Response:
+        return await self._serve(request, read_body, request_id, is_chat=False)
+
+    async def chat_completions(self, request: Request, read_body: BodyReader, request_id: str) -> Response:
+        return await self._serve(request, read_body, request_id, is_chat=True)
+
+    async def _serve(self, request: Request, read_body: BodyReader, request_id: str, *, is_chat: bool) -> Response:
+        timer = self._metrics.start_request(PROTOCOL)
+        loop = asyncio.get_running_loop()
+        try:
+            body = await read_body()
+            parsed = parse_body(ChatCompletionBody if is_chat else CompletionBody, body)
+            self.check_model(parsed.model)
+            plan = generation_plan(parsed)
+            if plan.user is not None:
+                log.info("request_user", user=plan.user)
+            prepared = await loop.run_in_executor(self._executor, self._prepare, parsed, plan, request_id, is_chat)
+            run = self._start(prepared, timer, loop)
+        except Exception as exc:
+            return self._refused(exc, timer)
+        header = ResponseHeader(f"{'chatcmpl' if is_chat else 'cmpl'}-{request_id}", int(time.time()),
+                                self.served_model_name)
+        try:
+            if plan.is_stream:
+                first = await _unless_disconnected(request, run.next())
+                writer = ChunkWriter(header, is_chat=is_chat, num_choices=plan.num_choices,
+                                     num_top_logprobs=plan.num_top_logprobs, include_usage=plan.include_usage,
+                                     token_text=self._token_text, echo_texts=prepared.echo_texts)
+                # The background task also runs when the client left before the stream started
+                # (Starlette then never starts the frames' generator, so its cleanup cannot).
+                return WatchedStreamingResponse(
+                    sse_frames(first, run, writer, lambda exc: error_parts(exc)[1]), media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                    background=BackgroundTask(_cancel_unless_finished, run),
+                    write_timeout_s=self._stream_write_timeout_s, on_timeout=self._on_write_timeout(run, request_id))
+            await _unless_disconnected(request, run.collect())
+            return JSONResponse(self._whole(header, run, plan, prepared, is_chat))
+        except ClientGone:
+            run.cancel()
+            return Response(status_code=499)  # nobody reads it; the access log shows it
+        except Exception as exc:
+            run.cancel()
+            return error_response(exc)
+
+    def _on_write_timeout(self, run: GenerationRun, request_id: str) -> Callable[[], None]:
+        def on_timeout() -> None:
+            log.warning("stream_write_timeout", request_id=request_id,
+                        stream_write_timeout=self._stream_write_timeout_s)
+            run.cancel()  # aborted in the scheduler: its blocks are freed
+
+        return on_timeout
+
+    def _start(self, prepared: PreparedRequest, timer, loop: asyncio.AbstractEventLoop) -> GenerationRun:
+        """One Generation per prompt, running; each holds a slot of the limit until its pump ends."""
+        num_prompts = len(prepared.requests)
+        self._limit.acquire(num_prompts)
+        run = GenerationRun(self._admission, self._executor, loop, on_pump_end=self._limit.release_one,
+                            max_undelivered=self._max_undelivered_messages)
+        timers = [timer] + [self._metrics.start_request(PROTOCOL) for _ in range(num_prompts - 1)]
+        try:
+            run.start(prepared.requests, timers)
+        except BaseException:
+            self._limit.release(num_prompts)
+            raise
+        return run
+
+    def _refused(self, exc: Exception, timer) -> Response:
+        status, body, label = error_parts(exc)
+        timer.on_done(label)
+        if status >= 500 and status != 503:
+            log.error("request_failed", status=status, error=body["error"]["message"], exc_info=exc)
+        else:
+            log.info("request_failed", status=status, error=body["error"]["message"], param=body["error"]["param"])
+        return error_response(exc)
+
+    def _prepare(self, parsed, plan: GenerationPlan, request_id: str, is_chat: bool) -> PreparedRequest:
+        """On a worker thread: limits (draining, readiness), chat template, tokens, validation."""
+        limits = self._admission.limits()
+        tokenizer = self._admission.tokenizer
+        if is_chat:
+            messages = chat_messages(parsed.messages)
+            check_text_bytes("messages", [m["content"] for m in messages], limits.max_prompt_bytes)
+            prompts: list[tuple[str, list[int]]] = [
+                ("messages", self._chat_template.encode(messages, parsed.add_generation_prompt))]
+        else:
+            prompts = []
+            items = prompts_of(parsed)
+            for index, item in enumerate(items):
+                field_name = "prompt" if len(items) == 1 else f"prompt[{index}]"
+                if isinstance(item, str):
+                    check_text_bytes(field_name, [item], limits.max_prompt_bytes)
+                    prompts.append((field_name, tokenizer.encode(item)))
+                else:
+                    check_token_ids(field_name, item, limits.vocab_size)
+                    prompts.append((field_name, list(item)))
+        requests = []
+        for index, (field_name, token_ids) in enumerate(prompts):
+            if not token_ids:
+                raise InvalidParameter(field_name, "encodes to no tokens")
+            params = plan.resolve(len(token_ids), limits.max_model_len)
+            try:
+                params.validate(vocab_size=limits.vocab_size)
+            except InvalidParameter as exc:
+                raise plan.rename(exc) from None
+            sub_id = request_id if len(prompts) == 1 else f"{request_id}-{index}"
+            requests.append(validate_lengths(ValidatedRequest(sub_id, token_ids, params, plan.priority), limits, field_name,
+                                             max_tokens_field=plan.max_tokens_field))
+        echo_texts = None
+        if plan.echo:
+            echo_texts = [item if isinstance(item, str) else tokenizer.decode(item) for item in prompts_of(parsed)]
+        return PreparedRequest(requests, echo_texts)
+
+    def _whole(self, header: ResponseHeader, run: GenerationRun, plan: GenerationPlan, prepared: PreparedRequest,
+               is_chat: bool) -> dict:
+        choices = []
+        for prompt_index, generation in enumerate(run.generations):
+            states = sorted(generation.states, key=lambda state: state.index)[:plan.num_choices]
+            for state in states:
+                index = prompt_index * plan.num_choices + state.index
+                text = state.text
+                if prepared.echo_texts is not None:
+                    text = prepared.echo_texts[prompt_index] + text
+                logprobs = None
+                if plan.num_top_logprobs is not None:
+                    logprobs = (chat_logprobs(state.logprobs, plan.num_top_logprobs, self._token_text) if is_chat
+                                else completion_logprobs(state.logprobs, plan.num_top_logprobs, self._token_text, 0))
+                choice_of = chat_choice if is_chat else completion_choice
+                choices.append(choice_of(index, text, state.finish, logprobs))
+        usage = total_usage([run.usages[index] for index in sorted(run.usages)])
+        return (chat_response if is_chat else completion_response)(header, choices, usage)
+
+
+async def _cancel_unless_finished(run: GenerationRun) -> None:
+    if not run.is_finished:
+        run.cancel()
+
+
+async def _unless_disconnected(request: Request, awaitable):
+    """Awaits `awaitable`, or raises ClientGone as soon as the client disconnects."""
+    task = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    raise ClientGone()
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,1 @@
+"""pagedserve.frontend.tokenization: see docs/architecture.md."""

@@ -1,0 +1,1 @@
+"""pagedserve.frontend.upstream: see docs/architecture.md."""

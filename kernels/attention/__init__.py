@@ -1,0 +1,1 @@
+"""pagedserve.kernels.attention: see docs/architecture.md."""

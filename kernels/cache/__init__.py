@@ -1,0 +1,1 @@
+"""pagedserve.kernels.cache: see docs/architecture.md."""

@@ -1,0 +1,1 @@
+"""pagedserve.kernels.layer: see docs/architecture.md."""

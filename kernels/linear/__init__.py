@@ -1,0 +1,1 @@
+"""pagedserve.kernels.linear: see docs/architecture.md."""

@@ -1,0 +1,68 @@
+"""bfloat16 linear layers for a few rows (decoding few sequences) on the CPU: a native kernel that
+streams the dense weight once (kernels/native/linear_rows.c); reference F.linear.
+
+oneDNN (prepacked_linear_cpu) is the better path for many rows, where AMX tiles pay off; with
+few rows a step is a pass over every weight and the question is only how fast it streams. The
+kernel prefetches each weight row 16 KiB ahead. SmolLM2-135M's 121 projections of one decode
+step (268 MB of bfloat16 weights, each read once, so from memory and not from cache), 2 threads,
+this machine (bench/linear_rows.py):
+
+    rows      1        2        3        4        5        8
+    oneDNN    14.87    14.64    14.98    15.03    15.13    15.60 ms
+    native    11.55    12.86    13.92    14.87    15.59    19.22 ms
+
+so layers called one by one take it up to MAX_ROWS rows (two) and oneDNN above; the native
+decoder layers (pagedserve.worker.models.llama_native) take it up to four rows, where the calls
+they save outweigh the rest.
+
+The sums run in another order than oneDNN's, so results differ from F.linear in the last bit of
+some values (float32 accumulation both). A float32 twin (linear_rows_f32, AVX-512 FMAs) serves
+the native decoder layers (pagedserve.worker.models.llama_native); float32 layers called one by
+one keep F.linear.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.kernels.native import library as native_lib
+
+KERNEL_MAX_ROWS = 8  # the C kernel's LINEAR_ROWS_MAX
+MAX_ROWS = 2  # where it beats oneDNN (above)
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, max_rows: int = MAX_ROWS):
+    """x [M, K] with 1 <= M <= max_rows, weight [N, K]: bfloat16, contiguous, on the CPU, and the CPU
+    has AVX-512 BF16 -> the native library (pass it to linear_rows), else None."""
+    if not (x.dtype == torch.bfloat16 and 0 < x.shape[0] <= max_rows and x.dim() == 2 and x.device.type == "cpu"
+            and x.is_contiguous() and weight.dtype == torch.bfloat16 and weight.is_contiguous()):
+        return None
+    return library()
+
+
+def library():
+    """The native library where it has the row kernels (AVX-512 BF16), else None."""
+    lib = native_lib.load()
+    return lib if lib is not None and _available(lib) else None
+
+
+def _available(lib) -> bool:
+    flag = getattr(lib, "_pagedserve_linear_rows", None)
+    if flag is None:
+        flag = lib._pagedserve_linear_rows = bool(lib.linear_rows_available())
+    return flag
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lib=None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T + bias [N] -> [M, N] (callers check supports first)."""
+    num_rows, size_in = x.shape
+    y = torch.empty(num_rows, weight.shape[0], dtype=x.dtype)
+    (lib or native_lib.load()).linear_rows_bf16(x.data_ptr(), weight.data_ptr(),
+                                                bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                                                num_rows, weight.shape[0], size_in)
+    return y
+
+
+def linear_rows_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, weight, bias)

@@ -1,0 +1,1 @@
+"""pagedserve.kernels.native: see docs/architecture.md."""

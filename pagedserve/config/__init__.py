@@ -1,0 +1,1 @@
+"""pagedserve.config: see docs/architecture.md."""

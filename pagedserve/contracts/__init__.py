@@ -1,0 +1,1 @@
+"""pagedserve.contracts: see docs/architecture.md."""

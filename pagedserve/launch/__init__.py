@@ -1,0 +1,1 @@
+"""pagedserve.launch: see docs/architecture.md."""

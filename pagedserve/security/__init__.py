@@ -1,0 +1,1 @@
+"""pagedserve.security: see docs/architecture.md."""

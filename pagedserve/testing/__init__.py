@@ -1,0 +1,1 @@
+"""pagedserve.testing: see docs/architecture.md."""

@@ -1,0 +1,1 @@
+"""pagedserve.scheduler.beam: see docs/architecture.md."""

@@ -1,0 +1,1 @@
+"""pagedserve.scheduler.core: see docs/architecture.md."""

@@ -1,0 +1,150 @@
+"""Applies a StepResult: appends sampled tokens, applies stops, advances beam searches (scored in
+beam_search.py, forked in beam_forking.py), forks followers whose shared prefix is now computed,
+and reports deltas. A sequence that verified speculative drafts gets several tokens at once
+(spec_acceptance.py).
+
+Stops, checked on the token just appended (it is part of the output, like HF's EOS):
+
+    STOP    the token is a stop id (EOS unless ignore_eos, or stop_token_ids) and the sequence
+            has more than min_tokens outputs (before that the worker suppresses them)
+    LENGTH  max_tokens outputs (max_tokens <= max_model_len - prompt is checked on admission)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pagedserve.contracts.request_types import CompletionDelta, FinishReason, RequestOutput, TokenLogprob
+from pagedserve.scheduler.beam.forking import fork_beams
+from pagedserve.scheduler.beam.search import BeamCandidate, BeamHypothesis
+from pagedserve.scheduler.core.errors import StepOrderError
+from pagedserve.scheduler.core.sequence import GroupStatus, Sequence, SequenceGroup
+from pagedserve.scheduler.speculation.acceptance import apply_verified
+from pagedserve.contracts.step_plan import SeqSample, StepResult
+
+if TYPE_CHECKING:
+    from pagedserve.scheduler.core.scheduler import Scheduler
+    from pagedserve.scheduler.core.step_builder import ScheduledStep
+
+
+class OutputProcessor:
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    def process(self, step: ScheduledStep, result: StepResult) -> list[RequestOutput]:
+        """Outputs of the step's groups. A group whose sampling failed on the worker, or whose
+        output handling raises here, fails alone (Scheduler.fail_group); the others go on."""
+        samples = {sample.seq_id: sample for sample in result.samples}
+        verified = samples_by_seq(result.samples) if step.num_draft_tokens else {}
+        worker_failures = {failure.seq_id: failure.message for failure in result.failures}
+        failed: dict[SequenceGroup, str] = {}
+        deltas_of: dict[SequenceGroup, list[CompletionDelta]] = {}
+        beam_samples: dict[SequenceGroup, list[SeqSample]] = {}
+        running = GroupStatus.RUNNING
+        for group, seq in step.sampled:
+            if group.status is not running or seq.finish_reason is not None or group in failed:
+                continue  # aborted or finished by the frontend while the step ran, or failed
+            if seq.seq_id in worker_failures:
+                failed[group] = worker_failures[seq.seq_id]
+                continue
+            sample = samples.get(seq.seq_id)
+            if sample is None:
+                raise StepOrderError(f"step {result.step_id}: no sample for sequence {seq.seq_id}")
+            if group.beam is not None:
+                beam_samples.setdefault(group, []).append(sample)
+                continue
+            try:
+                if seq.num_draft_tokens:
+                    delta = apply_verified(self, group, seq, verified[seq.seq_id],
+                                           drafts_from_worker=step.plan.drafts_from_worker)
+                else:
+                    delta = self._append(group, seq, sample)
+            except Exception as exc:
+                failed[group] = f"handling the sampled token failed: {type(exc).__name__}: {exc}"
+                continue
+            deltas_of.setdefault(group, []).append(delta)
+        for group, message in failed.items():
+            deltas_of.pop(group, None)
+            beam_samples.pop(group, None)
+            self.scheduler.fail_group(group, message)
+        for group in step.groups:
+            if group.fork_at is not None and group.status is running:
+                self.scheduler.block_manager.fork_if_ready(group)
+        for group, group_samples in beam_samples.items():
+            try:
+                deltas = self._advance_beams(group, group_samples)
+            except Exception as exc:
+                self.scheduler.fail_group(group, f"beam search step failed: {type(exc).__name__}: {exc}")
+                continue
+            if deltas:
+                deltas_of[group] = deltas
+        outputs = []
+        for group, deltas in deltas_of.items():
+            is_finished = not group.seqs
+            if is_finished:
+                self.scheduler.finish_group(group)
+            outputs.append(RequestOutput(group.request.request_id, deltas, group.num_prompt_tokens,
+                                         group.num_cached_prompt_tokens, is_finished))
+        return outputs
+
+    def _append(self, group: SequenceGroup, seq: Sequence, sample: SeqSample) -> CompletionDelta:
+        token_id = sample.token_id
+        tokens = seq.token_ids
+        tokens.append(token_id)
+        cumulative_logprob = seq.cumulative_logprob = seq.cumulative_logprob + sample.logprob
+        sampling = group.request.sampling
+        logprobs = []
+        if sampling.logprobs > 0:
+            logprobs.append(TokenLogprob(token_id, sample.logprob, list(sample.top_token_ids),
+                                         list(sample.top_logprobs)))
+        num_outputs = len(tokens) - seq.num_prompt_tokens
+        finish_reason = None
+        if token_id in group.stop_token_ids and num_outputs > sampling.min_tokens:
+            finish_reason = FinishReason.STOP
+        elif num_outputs >= group.max_output_tokens:
+            finish_reason = FinishReason.LENGTH
+        if finish_reason is not None:
+            self.scheduler.finish_seq(group, seq, finish_reason)
+        return CompletionDelta(seq.output_index, [token_id], logprobs, cumulative_logprob, finish_reason)
+
+    def _advance_beams(self, group: SequenceGroup, samples: list[SeqSample]) -> list[CompletionDelta]:
+        """One beam search step over every live beam; deltas only when the search ends."""
+        parents = group.seqs
+        if len(samples) != len(parents):
+            raise StepOrderError(f"request {group.request_id}: {len(samples)} of {len(parents)} beams sampled")
+        state = group.beam
+        is_logging = group.request.sampling.logprobs > 0
+
+        def token_logprob(candidate: BeamCandidate) -> TokenLogprob:
+            sample = samples[candidate.beam_index]
+            return TokenLogprob(candidate.token_id, candidate.logprob, list(sample.top_token_ids),
+                                list(sample.top_logprobs))
+
+        def make_hypothesis(candidate: BeamCandidate, score: float) -> BeamHypothesis:
+            parent = parents[candidate.beam_index]
+            return BeamHypothesis(
+                token_ids=parent.output_token_ids + [candidate.token_id],
+                score=score,
+                is_stopped_by_token=candidate.token_id in group.stop_token_ids,
+                logprobs=parent.output_logprobs + [token_logprob(candidate)] if is_logging else [],
+            )
+
+        candidates = [list(zip(sample.beam_token_ids, sample.beam_logprobs)) for sample in samples]
+        step = state.step(candidates, make_hypothesis)
+        group.seqs = fork_beams(parents, step.continuations, self.scheduler.block_manager,
+                                self.scheduler.new_seq_id, token_logprob if is_logging else None)
+        if not step.is_done:
+            return []
+        return [CompletionDelta(index=index, token_ids=hypothesis.token_ids, logprobs=hypothesis.logprobs,
+                                cumulative_logprob=hypothesis.score,
+                                finish_reason=FinishReason.STOP if hypothesis.is_stopped_by_token
+                                else FinishReason.LENGTH)
+                for index, hypothesis in enumerate(state.finished)]
+
+
+def samples_by_seq(samples: list[SeqSample]) -> dict[int, list[SeqSample]]:
+    """A drafting sequence has one sample per emitted token, in order."""
+    by_seq: dict[int, list[SeqSample]] = {}
+    for sample in samples:
+        by_seq.setdefault(sample.seq_id, []).append(sample)
+    return by_seq

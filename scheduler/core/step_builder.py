@@ -1,0 +1,347 @@
+"""Builds one step: which tokens of which sequences to compute, within the step budget.
+
+Order of service, first come first served inside each pass (under --scheduling-policy priority,
+"oldest" reads "first by (priority, arrival)": every queue is kept in that order):
+
+    0. priority policy only: the first swapped or waiting group preempts running groups of
+       strictly lower priority (lowest, newest first) until it would fit (_preempt_for_priority);
+       passes 2 and 3 then run as one merged pass in (priority, arrival) order.
+
+    1. running groups, oldest first: their decodes are reserved budget up front, so a long
+       prefill chunk of an older group never starves a newer group's decode; prefill chunks
+       (a prompt in progress, or a preempted group computing its tokens again) get what is left.
+       A group that needs blocks the pool lacks preempts running groups, newest first (possibly
+       itself), until they fit (preemption.py).
+    2. swapped groups, oldest first, swapped back in while they fit (not after a preemption).
+    3. waiting groups, oldest first, admitted while they fit (not while any group is swapped or
+       after a preemption); the first that does not fit stops admission.
+
+    budget:  max_num_batched_tokens  [ decodes ][ prefill chunks ........ ][ unused ]
+             max_num_seqs            one slot per scheduled sequence
+
+Speculation (spec_drafting.py): in pass 1 a running group's decoding sequences may get proposals
+appended before its chunks are planned; they are verified as one chunk of k + 1 tokens each. With
+a draft model the proposals are placeholders (StepPlan.drafts_from_worker), and each drafting
+sequence also names the tokens before its last one whose draft KV it has not computed yet:
+
+    positions      0 .. num_draft_computed - 1 | num_draft_computed .. p - 1 | p (t) | p+1 .. p+k
+    draft KV       computed by earlier steps   | draft_context_ids           | this step's draft forwards
+
+Beam search steps all live beams together: a beam group samples only in a step where every beam
+computes its whole tail; otherwise its beams compute up to their last token and sample later.
+"""
+
+from __future__ import annotations
+
+from bisect import insort
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pagedserve.scheduler.core.chunk_planning import Chunk, num_decode_tokens, plan_chunks
+from pagedserve.scheduler.core.preemption import choose_victim, preempt
+from pagedserve.scheduler.core.sample_specs import sample_spec_for
+from pagedserve.scheduler.core.sequence import GroupStatus, Sequence, SequenceGroup
+from pagedserve.scheduler.speculation.drafting import Drafter, drop_group_drafts, drop_unscheduled_drafts
+from pagedserve.contracts.step_plan import ScheduledSeq, StepPlan
+
+if TYPE_CHECKING:
+    from pagedserve.scheduler.core.scheduler import Scheduler
+
+
+@dataclass(slots=True)
+class ScheduledStep:
+    """A StepPlan plus what process_result needs to interpret its StepResult."""
+
+    plan: StepPlan
+    sampled: list[tuple[SequenceGroup, Sequence]]  # aligned with the plan's sequences that sample
+    groups: list[SequenceGroup]  # every group with a sequence in the plan
+    num_prefill_tokens: int = 0  # tokens of sequences with more than one token in this step
+    num_decode_tokens: int = 0  # a sequence verifying drafts counts one, its drafts not
+    num_preemptions: int = 0
+    num_draft_tokens: int = 0
+
+
+class StepBuilder:
+    """One schedule() call; mutates the scheduler's queues and tables as it goes."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.block_manager = scheduler.block_manager
+        config = scheduler.config
+        self.drafts_from_worker = config.is_draft_model_speculation
+        self.num_tokens_left = config.max_num_batched_tokens
+        self.num_seqs_left = config.max_num_seqs
+        self.scheduled: list[ScheduledSeq] = []
+        self.sampled: list[tuple[SequenceGroup, Sequence]] = []
+        self.groups: list[SequenceGroup] = []
+        self.emitted: list[tuple[SequenceGroup, Sequence]] = []
+        self.blocks_to_swap_out: list[tuple[int, int]] = []
+        self.blocks_to_swap_in: list[tuple[int, int]] = []
+        self.blocks_to_copy: list[tuple[int, int]] = []
+        self.num_prefill_tokens = 0
+        self.num_decode_tokens = 0
+        self.num_draft_tokens = 0  # speculative proposals verified in this step
+        self.num_preemptions = 0
+        self.num_priority_preemptions = 0  # of num_preemptions, those made for a higher priority
+
+    def build(self, step_id: int, epoch: int) -> ScheduledStep | None:
+        is_priority_policy = self.scheduler.config.is_priority_policy
+        if is_priority_policy:
+            self._preempt_for_priority()
+        self._schedule_running()
+        if self.num_preemptions == self.num_priority_preemptions:  # none for lack of blocks
+            num_free_slots = self.scheduler.config.max_num_seqs - sum(
+                group.max_num_running_seqs for group in self.scheduler.running)
+            if is_priority_policy:
+                self._swap_in_and_admit_by_priority(num_free_slots)
+            else:
+                num_free_slots = self._swap_in(num_free_slots)
+                if not self.scheduler.swapped:
+                    self._admit_waiting(num_free_slots)
+        # Blocks filled in this step become findable only now: a prefix hit in the same step
+        # would read KV that this step's forward is still writing.
+        register = self.block_manager.prefix_cache.register_computed
+        for _, seq in self.emitted:
+            if not seq.num_draft_tokens:  # drafting sequences register after verification
+                register(seq)
+        if not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in):
+            return None
+        plan = StepPlan(step_id=step_id, seqs=self.scheduled, blocks_to_swap_out=self.blocks_to_swap_out,
+                        blocks_to_swap_in=self.blocks_to_swap_in, blocks_to_copy=self.blocks_to_copy,
+                        epoch=epoch, drafts_from_worker=self.drafts_from_worker)
+        return ScheduledStep(plan=plan, sampled=self.sampled, groups=self.groups,
+                             num_prefill_tokens=self.num_prefill_tokens,
+                             num_decode_tokens=self.num_decode_tokens, num_preemptions=self.num_preemptions,
+                             num_draft_tokens=self.num_draft_tokens)
+
+    # -- pass 1: running groups ---------------------------------------------------------------
+    def _schedule_running(self) -> None:
+        running = self.scheduler.running
+        gpu = self.block_manager.gpu_pool
+        size = self.block_manager.block_size
+        drafter = Drafter.for_step(self.scheduler)
+        decode_tokens = [num_decode_tokens(group) for group in running]
+        num_reserved = sum(decode_tokens)
+        index = 0
+        while index < len(running):
+            group = running[index]
+            num_reserved -= decode_tokens[index]
+            seqs = group.seqs
+            is_drafting = drafter is not None and drafter.add_drafts(group, self.num_tokens_left - num_reserved)
+            if not is_drafting and len(seqs) == 1 and group.fork_at is None and self.num_seqs_left > 0:
+                seq = seqs[0]  # fast path: one sequence decoding in place, the common case
+                computed = seq.num_computed_tokens
+                if len(seq.token_ids) - computed == 1 and self.num_tokens_left > num_reserved:
+                    if computed % size == 0:
+                        if gpu.num_available:
+                            seq.block_table.append(gpu.allocate())
+                            self._emit_decode(group, seq)
+                            index += 1
+                            continue
+                    elif gpu.ref_counts[seq.block_table[-1]] == 1:
+                        self._emit_decode(group, seq)
+                        index += 1
+                        continue
+            chunks = plan_chunks(group, self.num_tokens_left - num_reserved, self.num_seqs_left)
+            while is_drafting and drop_unscheduled_drafts(group, chunks):
+                chunks = plan_chunks(group, self.num_tokens_left - num_reserved, self.num_seqs_left)
+            if is_drafting and gpu.num_available < self.block_manager.count_blocks_needed(
+                    ((chunk.seq, chunk.num_tokens) for chunk in chunks), gpu):
+                drop_group_drafts(group)  # proposals never preempt anyone
+                chunks = plan_chunks(group, self.num_tokens_left - num_reserved, self.num_seqs_left)
+            if chunks:
+                num_needed = self.block_manager.count_blocks_needed(
+                    ((chunk.seq, chunk.num_tokens) for chunk in chunks), gpu)
+                while gpu.num_available < num_needed:
+                    victim = choose_victim(running)
+                    if victim is group:
+                        drop_group_drafts(group)  # preemption keeps token_ids: no proposal may stay
+                    self._preempt(victim)
+                    if victim is group:
+                        return
+                    num_reserved -= decode_tokens.pop()
+                self._emit(group, chunks)
+            index += 1
+
+    def _emit_decode(self, group: SequenceGroup, seq: Sequence) -> None:
+        """A decode whose slot is in a block the sequence owns alone (no copy-on-write)."""
+        computed = seq.num_computed_tokens
+        seq.num_computed_tokens = computed + 1
+        spec = seq.sample_spec
+        if spec is None or not group.is_sample_spec_static:
+            spec = sample_spec_for(group, seq)
+        self.sampled.append((group, seq))
+        self.scheduled.append(ScheduledSeq(seq.seq_id, seq.token_ids[-1:], computed, seq.block_table[:], spec))
+        if (computed + 1) % self.block_manager.block_size == 0:
+            self.emitted.append((group, seq))  # its last block is full now: register it
+        self.groups.append(group)
+        self.num_decode_tokens += 1
+        self.num_tokens_left -= 1
+        self.num_seqs_left -= 1
+
+    def _preempt(self, group: SequenceGroup) -> None:
+        preempt(self.scheduler, group, self.blocks_to_swap_out)
+        self.num_preemptions += 1
+
+    # -- pass 2: swapped groups -------------------------------------------------------------
+    def _swap_in(self, num_free_slots: int) -> int:
+        swapped = self.scheduler.swapped
+        while swapped:
+            group = swapped[0]
+            if not self._try_swap_in(group, num_free_slots):
+                break
+            num_free_slots -= group.max_num_running_seqs
+        return num_free_slots
+
+    def _try_swap_in(self, group: SequenceGroup, num_free_slots: int) -> bool:
+        """Swaps swapped[0] (group) back in and schedules it when it fits; False otherwise."""
+        manager = self.block_manager
+        if group.max_num_running_seqs > num_free_slots:
+            return False
+        chunks = plan_chunks(group, self.num_tokens_left, self.num_seqs_left)
+        if not chunks:
+            return False
+        num_needed = manager.num_distinct_blocks(group.seqs) + manager.count_blocks_needed(
+            ((chunk.seq, chunk.num_tokens) for chunk in chunks), manager.cpu_pool)
+        if num_needed > manager.gpu_pool.num_available:
+            return False
+        self.blocks_to_swap_in.extend(manager.swap_in(group.seqs))
+        self.scheduler.swapped.remove(group)
+        self._start_running(group)
+        self._emit(group, chunks)
+        return True
+
+    # -- pass 3: waiting groups -------------------------------------------------------------
+    def _admit_waiting(self, num_free_slots: int) -> None:
+        waiting = self.scheduler.waiting
+        while waiting and self.num_tokens_left > 0:
+            group = waiting[0]
+            if not self._try_admit(group, num_free_slots):
+                break
+            num_free_slots -= group.max_num_running_seqs
+
+    def _try_admit(self, group: SequenceGroup, num_free_slots: int) -> bool:
+        """Admits waiting[0] (group) and schedules its first chunk when it fits; False otherwise."""
+        manager = self.block_manager
+        prefix_cache = manager.prefix_cache
+        isolated = self.scheduler.isolated_request_ids
+        if group.max_num_running_seqs > num_free_slots:
+            return False
+        if isolated and group.request_id in isolated and any(
+                other.request_id in isolated for other in self.groups):
+            return False  # one suspect of a worker crash per step (see Scheduler.isolated_request_ids)
+        leader = group.seqs[0]
+        limit = min(group.prefill_target(leader), len(leader.token_ids) - 1)
+        num_queries, cached_blocks = prefix_cache.find_prefix(leader, limit)
+        manager.adopt_prefix(leader, cached_blocks)
+        manager.fork_if_ready(group)
+        chunks = plan_chunks(group, self.num_tokens_left, self.num_seqs_left)
+        num_needed = manager.count_blocks_needed(
+            ((chunk.seq, chunk.num_tokens) for chunk in chunks), manager.gpu_pool)
+        if not chunks or num_needed > manager.gpu_pool.num_available:
+            manager.drop_kv(group)
+            return False
+        prefix_cache.record(num_queries, len(cached_blocks))
+        if not group.is_admitted_once:
+            group.is_admitted_once = True
+            # a continuation's leader may hit blocks past the prompt: those are not prompt tokens
+            group.num_cached_prompt_tokens = min(len(cached_blocks) * manager.block_size,
+                                                 group.num_prompt_tokens)
+        self.scheduler.waiting.remove(group)
+        self._start_running(group)
+        self._emit(group, chunks)
+        return True
+
+    # -- priority policy ----------------------------------------------------------------------
+    def _next_queued(self) -> SequenceGroup | None:
+        """The swapped or waiting group that comes first by (priority, arrival)."""
+        swapped, waiting = self.scheduler.swapped, self.scheduler.waiting
+        if swapped and (not waiting or swapped[0].queue_key < waiting[0].queue_key):
+            return swapped[0]
+        return waiting[0] if waiting else None
+
+    def _preempt_for_priority(self) -> None:
+        """The first queued group (swapped or waiting) preempts running groups of strictly lower
+        priority, lowest priority and newest first, until it would fit; equal priorities never
+        preempt each other. Done before pass 1, so no victim has tokens in this step yet."""
+        candidate = self._next_queued()
+        running = self.scheduler.running
+        if candidate is None:
+            return
+        while running and running[-1].priority > candidate.priority and not self._would_fit(candidate):
+            self._preempt(running[-1])
+            self.num_priority_preemptions += 1
+
+    def _would_fit(self, group: SequenceGroup) -> bool:
+        """Whether group could start now beside the running groups: a sequence slot each, and
+        blocks for its first chunk (or its swapped blocks) plus one new block per running
+        sequence at a block boundary. Prefix-cache hits are not counted (a safe overestimate)."""
+        config = self.scheduler.config
+        running = self.scheduler.running
+        if sum(other.max_num_running_seqs for other in running) + group.max_num_running_seqs > config.max_num_seqs:
+            return False
+        size = self.block_manager.block_size
+        num_needed = sum(1 for other in running for seq in other.seqs
+                         if seq.num_computed_tokens % size == 0)
+        if group.status is GroupStatus.SWAPPED:
+            num_needed += self.block_manager.num_distinct_blocks(group.seqs) + len(group.seqs)
+        else:
+            leader = group.seqs[0]
+            num_needed += config.num_blocks_for(min(len(leader.token_ids), config.max_num_batched_tokens))
+        return num_needed <= self.block_manager.gpu_pool.num_available
+
+    def _swap_in_and_admit_by_priority(self, num_free_slots: int) -> None:
+        """Passes 2 and 3 merged: swapped and waiting groups in one (priority, arrival) order;
+        the first that does not fit stops both."""
+        while self.num_tokens_left > 0:
+            group = self._next_queued()
+            if group is None:
+                return
+            if group.status is GroupStatus.SWAPPED:
+                is_started = self._try_swap_in(group, num_free_slots)
+            else:
+                is_started = self._try_admit(group, num_free_slots)
+            if not is_started:
+                return
+            num_free_slots -= group.max_num_running_seqs
+
+    # -- shared -----------------------------------------------------------------------------
+    def _start_running(self, group: SequenceGroup) -> None:
+        group.status = GroupStatus.RUNNING
+        insort(self.scheduler.running, group, key=_arrival)
+
+    def _emit(self, group: SequenceGroup, chunks: list[Chunk]) -> None:
+        manager = self.block_manager
+        copies = self.blocks_to_copy
+        scheduled = self.scheduled
+        for chunk in chunks:
+            seq = chunk.seq
+            num_tokens = chunk.num_tokens
+            manager.append_slots(seq, num_tokens, copies)
+            start = seq.num_computed_tokens
+            seq.num_computed_tokens = start + num_tokens
+            self.emitted.append((group, seq))
+            spec = None
+            if chunk.is_sampling:
+                spec = sample_spec_for(group, seq)
+                self.sampled.append((group, seq))
+            scheduled_seq = ScheduledSeq(seq.seq_id, seq.token_ids[start:start + num_tokens], start,
+                                         list(seq.block_table), spec, seq.num_draft_tokens)
+            scheduled.append(scheduled_seq)
+            if seq.num_draft_tokens:
+                if self.drafts_from_worker:  # start is the position of the last real token
+                    scheduled_seq.draft_context_ids = seq.token_ids[seq.num_draft_computed:start]
+                    scheduled_seq.draft_start_position = seq.num_draft_computed
+                self.num_decode_tokens += 1
+                self.num_draft_tokens += seq.num_draft_tokens
+            elif num_tokens == 1:
+                self.num_decode_tokens += 1
+            else:
+                self.num_prefill_tokens += num_tokens
+            self.num_tokens_left -= num_tokens
+            self.num_seqs_left -= 1
+        self.groups.append(group)
+
+
+def _arrival(group: SequenceGroup) -> tuple[int, int]:
+    return group.queue_key

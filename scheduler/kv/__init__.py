@@ -1,0 +1,1 @@
+"""pagedserve.scheduler.kv: see docs/architecture.md."""

@@ -1,0 +1,1 @@
+"""pagedserve.scheduler.speculation: see docs/architecture.md."""

@@ -1,0 +1,40 @@
+"""Counters and gauges the step loop exports as metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedserve.scheduler.kv.block_pool import BlockPool
+
+
+@dataclass(slots=True, frozen=True)
+class PoolStats:
+    num_total: int
+    num_free: int
+    num_used: int
+    num_cached: int  # unreferenced but kept for the prefix cache (always 0 on the CPU)
+
+    @staticmethod
+    def of(pool: BlockPool) -> PoolStats:
+        return PoolStats(num_total=pool.num_blocks, num_free=pool.num_free, num_used=pool.num_used,
+                         num_cached=pool.num_cached)
+
+
+@dataclass(slots=True, frozen=True)
+class SchedulerStats:
+    num_running: int  # groups (requests), not sequences
+    num_waiting: int
+    num_swapped: int
+    num_running_seqs: int
+    gpu: PoolStats
+    cpu: PoolStats
+    num_steps: int
+    num_preemptions_swap: int
+    num_preemptions_recompute: int
+    num_prefix_cache_queries: int  # full prompt blocks looked up
+    num_prefix_cache_hits: int  # of those, blocks reused
+    num_spec_drafts: int = 0  # sequences that verified speculative proposals, counted per step
+    num_spec_draft_tokens: int = 0  # proposals verified
+    num_spec_accepted_tokens: int = 0  # of those, accepted
+    num_spec_accepted_per_position: tuple[int, ...] = ()  # [i]: proposal i + 1 accepted
+    num_spec_unspeculated_requests: int = 0  # requests a speculating scheduler serves without (beam search)

@@ -1,0 +1,1 @@
+"""pagedserve.worker.layers: see docs/architecture.md."""

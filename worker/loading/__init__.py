@@ -1,0 +1,1 @@
+"""pagedserve.worker.loading: see docs/architecture.md."""

@@ -1,0 +1,1 @@
+"""pagedserve.worker.quantization: see docs/architecture.md."""

@@ -1,0 +1,237 @@
+"""Weight-only quantization of linear layers: the options, the quantizers and GGUF's pre-quantized
+weights.
+
+    auto   a GGUF's Q4_0/Q4_1/Q8_0 linear weights stay quantized (int4 groups of 32; int8 per
+           channel), everything else as `none` (pagedserve.worker.loading.gguf_weights)
+    none   weights in the model dtype (a GGUF's quantized weights dequantized to it)
+    int8   symmetric, one scale per output channel:        W[n, k] ~= q[n, k] * s[n],  q in -128..127
+    int4   asymmetric, one (scale, min) per output channel and group of G inputs (default 128):
+               W[n, k] ~= c[n, k] * s[n, g] + m[n, g],   c in 0..15,   g = k // G
+
+Scales are rounded to bfloat16 (the kernels' dtype) before the codes are chosen, so the codes
+are the best ones for the scales actually used. An int4 layer whose input size is not a multiple
+of G (SmolLM2: 576 = 4.5 x 128) gets a shorter last group, stored zero-padded to G; the padding
+never meets a non-zero activation.
+
+Tensor parallelism quantizes each rank's shard on its own. Output rows are independent, so
+column-parallel layers need nothing more; a row-parallel layer splits the input dimension: int8
+then takes each row's scale over the rank's own inputs (a finer grid than one rank would use), and
+int4 groups must not straddle a shard boundary (each rank's input range must start on a
+group boundary and hold whole groups, a short last group of the whole tensor excepted):
+`check_groups_fit_shard` raises QuantizationError otherwise, naming the layer and the sizes.
+
+Embeddings and the LM head stay in the model dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.kernels.linear.int4_layout import pack_int4
+from pagedserve.kernels.linear.packed_weights import (
+    INT4_GROUP_SIZES,
+    INT4_ROW_MULTIPLE,
+    SCALE_DTYPE,
+    Int4Weight,
+    Int8Weight,
+    PackedWeight,
+)
+
+METHODS = ("auto", "none", "int8", "int4")
+DEFAULT_INT4_GROUP_SIZE = 128
+GGUF_GROUP_SIZE = 32  # Q4_0, Q4_1 and Q8_0 blocks
+_TINY_SCALE = 1e-12  # all-zero rows or groups: any positive scale reproduces them exactly
+
+
+class QuantizationError(ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizationConfig:
+    """`method` auto|none|int8|int4; `group_size` for int4 (None: 128), ignored by int8 (per channel)."""
+
+    method: str = "none"
+    group_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise QuantizationError(f"quantization must be one of {', '.join(METHODS)}, not {self.method!r}")
+        if self.group_size is not None and self.group_size not in INT4_GROUP_SIZES:
+            raise QuantizationError(f"quantization group size must be one of "
+                                    f"{', '.join(map(str, INT4_GROUP_SIZES))}, not {self.group_size}")
+
+    @property
+    def is_enabled(self) -> bool:
+        """Whether dense weights are quantized after the load."""
+        return self.method in ("int8", "int4")
+
+    @property
+    def keeps_checkpoint_quantization(self) -> bool:
+        """Whether a GGUF's quantized linear weights are packed as they are (auto)."""
+        return self.method == "auto"
+
+    @property
+    def int4_group_size(self) -> int:
+        return self.group_size or DEFAULT_INT4_GROUP_SIZE
+
+
+def _bf16(values: torch.Tensor) -> torch.Tensor:
+    """Rounded to the stored scale dtype, returned as float32 for the arithmetic."""
+    return values.to(SCALE_DTYPE).to(torch.float32)
+
+
+def quantize_int8(weight: torch.Tensor) -> Int8Weight:
+    """weight [N, K] float -> symmetric int8 with one bfloat16 scale per row (on the CPU)."""
+    weight = weight.detach().to("cpu", torch.float32)
+    scales = _bf16((weight.abs().amax(dim=1) / 127.0).clamp_min(_TINY_SCALE))  # [N]
+    qweight = torch.round(weight / scales[:, None]).clamp_(-128, 127).to(torch.int8)  # [N, K]
+    return Int8Weight(qweight=qweight, scales=scales.to(SCALE_DTYPE))
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = DEFAULT_INT4_GROUP_SIZE) -> Int4Weight:
+    """weight [N, K] float -> asymmetric int4 in groups of `group_size` along K (see the module doc),
+    packed on the CPU (the packing op is a CPU one)."""
+    if group_size not in INT4_GROUP_SIZES:
+        raise QuantizationError(f"int4 group size must be one of {INT4_GROUP_SIZES}, not {group_size}")
+    num_rows, num_cols = weight.shape
+    if num_rows % INT4_ROW_MULTIPLE:
+        raise QuantizationError(f"int4 needs output rows in multiples of {INT4_ROW_MULTIPLE}, not {num_rows}")
+    weight = weight.detach().to("cpu", torch.float32)
+    padded = -(-num_cols // group_size) * group_size
+    if padded != num_cols:  # repeat the last column: the short group's range stays its own
+        weight = torch.cat([weight, weight[:, -1:].expand(num_rows, padded - num_cols)], dim=1)
+    groups = weight.view(num_rows, padded // group_size, group_size)  # [N, groups, G]
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # [N, groups]
+    scales = _bf16(((high - low) / 15.0).clamp_min(_TINY_SCALE))  # [N, groups]
+    codes = torch.round((groups - low[..., None]) / scales[..., None]).clamp_(0, 15)  # [N, groups, G]
+    codes = codes.view(num_rows, padded)
+    if padded != num_cols:
+        codes[:, num_cols:] = 0
+    return _int4_from_codes(codes, scales, low, group_size, num_cols)
+
+
+def _int4_from_codes(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int,
+                     in_features: int) -> Int4Weight:
+    """codes [N, K_padded] in 0..15, W = codes * scales + offsets per [N, groups] -> the kernel form,
+    whose zero is the value of code 8: zero = offset + 8 * scale."""
+    zeros = offsets.to(torch.float32) + 8.0 * scales.to(torch.float32)  # [N, groups]
+    scales_and_zeros = torch.stack([scales.to(torch.float32), zeros], dim=-1)  # [N, groups, 2]
+    return Int4Weight(packed=pack_int4(codes), scales_and_zeros=scales_and_zeros.transpose(0, 1).contiguous()
+                      .to(SCALE_DTYPE), group_size=group_size, in_features=in_features)
+
+
+def quantize(weight: torch.Tensor, config: QuantizationConfig) -> PackedWeight:
+    if config.method == "int8":
+        return quantize_int8(weight)
+    if config.method == "int4":
+        return quantize_int4(weight, config.int4_group_size)
+    raise QuantizationError(f"nothing to quantize with method {config.method!r}")
+
+
+def check_groups_fit_shard(layer_name: str, full_size: int, start: int, size: int, group_size: int) -> None:
+    """Raises QuantizationError when int4 groups of the whole input dimension would cross this
+    rank's input range [start, start + size)."""
+    is_last = start + size == full_size
+    if start % group_size or (size % group_size and not is_last):
+        raise QuantizationError(
+            f"{layer_name}: int4 groups of {group_size} inputs would straddle a tensor-parallel shard "
+            f"boundary: this rank holds inputs {start}..{start + size - 1} of {full_size}; pick a "
+            f"--quantization-group-size that divides {size} (one of {', '.join(map(str, INT4_GROUP_SIZES))})")
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A linear weight [N, K] that arrives already quantized (GGUF Q4_0, Q4_1, Q8_0), in groups of
+    `group_size` consecutive inputs of one output row:
+
+        W[n, k] = scales[n, g] * values[n, k] + offsets[n, g]      g = k // group_size
+
+        Q4_0   bits 4, values uint8 0..15, scales d, offsets -8 * d     (w = d * (q - 8))
+        Q4_1   bits 4, values uint8 0..15, scales d, offsets m          (w = d * q + m)
+        Q8_0   bits 8, values int8 -128..127, scales d, offsets None    (w = d * q)
+
+    values [N, K] hold one code per element (unpacked); scales and offsets are [N, K / group_size]
+    in any float dtype. A GGUF loader builds one per checkpoint tensor (in the Hugging Face
+    [out, in] orientation) and hands them to `pagedserve.worker.quantization.linear.load_prequantized`,
+    which slices them for this rank, fuses q/k/v and gate/up, and packs them for the kernels: 4-bit
+    groups of 32 go to the int4 kernel as they are (scales rounded to bfloat16); 8-bit weights are
+    requantized to int8 per output channel, the layout of the int8 kernel.
+    """
+
+    bits: int
+    values: torch.Tensor  # [N, K]
+    scales: torch.Tensor  # [N, K / group_size]
+    offsets: torch.Tensor | None  # [N, K / group_size] or None (symmetric)
+    group_size: int = GGUF_GROUP_SIZE
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise QuantizationError(f"pre-quantized weights have 4 or 8 bits, not {self.bits}")
+        if self.values.dim() != 2 or self.group_size <= 0 or self.values.shape[1] % self.group_size:
+            raise QuantizationError(f"values {tuple(self.values.shape)} do not split into groups of {self.group_size}")
+        groups_shape = (self.values.shape[0], self.values.shape[1] // self.group_size)
+        for name in ("scales", "offsets"):
+            tensor = getattr(self, name)
+            if tensor is not None and tuple(tensor.shape) != groups_shape:
+                raise QuantizationError(f"{name} {tuple(tensor.shape)} must be {groups_shape} for values "
+                                        f"{tuple(self.values.shape)} in groups of {self.group_size}")
+        if self.bits == 8 and self.offsets is not None:
+            raise QuantizationError("8-bit pre-quantized weights are symmetric (offsets None)")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.values.shape)
+
+    def dequantize(self) -> torch.Tensor:  # [N, K] float32
+        num_rows, num_cols = self.shape
+        groups = self.values.to(torch.float32).view(num_rows, -1, self.group_size)
+        weight = groups * self.scales.to(torch.float32)[..., None]
+        if self.offsets is not None:
+            weight = weight + self.offsets.to(torch.float32)[..., None]
+        return weight.view(num_rows, num_cols)
+
+    def narrow(self, dim: int, start: int, length: int) -> QuantizedWeight:
+        """Rows (dim 0) or whole groups of inputs (dim 1) of this weight."""
+        if dim == 0:
+            return QuantizedWeight(self.bits, self.values.narrow(0, start, length),
+                                   self.scales.narrow(0, start, length),
+                                   None if self.offsets is None else self.offsets.narrow(0, start, length),
+                                   self.group_size)
+        if dim != 1:
+            raise QuantizationError(f"a linear weight has dimensions 0 and 1, not {dim}")
+        if start % self.group_size or length % self.group_size:
+            raise QuantizationError(
+                f"inputs {start}..{start + length - 1} cut through groups of {self.group_size}: a "
+                f"pre-quantized weight can only be split between tensor-parallel ranks on group boundaries")
+        first, count = start // self.group_size, length // self.group_size
+        return QuantizedWeight(self.bits, self.values.narrow(1, start, length), self.scales.narrow(1, first, count),
+                               None if self.offsets is None else self.offsets.narrow(1, first, count),
+                               self.group_size)
+
+    def has_format_of(self, other: QuantizedWeight) -> bool:
+        return (self.bits, self.group_size, self.offsets is None) == (other.bits, other.group_size,
+                                                                        other.offsets is None)
+
+    @staticmethod
+    def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """Fused layers (q/k/v, gate/up): the parts' rows in order; all parts share one format."""
+        first = parts[0]
+        if not all(part.has_format_of(first) for part in parts):
+            raise QuantizationError("fused pre-quantized weights differ in bits, group size or offsets")
+        offsets = None if first.offsets is None else torch.cat([part.offsets for part in parts])
+        return QuantizedWeight(first.bits, torch.cat([part.values for part in parts]),
+                               torch.cat([part.scales for part in parts]), offsets, first.group_size)
+
+    def to_packed(self) -> PackedWeight:
+        """The kernel form: int4 codes as they are; 8-bit groups requantized per output channel."""
+        if self.bits == 8:
+            return quantize_int8(self.dequantize())
+        if self.group_size not in INT4_GROUP_SIZES:
+            raise QuantizationError(f"4-bit groups of {self.group_size} are not one of the int4 kernel's "
+                                    f"group sizes {INT4_GROUP_SIZES}")
+        offsets = self.offsets if self.offsets is not None else torch.zeros_like(self.scales)
+        return _int4_from_codes(self.values.to(torch.int32), self.scales, offsets, self.group_size,
+                                self.shape[1])

@@ -1,0 +1,1 @@
+"""pagedserve.worker.speculation: see docs/architecture.md."""
