@@ -1,4 +1,4 @@
-"""Markdown tables of the latest (or given) benchmark results, for the README.
+"""Markdown tables of the latest (or given) benchmark results, for docs/performance.md.
 
     python bench/report.py [--offline PATH] [--online PATH] [--overheads PATH] [--copy-plots DIR]
 
