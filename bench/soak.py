@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from output import RESULTS_DIR, save_report, timestamp
+from lib.output import RESULTS_DIR, save_report, timestamp
 from pagedserve.launch.serve_process import ServeProcess
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.worker.resident_memory import status_bytes
