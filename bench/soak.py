@@ -19,7 +19,7 @@ The pool is 2048 blocks by default, which keeps the worker's memory small; --num
 the memory-derived size (on a CPU device 10 % of the host's memory, at most 2 GiB: 65536 blocks of
 the demo model on a 24 GiB host). --memory-defaults passes neither --num-kv-blocks nor
 --swap-space, so the run shows what `serve` takes with its defaults (docs/memory.md). The pool
-size does not change the speed: 300 requests took 4-7 s with either.
+size does not change the speed (docs/memory.md).
 
 --kill worker-0@0.3 --kill scheduler@0.6 SIGKILLs that child of serve once that share of the
 requests is done: serve restarts it, the scheduler replays its requests for restarted workers and
