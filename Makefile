@@ -27,7 +27,7 @@ test: $(STAMP)
 proto: $(STAMP)
 	$(BIN)/python -m pagedserve.protogen
 
-# Benchmarks (README, "Performance"): offline comparison with Hugging Face, online latency, overheads.
+# Benchmarks (docs/performance.md): offline comparison with Hugging Face, online latency, overheads.
 BENCH_ARGS ?=
 bench: $(STAMP)
 	$(BIN)/python bench/offline_throughput.py $(BENCH_ARGS)

@@ -19,7 +19,7 @@ import time
 import torch
 import torch._dynamo
 
-from overheads import decode_scheduler
+from lib.decode_steps import decode_scheduler
 
 
 def main() -> None:

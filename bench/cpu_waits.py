@@ -20,10 +20,10 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from output import print_table
+from lib.output import print_table
 from pagedserve.launch.serve_process import ServeProcess
-from speculative import CHAT, GROUNDED, chat_request
-from workload import RESULTS_DIR
+from lib.spec_workload import CHAT, GROUNDED, chat_request
+from lib.workload import RESULTS_DIR
 
 PROMPTS = GROUNDED + CHAT
 

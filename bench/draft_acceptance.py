@@ -6,11 +6,11 @@ proposals the target accepts, and whether the greedy tokens are those of plain d
                                      [--quantization none] [--k 4] [--max-tokens 64] [--threads 1]
                                      [--workload grounded|chat] [--prompts N]
 
-Each prompt (bench/speculative.py's workloads, with the model's chat template) is decoded greedily
+Each prompt (bench/lib/spec_workload.py's workloads, with the model's chat template) is decoded greedily
 twice by one ModelRunner holding target and draft: plainly, and with K drafts per step from the
 draft model (runner_driver.generate_drafting, the scheduler's bookkeeping of draft KV). Acceptance
 rate = accepted / proposed; mean accepted length = tokens emitted per verifying step (accepted + 1).
-The seconds are in-process step times on whatever the host is doing; bench/speculative.py measures
+The seconds are in-process step times on whatever the host is doing; bench/spec_speedup.py measures
 speed through the server. A table goes to stdout and JSON to bench/results/.
 """
 
@@ -19,10 +19,10 @@ from __future__ import annotations
 import argparse
 
 import torch
-from machine_info import machine
-from output import print_table, save_report, timestamp
-from runner_driver import blocks_needed, generate, generate_drafting
-from speculative import CHAT, GROUNDED
+from lib.machine_info import machine
+from lib.output import print_table, save_report, timestamp
+from lib.runner_driver import blocks_needed, generate, generate_drafting
+from lib.spec_workload import CHAT, GROUNDED
 
 from pagedserve.frontend.tokenization.tokenizer import load_tokenizer
 from pagedserve.checkpoints.resolve import resolve_model

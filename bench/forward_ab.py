@@ -9,7 +9,7 @@ The revision's `pagedserve` package (pagedserve/, worker/, kernels/, scheduler/,
 tree's modules put back, so both models live side by side; `--tree REV` takes the B side from a revision too (one
 change at a time: --base C~1 --tree C). For each dtype and batch size both
 load SmolLM2-135M-Instruct (`--model smollm2`), get N sequences decoding after 64-token prompts
-(bench/overheads.py decode_scheduler), and run the forward plus the LM head in alternating
+(bench/lib/decode_steps.py decode_scheduler), and run the forward plus the LM head in alternating
 rounds (A then B, then B then A, ...), `--iters` forwards per round. Medians per forward over all
 rounds; the ratio is base / tree (above 1: the tree is faster). Each side first prefills the
 prompts into its own KV cache; both use the same weights, so their logits are also compared (max
@@ -36,9 +36,9 @@ from pathlib import Path
 
 import torch
 
-from output import print_table
+from lib.output import print_table
 from pagedserve.contracts.step_plan import ScheduledSeq
-from overheads import decode_scheduler
+from lib.decode_steps import decode_scheduler
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE_DIRS = {"pagedserve": "", "worker": "worker", "kernels": "kernels", "scheduler": "scheduler",

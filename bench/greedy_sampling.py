@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from output import print_table
+from lib.output import print_table
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from output import print_table, save_report, timestamp
+from lib.output import print_table, save_report, timestamp
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down [out, in]
 LM_HEAD = (49152, 576)

@@ -3,7 +3,7 @@
     python bench/offline_throughput.py [--dtypes float32,bfloat16] [--systems pagedserve,hf-static,hf-cb]
                                        [--num-requests 64] [--threads 1] [--static-batch-size 16]
 
-Workload (bench/workload.py): 64 requests, prompt lengths uniform in 32-512 and output lengths
+Workload (bench/lib/workload.py): 64 requests, prompt lengths uniform in 32-512 and output lengths
 uniform in 16-256 (seed 0), random prompt ids, greedy, EOS ignored; the 55M-parameter
 Llama-shaped model with seeded weights, loaded in the dtype of the run. For each dtype:
 
@@ -35,13 +35,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from machine_info import machine
-from output import print_table, save_figure, save_report, timestamp
+from lib.machine_info import machine
+from lib.output import print_table, save_figure, save_report, timestamp
 from roofline import measure_matmul
 from pagedserve.launch.serve_process import ServeProcess
-from step_recorder import StepRecorder
-from stream_client import RequestTrace, run_requests
-from workload import BENCH_MODEL, RESULTS_DIR, BenchRequest, ModelShape, build_model, make_requests
+from lib.step_recorder import StepRecorder
+from lib.stream_client import RequestTrace, run_requests
+from lib.workload import BENCH_MODEL, RESULTS_DIR, BenchRequest, ModelShape, build_model, make_requests
 
 SYSTEMS = ("pagedserve", "hf-static", "hf-cb")
 LABELS = {"pagedserve": "pagedserve serve (gRPC)", "hf-static": "HF generate, static batches",

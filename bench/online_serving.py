@@ -30,13 +30,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from machine_info import machine
-from output import print_table, save_figure, save_report, timestamp
+from lib.machine_info import machine
+from lib.output import print_table, save_figure, save_report, timestamp
 from pagedserve.launch.serve_process import ServeProcess
-from http_stream_client import run_http_requests
-from overheads import cpu_seconds
-from stream_client import RequestTrace, run_requests
-from workload import BENCH_MODEL, RESULTS_DIR, BenchRequest, build_model, make_requests
+from lib.http_stream_client import run_http_requests
+from lib.decode_steps import cpu_seconds
+from lib.stream_client import RequestTrace, run_requests
+from lib.workload import BENCH_MODEL, RESULTS_DIR, BenchRequest, build_model, make_requests
 
 WARMUP = [BenchRequest(list(range(4, 68)), 8)]
 

@@ -20,8 +20,6 @@ A table goes to stdout, JSON and a PNG to bench/results/.
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
 import time
 from pathlib import Path
 
@@ -29,46 +27,12 @@ from tqdm import tqdm
 
 from pagedserve.internal import step_pb2
 from pagedserve.contracts.plan_codec import encode_plan, encode_result, plan_from_proto, result_from_proto
-from pagedserve.contracts.request_types import Request
-from pagedserve.contracts.sampling_params import SamplingParams
-from pagedserve.scheduler.core.scheduler import Scheduler
-from pagedserve.scheduler.core.config import SchedulerConfig
-from pagedserve.contracts.step_plan import SeqSample, StepResult
-from output import print_table, save_figure, save_report, timestamp
-from workload import RESULTS_DIR, ModelShape, build_model
+from lib.decode_steps import PROMPT_LEN, cpu_seconds, decode_scheduler, fake_result, median_ms, serving_step_row
+from lib.output import print_table, save_figure, save_report, timestamp
+from lib.workload import RESULTS_DIR, ModelShape, build_model
 
 TINY_MODEL = ModelShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
                         vocab_size=512, max_position_embeddings=4096, tie_word_embeddings=False)
-PROMPT_LEN = 64
-
-
-def median_ms(samples: list[float]) -> float:
-    return statistics.median(samples) * 1e3
-
-
-def decode_scheduler(num_seqs: int, *, block_size: int = 16, max_tokens: int = 2000) -> Scheduler:
-    """A scheduler with num_seqs greedy requests whose prompts are already computed (room for
-    about 60 decode steps each)."""
-    config = SchedulerConfig(num_gpu_blocks=num_seqs * 10 + 256, max_model_len=max_tokens + PROMPT_LEN,
-                             block_size=block_size, max_num_seqs=num_seqs,
-                             max_num_batched_tokens=max(2048, num_seqs))
-    scheduler = Scheduler(config)
-    for index in range(num_seqs):
-        prompt = [(index * 7 + offset) % 500 + 4 for offset in range(PROMPT_LEN)]
-        scheduler.add_request(Request(f"r{index}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                                      eos_token_ids=[2]))
-    while scheduler.waiting or any(seq.num_computed_tokens < len(seq.token_ids) - 1
-                                   for group in scheduler.running for seq in group.seqs):
-        step = scheduler.schedule()
-        scheduler.process_result(step, fake_result(step.plan))
-    return scheduler
-
-
-def fake_result(plan) -> StepResult:
-    """One token per sampling sequence, as a greedy worker answers."""
-    return StepResult(step_id=plan.step_id, epoch=plan.epoch,
-                      samples=[SeqSample(seq.seq_id, (seq.seq_id * 31 + len(seq.token_ids)) % 500 + 4, -0.5)
-                               for seq in plan.seqs if seq.sample is not None])
 
 
 def scheduler_rows(seq_counts: list[int], num_steps: int) -> list[dict]:
@@ -119,80 +83,13 @@ def codec_row(num_seqs: int, num_steps: int) -> dict:
             "result_encode_ms": median_ms(result_encode), "result_decode_ms": median_ms(result_decode)}
 
 
-class PartTimer:
-    """Wraps callables so that each call's seconds accumulate under a name."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-
-    def wrap(self, name: str, fn):
-        def timed(*args, **kwargs):
-            started = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
-        return timed
-
-
-def serving_step_row(num_seqs: int, num_steps: int, model_path: Path, *, dtype: str = "float32") -> dict:
-    """The in-process serving loop at num_seqs decodes; medians per part over num_steps steps."""
-    from pagedserve.worker import model_runner as runner_module
-    from pagedserve.worker.model_runner import ModelRunner
-
-    runner = ModelRunner(model_path, device="cpu", dtype=dtype, block_size=16)
-    runner.load()
-    scheduler = decode_scheduler(num_seqs)
-    runner.init_cache(scheduler.config.num_gpu_blocks, 0)
-    timer = PartTimer()
-    build_input = runner_module.build_model_input
-    runner_module.build_model_input = timer.wrap("build_inputs", build_input)
-    runner.sampler.sample = timer.wrap("sample", runner.sampler.sample)
-    parts: dict[str, list[float]] = {}
-    try:
-        for index in range(num_steps + 3):
-            timer.seconds.clear()
-            marks = [time.perf_counter()]
-            step = scheduler.schedule()
-            marks.append(time.perf_counter())
-            payload = encode_plan(step.plan)
-            message = step_pb2.SchedulerMessage()
-            message.ParseFromString(payload)
-            plan = plan_from_proto(message.step_plan)
-            marks.append(time.perf_counter())
-            result = runner.execute(plan)
-            marks.append(time.perf_counter())
-            result_message = step_pb2.WorkerMessage()
-            result_message.ParseFromString(encode_result(result))
-            result = result_from_proto(result_message.step_result)
-            marks.append(time.perf_counter())
-            scheduler.process_result(step, result)
-            marks.append(time.perf_counter())
-            if index < 3:  # warm-up
-                continue
-            execute = marks[3] - marks[2]
-            sample = timer.seconds.get("sample", 0.0)
-            build = timer.seconds.get("build_inputs", 0.0)
-            values = {"schedule": marks[1] - marks[0], "plan_codec": marks[2] - marks[1],
-                      "build_inputs": build, "forward": result.forward_seconds, "sample": sample,
-                      "execute_other": execute - build - result.forward_seconds - sample,
-                      "result_codec": marks[4] - marks[3], "process_result": marks[5] - marks[4],
-                      "step": marks[5] - marks[0]}
-            values["outside_forward"] = values["step"] - values["forward"]
-            for name, seconds in values.items():
-                parts.setdefault(name, []).append(seconds)
-    finally:
-        runner_module.build_model_input = build_input
-    return {"num_seqs": num_seqs, **{f"{name}_ms": median_ms(samples) for name, samples in parts.items()}}
-
-
 def serve_row(num_seqs: int, model_path: Path, threads: int, log_dir: Path) -> dict:
     """num_seqs long greedy requests at once through `serve`; step and forward seconds of the
     steps where all of them decode, from the scheduler's recent step records."""
     from pagedserve.launch.serve_process import ServeProcess
-    from step_recorder import StepRecorder
-    from stream_client import run_requests
-    from workload import BenchRequest
+    from lib.step_recorder import StepRecorder
+    from lib.stream_client import run_requests
+    from lib.workload import BenchRequest
 
     requests = [BenchRequest([(index * 7 + offset) % 500 + 4 for offset in range(PROMPT_LEN)], 160)
                 for index in range(num_seqs)]
@@ -217,12 +114,6 @@ def serve_row(num_seqs: int, model_path: Path, threads: int, log_dir: Path) -> d
             "forward_ms": median_ms(forward),
             "outside_forward_ms": median_ms([s - f for s, f in zip(step, forward)]),
             **{f"{role}_cpu_us_per_token": seconds / num_tokens * 1e6 for role, seconds in sorted(cpu.items())}}
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a live process so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def plot(report: dict, path: Path) -> None:

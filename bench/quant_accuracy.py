@@ -42,12 +42,12 @@ from pathlib import Path
 
 import torch
 
-from machine_info import machine
-from output import print_table, save_report, timestamp
+from lib.machine_info import machine
+from lib.output import print_table, save_report, timestamp
 from pagedserve.testing.kv_scales import calibrate_kv_scales
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.testing.prompt_scoring import sequence_logits
-from runner_driver import blocks_needed, generate
+from lib.runner_driver import blocks_needed, generate
 
 DATA = Path(__file__).resolve().parent / "data"
 VARIANTS = {  # name -> ModelRunner options

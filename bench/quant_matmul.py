@@ -26,8 +26,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from machine_info import machine
-from output import print_table, save_report, timestamp
+from lib.machine_info import machine
+from lib.output import print_table, save_report, timestamp
 from pagedserve.kernels import ops
 from pagedserve.kernels.linear.quantized import (
     MAX_KERNEL_ROWS,

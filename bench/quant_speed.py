@@ -29,13 +29,13 @@ from pathlib import Path
 
 import torch
 
-from machine_info import machine
-from output import print_table, save_report, timestamp
+from lib.machine_info import machine
+from lib.output import print_table, save_report, timestamp
 from pagedserve.kernels.cache.kv_dtype import KV_CACHE_DTYPES
 from pagedserve.worker.cache_engine import GIB, CacheShape, blocks_for_bytes
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.quantization.linear import QuantizableLinear
-from runner_driver import blocks_needed, generate
+from lib.runner_driver import blocks_needed, generate
 
 DATA = Path(__file__).resolve().parent / "data"
 FORMATS = {  # name -> ModelRunner options

@@ -19,7 +19,7 @@ as it is (pagedserve and llama.cpp; HF has no Q4_1 kernels and is not run):
                  folder (cached), loaded in D, --threads torch threads; 32 streams = one static batch of 32, left-padded, run to the longest
                  output (only requested tokens count); 1 stream = batch 1
     llama.cpp    `llama-server -t T -tb T -np S -c S*256` on the GGUF dequantized to D
-                 (bench/gguf_convert.py; F32 or BF16 weights, its default F16 KV cache), for
+                 (bench/lib/gguf_convert.py; F32 or BF16 weights, its default F16 KV cache), for
                  q4_1 on the GGUF itself;
                  `/completion` with token-id prompts, n_predict, ignore_eos, temperature 0.
                  Twice: with its defaults (its threads spin-wait: --poll 50) and with --poll 0
@@ -54,17 +54,17 @@ os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 
 import torch  # noqa: E402
 
-from gguf_convert import convert_gguf  # noqa: E402
-from llama_server import LlamaServer, LlamaServerExited, default_llama_server
-from machine_info import machine
+from lib.gguf_convert import convert_gguf  # noqa: E402
+from lib.llama_server import LlamaServer, LlamaServerExited, default_llama_server
+from lib.machine_info import machine
 from offline_throughput import decode_phase, step_summary
-from output import RESULTS_DIR, print_table, save_report, timestamp
+from lib.output import RESULTS_DIR, print_table, save_report, timestamp
 from pagedserve.checkpoints.smollm2 import ensure_smollm2
 from pagedserve.launch.serve_process import ServeProcess
 from roofline import measure_matmul
-from step_recorder import StepRecorder
-from stream_client import run_requests
-from workload import BenchRequest, ModelShape
+from lib.step_recorder import StepRecorder
+from lib.stream_client import run_requests
+from lib.workload import BenchRequest, ModelShape
 
 DATA = Path(__file__).resolve().parent / "data"
 SMOLLM2 = ModelShape(hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, intermediate_size=1536,

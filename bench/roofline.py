@@ -13,7 +13,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from workload import ModelShape
+from lib.workload import ModelShape
 
 
 def matmul_shapes(shape: ModelShape, num_rows: int) -> list[tuple[int, int, int]]:

@@ -18,8 +18,8 @@ status is 1 when a request failed or the pool is not whole.
 The pool is 2048 blocks by default, which keeps the worker's memory small; --num-kv-blocks 0 uses
 the memory-derived size (on a CPU device 10 % of the host's memory, at most 2 GiB: 65536 blocks of
 the demo model on a 24 GiB host). --memory-defaults passes neither --num-kv-blocks nor
---swap-space, so the run shows what `serve` takes with its defaults (README, "Memory"). The pool
-size does not change the speed: 300 requests took 4-7 s with either.
+--swap-space, so the run shows what `serve` takes with its defaults (docs/memory.md). The pool
+size does not change the speed (docs/memory.md).
 
 --kill worker-0@0.3 --kill scheduler@0.6 SIGKILLs that child of serve once that share of the
 requests is done: serve restarts it, the scheduler replays its requests for restarted workers and
@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from output import RESULTS_DIR, save_report, timestamp
+from lib.output import RESULTS_DIR, save_report, timestamp
 from pagedserve.launch.serve_process import ServeProcess
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.worker.resident_memory import status_bytes
@@ -115,7 +115,7 @@ RETRY_BACKOFF_S = 0.25
 
 def run_one(stub, request: SoakRequest, outcomes: Outcomes) -> None:
     """One request to its end. A refusal before the first message (UNAVAILABLE while a replica
-    recovers, RESOURCE_EXHAUSTED when the queue is full: both safe to retry, see README) is retried
+    recovers, RESOURCE_EXHAUSTED when the queue is full: both safe to retry, see docs/operations.md) is retried
     after a pause, as a client with a retry policy would, for up to RETRY_WINDOW_S; anything that
     goes wrong once the stream has begun is a failure."""
     deadline = time.monotonic() + RETRY_WINDOW_S

@@ -5,7 +5,7 @@
 
 Two servers of the same model, started before the runs: speculation off, and `--method` with K
 proposals per step and --speculative-disable-batch-size high enough that it speculates at every
-batch size. For each batch size B, the 12 prompts of bench/speculative.py (6 grounded, 6 chat,
+batch size. For each batch size B, the 12 prompts of bench/lib/spec_workload.py (6 grounded, 6 chat,
 interleaved) are sent B at a time, in ceil(12 / B) rounds (at least one), each round to both
 servers in turn so both see the same machine load; greedy, chat template. Output tokens / summed
 round time per server, and the ratio. The smallest B where the ratio falls below 1 is where
@@ -22,11 +22,11 @@ import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from machine_info import machine
-from output import print_table, save_report, timestamp
+from lib.machine_info import machine
+from lib.output import print_table, save_report, timestamp
 from pagedserve.launch.serve_process import ServeProcess
-from speculative import CHAT, GROUNDED, chat_request, finish, serve, spec_counters
-from workload import RESULTS_DIR
+from lib.spec_workload import CHAT, GROUNDED, chat_request, finish, serve, spec_counters
+from lib.workload import RESULTS_DIR
 
 PROMPTS = [prompt for pair in zip(GROUNDED, CHAT) for prompt in pair]  # grounded, chat, grounded, ...
 

@@ -5,7 +5,7 @@ op class under torch.profiler.
 
 For each dtype and batch: SmolLM2-135M-Instruct (`--model smollm2`, the GGUF dequantized at load)
 in a ModelRunner, N sequences decoding after 64-token prompts, run the way the processes run a
-step (bench/overheads.py serving_step_row: schedule -> plan codec -> execute (inputs, forward,
+step (bench/lib/decode_steps.py serving_step_row: schedule -> plan codec -> execute (inputs, forward,
 sampling) -> result codec -> process_result), medians over --steps steps. Then --steps more
 forwards under torch.profiler, the ops' self CPU time grouped into classes:
 
@@ -33,8 +33,8 @@ import time
 
 import torch
 
-from output import print_table, save_report, timestamp
-from overheads import decode_scheduler, serving_step_row
+from lib.output import print_table, save_report, timestamp
+from lib.decode_steps import decode_scheduler, serving_step_row
 
 CLASSES = {
     "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "aten::_weight_int8pack_mm",

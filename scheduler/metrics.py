@@ -1,4 +1,4 @@
-"""The scheduler's Prometheus metrics (README, "Metrics": the names marked * are pinned), refreshed
+"""The scheduler's Prometheus metrics (docs/operations.md, "Metrics": the names marked * are pinned), refreshed
 after every step and, between steps, a few times a second (scheduler/engine.py, on_idle), so the
 gauges are true within a second of any change."""
 

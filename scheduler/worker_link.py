@@ -88,7 +88,7 @@ class WorkerLink:
         self._curve = CurveServer(self._context, keys) if keys is not None else None
         if self._curve is None:
             get_logger(component="worker_link").warning(
-                "internal_zmq_unauthenticated", hint="serve sets CURVE keys for its children (README, Security)")
+                "internal_zmq_unauthenticated", hint="serve sets CURVE keys for its children (docs/security.md)")
         self._pub = self._context.socket(zmq.PUB)
         if self._curve is not None:
             self._curve.secure(self._pub)

@@ -5,13 +5,9 @@ one thread while they do not.
 An OpenMP thread that finishes its share of a parallel region (a matmul, an SDPA call) waits for
 the others, then for the next region. Sleeping at once (OMP_WAIT_POLICY=PASSIVE) makes every
 region pay a wake-up; a decode step of SmolLM2 runs hundreds of regions. Spinning makes a thread
-whose sibling was descheduled burn the core that sibling needs. Measured through `serve` on 2
-cores (SmolLM2, bfloat16, output tokens/s at 1 and 32 streams):
-
-    waiting                          quiet machine      one other CPU-bound process
-    passive                          21.3 / 265         23.3 / 293
-    spin 30,000 (about 0.3 ms)       33.5 / 386          5.5 /  63
-    spin 1,000 / 2,000               25.1 / 312 ...      21.5 / 266 ...
+whose sibling was descheduled burn the core that sibling needs. Measured through `serve`
+(docs/scaling.md, "On one host", with bench/cpu_waits.py), spinning is the fastest on a quiet
+machine and by far the slowest beside another CPU-bound process, where passive waits hold up.
 
 So the worker spins (GOMP_SPINCOUNT=SPIN_COUNT) and watches the host: about once a second, at a
 step boundary, it measures how many cores the *other* processes used (busy time in /proc/stat

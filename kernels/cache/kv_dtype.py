@@ -12,11 +12,10 @@ An fp8 cache stores K / k_scale and V / v_scale, with one k_scale and one v_scal
 
 The scales default to 1.0 and stay fixed for the life of the cache, so a sequence's cached K/V
 and so its tokens never depend on what else ran first (a scale calibrated on the first live
-prefill would make every later output depend on that request). Measured on SmolLM2-135M
-(bench/quant_accuracy.py): e4m3 with 1.0 moves perplexity by +0.6%; scales calibrated on a
-fixed prefill (pagedserve.testing.kv_scales) gain little (+0.5%), though they lift the
-subnormal values of layer 0's V (|v| < 2^-6) into the normal range. e5m2 costs +3% either way:
-its two mantissa bits, not its range, are the limit. Attention folds the scales in at no cost:
+prefill would make every later output depend on that request). Scales calibrated on a fixed
+prefill (pagedserve.testing.kv_scales) gain little over 1.0, and e5m2 loses more than e4m3 either
+way: its two mantissa bits, not its range, are the limit (bench/quant_accuracy.py;
+docs/quantization.md has the figures). Attention folds the scales in at no cost:
 k_scale into the softmax scale, v_scale into the output (PagedAttention.k_scale / v_scale).
 
 Block swaps and copy-on-write move a cache's raw bytes (any dtype); CPU ops that lack float8

@@ -3,15 +3,10 @@ streams the dense weight once (kernels/native/linear_rows.c); reference F.linear
 
 oneDNN (prepacked_linear_cpu) is the better path for many rows, where AMX tiles pay off; with
 few rows a step is a pass over every weight and the question is only how fast it streams. The
-kernel prefetches each weight row 16 KiB ahead. SmolLM2-135M's 121 projections of one decode
-step (268 MB of bfloat16 weights, each read once, so from memory and not from cache), 2 threads,
-this machine (bench/linear_rows.py):
-
-    rows      1        2        3        4        5        8
-    oneDNN    14.87    14.64    14.98    15.03    15.13    15.60 ms
-    native    11.55    12.86    13.92    14.87    15.59    19.22 ms
-
-so layers called one by one take it up to MAX_ROWS rows (two) and oneDNN above; the native
+kernel prefetches each weight row 16 KiB ahead. It is ahead of oneDNN at one and two rows and
+even at about four (bench/linear_rows.py times SmolLM2's projections of one decode step, whose
+weights are read once, from memory; docs/kernels.md has the figures), so layers called one by
+one take it up to MAX_ROWS rows (two) and oneDNN above; the native
 decoder layers (pagedserve.worker.models.llama_native) take it up to four rows, where the calls
 they save outweigh the rest.
 

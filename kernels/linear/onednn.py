@@ -3,13 +3,7 @@ blocked layout; the reference is `F.linear` on the dense weight (torch.equal in 
 
 `F.linear` on a bfloat16 CPU tensor hands a plain [out, in] weight to oneDNN, which reorders it
 into its blocked layout on every call: with few rows (decoding) that reorder costs as much as the
-product. Measured on 2 cores with AMX (torch 2.13, median of 200 calls):
-
-    weight [out, in]         rows   F.linear    prepacked
-    [3072, 576] gate_up         1     260 us       169 us
-    [576, 1536] down            1     136 us        63 us
-    [49152, 576] LM head        1  11228 us      3588 us
-    [49152, 576] LM head       32  15331 us      7893 us
+product (docs/kernels.md has the timings).
 
 The prepacked weight carries no batch-size hint, so one reorder serves every row count with the
 same blocking, and the results equal F.linear's bit for bit. It is an opaque oneDNN tensor beside

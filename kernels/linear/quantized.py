@@ -3,7 +3,7 @@ dequantize-then-matmul for many.
 
 Same signature and result (within bfloat16 rounding) as `quantized_matmul_ref`:
 x [M, K] in any float dtype -> [M, N] in x's dtype. All compute runs on bfloat16 activations:
-the packed kernels are several times slower on float32 ones (bench/quant_matmul.py).
+the packed kernels are much slower on float32 ones (bench/quant_matmul.py; docs/quantization.md).
 
     int8_linear_cpu      torch._weight_int8pack_mm: int8 weight, one scale per row
     int4_linear_cpu      torch._weight_int4pack_mm_for_cpu: tinygemm layout, groups along K
@@ -17,9 +17,9 @@ scalar broadcasts: they win at decode batch sizes, where a dense matmul is bound
 weights, and lose badly on prefill chunks, where the dense bfloat16 matmul (AMX/AVX-512) is far
 ahead and dequantizing the weight once per call costs less than it saves. `linear_cpu` picks by
 rows: the packed kernel up to MAX_KERNEL_ROWS[format], the dequantizing path above. The bounds are
-the crossovers measured on SmolLM2-135M layer shapes with 2 threads (bench/quant_matmul.py):
+the crossovers bench/quant_matmul.py finds on SmolLM2-135M's layer shapes (docs/quantization.md):
 int8 dequantizing costs one conversion pass and wins from about 16 rows; int4 unpacking and
-dequantizing costs about four passes (~2.5 ms per layer) and wins only from about 64 rows.
+dequantizing costs about four passes and wins only from about 64 rows.
 Nothing is cached: weights stay quantized (a bfloat16 copy beside the codes would make every row
 count as fast as dense bfloat16, at 2 bytes per weight more).
 """

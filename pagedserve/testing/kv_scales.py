@@ -1,8 +1,8 @@
 """Per-layer fp8 KV scales calibrated on a prefill (opt-in; the default scale is 1.0).
 
 An fp8 cache stores K / k_scale and V / v_scale (pagedserve.kernels.cache.kv_dtype). With 1.0,
-values below the format's smallest normal (2^-6 for e4m3) lose relative precision; SmolLM2's
-first layer has about 40% of its V entries there. `calibrate_kv_scales` runs one prefill of the
+values below the format's smallest normal (2^-6 for e4m3) lose relative precision, and a model's
+first layer can hold many of its V entries there (docs/quantization.md). `calibrate_kv_scales` runs one prefill of the
 given tokens, records each layer's largest |K| and |V| before they are stored, and sets
 
     k_scale = margin * max|K| / fp8_max        v_scale = margin * max|V| / fp8_max

@@ -33,8 +33,8 @@ class SchedulerConfig:
     to move one block to CPU and back, and the estimated time to recompute one token's KV in a
     prefill; only their ratio decides. The defaults are measured for the demo model
     (`--model demo`) on the CPU, one torch thread on a 2-core host, by
-    `python bench/memory.py --parts swap` (medians over groups of 64-2048 tokens and over six
-    runs; the tables are in the README, "Swap versus recompute"). A swap is a memory copy there,
+    `python bench/kv_memory.py --parts swap` (medians over groups of 64-2048 tokens and over six
+    runs; the tables are in docs/memory.md, "Swap versus recompute"). A swap is a memory copy there,
     cheaper per block than recomputing one token, so "auto" swaps unless most of a group's blocks
     are also held by other requests. A 7B model on a PCIe 4 GPU is nearer 6.5e-4 s per block and
     7.0e-5 s per token (recomputing groups of up to 18 tokens); measure and override them per

@@ -12,8 +12,8 @@ which was enough for SmolLM2 to answer the quick-start question wrongly.
 In bfloat16 on the CPU, both calls and the residual add run as one native kernel
 (kernels/native/rms_norm.c; pagedserve.kernels.ops.add_rms_norm picks it) with the same two
 roundings. Its float32 sum of squares is not summed in torch's order, so the normalising factor
-can differ in its last bit, which changes a bfloat16 result in rare cases (5 of 140,544 values
-in one SmolLM2 forward); float32 keeps torch's calls and stays exact.
+can differ in its last bit, which changes a bfloat16 result in rare cases (docs/kernels.md counts
+them); float32 keeps torch's calls and stays exact.
 
 The residual form adds x into the residual stream in place and returns both the normalised sum
 and the sum, so a decoder layer carries one residual tensor through all layers:

@@ -1,1 +1,1 @@
-"""pagedserve.worker.models."""
+"""pagedserve.worker.models: see docs/architecture.md."""

@@ -1,8 +1,9 @@
 """Decode steps of a few rows through whole Llama decoder layers in native code: one C call per
 layer (kernels/native/decode_layer.c) instead of a dozen Python-level calls of the per-op
 kernels, whose chain it runs (RMSNorm, the few-rows linear, RoPE with the K/V write, attention,
-SiLU-mul). At one sequence each of those calls costs a few microseconds of Python and ctypes on
-top of its work; with 30 layers that was about a fifth of a SmolLM2 step.
+SiLU-mul). At one sequence each of those calls costs Python and ctypes time on top of its work,
+and a model of many small layers makes dozens of them per layer (docs/kernels.md has the
+measurements).
 
     step = NativeDecodeStep.for_step(model, metadata, kv_caches)   # None: the model's own loop runs
     hidden, residual = step.run(hidden)                            # after the embedding
@@ -24,8 +25,8 @@ import torch
 
 from pagedserve.kernels.linear import native_rows
 
-# up to 4 rows: the row kernel streams the weights about as fast as oneDNN there (bench/linear_rows.py:
-# 1.29x at one row, 1.01x at four, 0.97x at five) and the layer saves the per-op calls
+# up to 4 rows: the row kernel streams the weights at least as fast as oneDNN there (bench/linear_rows.py,
+# docs/kernels.md) and the layer saves the per-op calls
 MAX_ROWS = 4
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}

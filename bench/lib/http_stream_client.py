@@ -15,8 +15,8 @@ import json
 import time
 import urllib.request
 
-from stream_client import RequestTrace
-from workload import BenchRequest
+from lib.stream_client import RequestTrace
+from lib.workload import BenchRequest
 
 
 class HttpBenchError(RuntimeError):

@@ -16,7 +16,7 @@ import grpc
 
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc
-from workload import BenchRequest
+from lib.workload import BenchRequest
 
 
 @dataclass(slots=True)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
 
 Column = str | tuple[str, str | Callable[[dict], object]]  # key, or (title, key or row -> value)
 

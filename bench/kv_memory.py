@@ -1,9 +1,9 @@
 """KV-cache memory: blocks saved by sharing, memory waste, and swap versus recompute, in one run.
 
-    python bench/memory.py [--parts sharing,waste,swap] [--repeats 5] [--lengths 64,256,1024,2048]
+    python bench/kv_memory.py [--parts sharing,waste,swap] [--repeats 5] [--lengths 64,256,1024,2048]
                            [--num-requests 256] [--seed 0] [--threads 1]
 
-sharing  The real Scheduler with a deterministic fake worker (bench/memory_sim.py), block size 16,
+sharing  The real Scheduler with a deterministic fake worker (bench/lib/memory_sim.py), block size 16,
          prefix caching off. Two fixed batches of 8 requests, each run once per request kind
          (parallel sampling n = 2/4/8, beam search with width 2/4/8):
              long prompts    prompts of 37, 101, ..., 485 tokens, outputs of 128 and 256 in turn
@@ -21,7 +21,7 @@ waste    The same scheduler over a seeded mixed workload (--num-requests request
          prompt + max_tokens (the best case of a static server, which must know each output
          length) and of max_model_len.
 swap     ModelRunner on CPU with the demo model and a larger Llama (hidden 512, 8 layers,
-         bench/memory_swap.py): a preempted group of L tokens recomputed (one prefill) versus its
+         bench/lib/memory_swap.py): a preempted group of L tokens recomputed (one prefill) versus its
          blocks swapped out and back in, medians of at least --repeats runs, with --threads torch
          threads. One by default: on a host shared with other busy processes every parallel
          region of a 2-thread pool waits for a descheduled thread, which makes a 4-block swap
@@ -38,11 +38,11 @@ import argparse
 import random
 import time
 
-from machine_info import machine
-from memory_sim import SharingObserver, WasteObserver, WorkloadRequest, drive
-from memory_swap import SWAP_CYCLES, ModelTiming, measure_swap_and_recompute, prepare_bench_model, prepare_demo_model
-from output import markdown_table, save_report, timestamp
-from workload import MODELS_DIR
+from lib.machine_info import machine
+from lib.memory_sim import SharingObserver, WasteObserver, WorkloadRequest, drive
+from lib.memory_swap import SWAP_CYCLES, ModelTiming, measure_swap_and_recompute, prepare_bench_model, prepare_demo_model
+from lib.output import markdown_table, save_report, timestamp
+from lib.workload import MODELS_DIR
 
 from pagedserve.scheduler.core.config import SchedulerConfig
 

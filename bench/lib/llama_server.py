@@ -24,7 +24,7 @@ from pathlib import Path
 
 from pagedserve.checkpoints.demo import cache_dir
 from pagedserve.launch.serve_config import free_port
-from workload import BenchRequest
+from lib.workload import BenchRequest
 
 LLAMA_SERVER_ENV = "LLAMA_SERVER"
 READY_TIMEOUT_S = 300.0

@@ -1,6 +1,6 @@
 """Kernel benchmark: paged decode attention against SDPA on the same data unpaged, and the KV-cache ops.
 
-    python bench/kernels.py [--device auto|cpu|cuda] [--quick] [--op-share] [--threads N]
+    python bench/attention_kernels.py [--device auto|cpu|cuda] [--quick] [--op-share] [--threads N]
 
 The implementation timed is whatever pagedserve.kernels.ops dispatches to on the device (Triton
 on CUDA, the plain-torch reference on CPU; PAGEDSERVE_KERNELS overrides). Every decode sequence
@@ -22,7 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from output import print_table, save_report, timestamp
+from lib.output import print_table, save_report, timestamp
 from pagedserve.kernels import ops
 
 GRIDS = {  # (decode batch sizes, context lengths)

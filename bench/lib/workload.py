@@ -18,9 +18,9 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from output import RESULTS_DIR
+from lib.output import RESULTS_DIR
 
-BENCH_DIR = Path(__file__).resolve().parent
+BENCH_DIR = Path(__file__).resolve().parent.parent
 MODELS_DIR = RESULTS_DIR / "models"
 
 

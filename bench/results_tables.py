@@ -1,6 +1,6 @@
-"""Markdown tables of the latest (or given) benchmark results, for the README.
+"""Markdown tables of the latest (or given) benchmark results, for docs/performance.md.
 
-    python bench/report.py [--offline PATH] [--online PATH] [--overheads PATH] [--copy-plots DIR]
+    python bench/results_tables.py [--offline PATH] [--online PATH] [--overheads PATH] [--copy-plots DIR]
 
 Reads bench/results/{offline,online,overheads}-*.json (the newest of each unless a path is
 given) and prints their tables; --copy-plots copies the matching PNGs into DIR under fixed names.
@@ -13,8 +13,8 @@ import json
 import shutil
 from pathlib import Path
 
-from output import markdown_table
-from workload import RESULTS_DIR
+from lib.output import markdown_table
+from lib.workload import RESULTS_DIR
 
 LABELS = {"pagedserve": "pagedserve `serve` (gRPC)", "hf-static": "HF `generate`, static batches of 16",
           "hf-cb": "HF `generate_batch` (continuous batching)"}
