@@ -29,9 +29,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pagedserve.frontend.generation.admission import Admission
+from pagedserve.frontend.generation.errors import RequestFailed
 from pagedserve.frontend.tokenization.chat_template import ChatTemplate
 from pagedserve.frontend.openai.generation_run import GenerationRun
-from pagedserve.frontend.openai.errors import HttpError, error_parts, error_response, unknown_model
+from pagedserve.frontend.openai.errors import HttpError, error_parts, error_response, http_status, unknown_model
 from pagedserve.frontend.metrics import FrontendMetrics
 from pagedserve.frontend.openai.protocol import (
     ChatCompletionBody, CompletionBody, GenerationPlan, chat_messages, generation_plan, parse_body, prompts_of,
@@ -171,13 +172,12 @@ class OpenAIServing:
         return run
 
     def _refused(self, exc: Exception, timer) -> Response:
-        status, body, label = error_parts(exc)
-        timer.on_done(label)
-        if status >= 500 and status != 503:
-            log.error("request_failed", status=status, error=body["error"]["message"], exc_info=exc)
-        else:
-            log.info("request_failed", status=status, error=body["error"]["message"], param=body["error"]["param"])
-        return error_response(exc)
+        """A request that failed before its run started."""
+        if isinstance(exc, HttpError):  # the HTTP API's own refusals (unknown model, too many requests)
+            timer.on_done("rejected")
+            log.info("request_failed", code=exc.status, error=str(exc), param=exc.param)
+            return error_response(exc)
+        return error_response(RequestFailed(self._admission.failed(exc, timer, code_of=http_status)))
 
     def _prepare(self, parsed, plan: GenerationPlan, request_id: str, is_chat: bool) -> PreparedRequest:
         """On a worker thread: limits (draining, readiness), chat template, tokens, validation."""
