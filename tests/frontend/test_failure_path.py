@@ -4,6 +4,8 @@ and (when the scheduler still runs them) aborted in the scheduler."""
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import openai
 import pytest
@@ -49,6 +51,15 @@ def _http_failure(client, request_id: str) -> int:
     return raised.value.status_code
 
 
+def _wait_for(predicate, timeout=10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
 def _failure_events(logs: list[dict], request_id: str) -> list[dict]:
     return [event for event in logs if event.get("request_id") == request_id and event["event"] in FAILURE_EVENTS]
 
@@ -91,7 +102,8 @@ def test_a_stream_broken_mid_request_is_aborted_in_the_scheduler(stub, client, f
     _grpc_failure(stub, "broken-grpc")
     _http_failure(client, "broken-http")
     for request_id in ("broken-grpc", "broken-http"):
-        assert request_id in fake.cancelled_ids and request_id not in fake.completed_ids, request_id
+        assert _wait_for(lambda: request_id in fake.cancelled_ids), request_id
+        assert request_id not in fake.completed_ids, request_id
 
 
 # -- the decision table, on its own ----------------------------------------------------------------
