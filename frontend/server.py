@@ -10,7 +10,7 @@ HTTP API, and Prometheus metrics.
    ├─ uvicorn thread           host:http_port (0: none)   /v1/completions, /v1/chat/completions … (http_server.py)
    │                           same TLS settings
    ├─ ReadinessMonitor thread  polls the scheduler's GetInfo (readiness.py); requests whose
-   │                           scheduler died wait on it for a restart, then resume (generation.py)
+   │                           scheduler died wait on it for a restart, then resume (recovery.py)
    └─ /metrics HTTP            host:metrics_port, when a metrics port is given
 ```
 
@@ -36,7 +36,7 @@ from pagedserve.frontend.generation.admission import Admission
 from pagedserve.frontend.tokenization.chat_template import ChatTemplate, ChatTemplateError, read_chat_template
 from pagedserve.frontend.generation.drain import InFlight
 from pagedserve.frontend.config import FrontendConfig
-from pagedserve.frontend.generation.generation import SchedulerRecovery
+from pagedserve.frontend.generation.recovery import SchedulerRecovery
 from pagedserve.frontend.metrics import FrontendMetrics
 from pagedserve.frontend.upstream.readiness import DEFAULT_POLL_INTERVAL_S, GENERATION_SERVICE, ReadinessMonitor
 from pagedserve.frontend.grpc.reflection import enable_reflection

@@ -23,7 +23,9 @@ import structlog
 from pagedserve.frontend.generation.drain import Draining, InFlight
 from pagedserve.frontend.generation.errors import RequestError
 from pagedserve.frontend.generation.failure import close_failed
-from pagedserve.frontend.generation.generation import Generation, SchedulerRecovery, Usage
+from pagedserve.frontend.generation.generation import Generation
+from pagedserve.frontend.generation.recovery import SchedulerRecovery
+from pagedserve.frontend.generation.updates import Usage
 from pagedserve.frontend.metrics import RequestTimer
 from pagedserve.frontend.grpc.codec import finish_label
 from pagedserve.frontend.upstream.readiness import ReadinessMonitor

@@ -34,7 +34,8 @@ import structlog
 
 from pagedserve.frontend.generation.admission import Admission
 from pagedserve.frontend.generation.drain import InFlight
-from pagedserve.frontend.generation.generation import Generation, SchedulerRecovery
+from pagedserve.frontend.generation.generation import Generation
+from pagedserve.frontend.generation.recovery import SchedulerRecovery
 from pagedserve.frontend.metrics import FrontendMetrics, RequestTimer
 from pagedserve.frontend.grpc.codec import stream_message, whole_response
 from pagedserve.frontend.upstream.readiness import GENERATION_SERVICE, ReadinessMonitor

@@ -36,7 +36,8 @@ from dataclasses import dataclass
 import structlog
 
 from pagedserve.frontend.generation.admission import Admission
-from pagedserve.frontend.generation.generation import Generation, GenerationUpdate, Usage
+from pagedserve.frontend.generation.generation import Generation
+from pagedserve.frontend.generation.updates import GenerationUpdate, Usage
 from pagedserve.frontend.metrics import RequestTimer
 from pagedserve.frontend.generation.errors import RequestFailed, UndeliveredOutputExceeded
 from pagedserve.frontend.openai.errors import http_status

@@ -6,7 +6,7 @@ Transport failures become exceptions the servicer maps to public status codes:
  scheduler status / failure             exception              public status
  UNAVAILABLE, connection refused/lost   SchedulerUnavailable   UNAVAILABLE
  a Submit stream broken by the peer     SchedulerLost          UNAVAILABLE, unless resumed
-   (UNAVAILABLE, or CANCELLED that the    (a SchedulerUnavailable; generation.py resubmits the
+   (UNAVAILABLE, or CANCELLED that the    (a SchedulerUnavailable; recovery.py resubmits the
    frontend did not ask for)              request when another scheduler instance is ready)
  RESOURCE_EXHAUSTED (queue full)        SchedulerBusy          RESOURCE_EXHAUSTED
  INVALID_ARGUMENT                       SchedulerRejected      INVALID_ARGUMENT
