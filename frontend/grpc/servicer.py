@@ -33,17 +33,14 @@ import grpc
 import structlog
 
 from pagedserve.frontend.generation.admission import Admission
-from pagedserve.frontend.generation.drain import InFlight
 from pagedserve.frontend.generation.generation import Generation
-from pagedserve.frontend.generation.recovery import SchedulerRecovery
 from pagedserve.frontend.metrics import FrontendMetrics, RequestTimer
 from pagedserve.frontend.grpc.codec import stream_message, whole_response
-from pagedserve.frontend.upstream.readiness import GENERATION_SERVICE, ReadinessMonitor
+from pagedserve.frontend.upstream.readiness import GENERATION_SERVICE
 from pagedserve.frontend.grpc.request_decoding import UndecodableRequest, lenient_deserializer
 from pagedserve.frontend.generation.errors import CANCELLED, ErrorKind, RequestError, RequestFailed, classify
 from pagedserve.frontend.generation.stream_watchdog import StreamWatch, StreamWatchdog
-from pagedserve.frontend.upstream.scheduler_client import SchedulerClient, SchedulerError
-from pagedserve.frontend.tokenization.tokenizer import Tokenizer
+from pagedserve.frontend.upstream.scheduler_client import SchedulerError
 from pagedserve.frontend.tokenization.chat_template import ChatTemplate
 from pagedserve.frontend.grpc.validation import check_text_bytes, is_printable_ascii, validate_request
 from pagedserve.contracts.sampling_params import InvalidParameter
@@ -97,22 +94,19 @@ class CallSlots:
 class GenerationServicer:
     """Implements Generate, GenerateStream, Tokenize and ModelInfo."""
 
-    def __init__(self, tokenizer: Tokenizer, client: SchedulerClient, readiness: ReadinessMonitor,
-                 metrics: FrontendMetrics, in_flight: InFlight | None = None,
-                 recovery: SchedulerRecovery | None = None, chat: ChatTemplate | None = None, *,
+    def __init__(self, admission: Admission, metrics: FrontendMetrics, chat: ChatTemplate | None = None, *,
                  max_concurrent_calls: int | None = None, watchdog: StreamWatchdog | None = None) -> None:
-        """recovery: how requests ride out a scheduler restart (None: they fail with UNAVAILABLE);
+        """admission: the request lifecycle shared with the HTTP API (readiness, drain, recovery);
         chat: renders `messages` prompts (None: such requests are INVALID_ARGUMENT);
         max_concurrent_calls: calls of this service at once, beyond it RESOURCE_EXHAUSTED (None: no
         limit; health and reflection never count); watchdog: cuts streams whose client stops reading."""
         self._slots = CallSlots(max_concurrent_calls)
         self._watchdog = watchdog
-        self._tokenizer = tokenizer
+        self._tokenizer = admission.tokenizer
         self._chat = chat
-        self._client = client
+        self._client = admission.client
         self._metrics = metrics
-        self.in_flight = in_flight if in_flight is not None else InFlight()
-        self._admission = Admission(tokenizer, client, readiness, self.in_flight, recovery)
+        self._admission = admission
 
     def Generate(self, request, context) -> generation_pb2.GenerateResponse:
         with self._slots.slot(context):
