@@ -28,7 +28,7 @@ import structlog
 
 from pagedserve.frontend.generation.completion_state import CompletionState
 from pagedserve.frontend.generation.recovery import Recovery, SchedulerRecovery
-from pagedserve.frontend.generation.updates import GenerationUpdate, SchedulerProtocolError, UpdateBuilder, Usage
+from pagedserve.frontend.generation.updates import GenerationUpdate, SchedulerProtocolError, UpdateBuilder
 from pagedserve.frontend.tokenization.detokenizer import Decoder
 from pagedserve.frontend.metrics import RequestTimer
 from pagedserve.frontend.upstream.rerouting import Rerouting
