@@ -10,7 +10,7 @@ HTTP API, and Prometheus metrics.
    ├─ uvicorn thread           host:http_port (0: none)   /v1/completions, /v1/chat/completions … (http_server.py)
    │                           same TLS settings
    ├─ ReadinessMonitor thread  polls the scheduler's GetInfo (readiness.py); requests whose
-   │                           scheduler died wait on it for a restart, then resume (generation.py)
+   │                           scheduler died wait on it for a restart, then resume (recovery.py)
    └─ /metrics HTTP            host:metrics_port, when a metrics port is given
 ```
 
@@ -36,7 +36,7 @@ from pagedserve.frontend.generation.admission import Admission
 from pagedserve.frontend.tokenization.chat_template import ChatTemplate, ChatTemplateError, read_chat_template
 from pagedserve.frontend.generation.drain import InFlight
 from pagedserve.frontend.config import FrontendConfig
-from pagedserve.frontend.generation.generation import SchedulerRecovery
+from pagedserve.frontend.generation.recovery import SchedulerRecovery
 from pagedserve.frontend.metrics import FrontendMetrics
 from pagedserve.frontend.upstream.readiness import DEFAULT_POLL_INTERVAL_S, GENERATION_SERVICE, ReadinessMonitor
 from pagedserve.frontend.grpc.reflection import enable_reflection
@@ -129,10 +129,12 @@ def serve_frontend(config: FrontendConfig, *, health_poll_interval_s: float = DE
         client = readiness = ReplicaSet(addresses, health_servicer, frontend_id=frontend_id, routing=config.routing,
                                         poll_interval_s=health_poll_interval_s)
     in_flight = InFlight()
-    recovery = SchedulerRecovery(readiness, config.scheduler_recovery_timeout)
+    # one request lifecycle for both protocols: the same drain, readiness and recovery
+    admission = Admission(tokenizer, client, readiness, in_flight,
+                          SchedulerRecovery(readiness, config.scheduler_recovery_timeout))
     watchdog = StreamWatchdog(config.stream_write_timeout)
-    servicer = GenerationServicer(tokenizer, client, readiness, metrics, in_flight, recovery, chat,
-                                  max_concurrent_calls=config.max_concurrent_rpcs, watchdog=watchdog)
+    servicer = GenerationServicer(admission, metrics, chat, max_concurrent_calls=config.max_concurrent_rpcs,
+                                  watchdog=watchdog)
 
     # Each streaming call holds a worker thread. The Generation service limits its own calls to
     # max_concurrent_rpcs (RESOURCE_EXHAUSTED beyond); the server takes HEALTH_HEADROOM_RPCS more, so
@@ -148,45 +150,55 @@ def serve_frontend(config: FrontendConfig, *, health_poll_interval_s: float = DE
     server.add_generic_rpc_handlers((generation_rpc_handler(servicer),))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     enable_reflection((GENERATION_SERVICE, health.SERVICE_NAME), server)
+    try:  # whatever fails to start, the scheduler channel and the metrics endpoint are closed
+        bound_port = _listen(server, host, port, credentials)
+        bound_metrics_port = _serve_metrics(metrics, config)
+        http_server = None
+        if config.http.is_enabled:
+            from pagedserve.frontend.openai.server import HttpStartError, start_http_server  # FastAPI: only when used
+
+            try:
+                http_server = start_http_server(
+                    admission, metrics, config.http, chat, host=host,
+                    model_path=config.model_path, transport=transport,
+                    max_concurrent_requests=config.max_concurrent_rpcs, grace_s=CUT_GRACE_S,
+                    stream_write_timeout_s=config.stream_write_timeout,
+                    max_undelivered_messages=config.max_undelivered_messages)
+            except HttpStartError as exc:
+                raise FrontendStartError(str(exc)) from exc
+    except FrontendStartError:
+        client.close()
+        metrics.stop()
+        raise
+    server.start()
+    readiness.start()
+    return FrontendServer(server, bound_port, metrics, bound_metrics_port, readiness, client, in_flight,
+                          http_server, watchdog)
+
+
+def _listen(server: grpc.Server, host: str, port: int, credentials) -> int:
+    """Binds the public gRPC port (TLS when credentials are given); returns the bound port."""
     try:
         if credentials is None:
             bound_port = server.add_insecure_port(f"{host}:{port}")
         else:
             bound_port = server.add_secure_port(f"{host}:{port}", credentials)
     except RuntimeError as exc:
-        client.close()
         raise FrontendStartError(f"cannot listen on {host}:{port}: {exc}") from exc
     if bound_port == 0:
-        client.close()
         raise FrontendStartError(f"cannot listen on {host}:{port} (in use?)")
+    return bound_port
 
-    bound_metrics_port = None
-    if config.metrics_port is not None:
-        try:
-            bound_metrics_port = metrics.serve(config.metrics_port, host=config.resolved_metrics_host)
-        except OSError as exc:
-            client.close()
-            raise FrontendStartError(f"cannot serve metrics on {config.resolved_metrics_host}:{config.metrics_port}: "
-                                     f"{exc}") from exc
-    http_server = None
-    if config.http.is_enabled:
-        from pagedserve.frontend.openai.server import HttpStartError, start_http_server  # FastAPI: only when used
 
-        try:
-            http_server = start_http_server(
-                Admission(tokenizer, client, readiness, in_flight, recovery), metrics, config.http, chat, host=host,
-                model_path=config.model_path, transport=transport,
-                max_concurrent_requests=config.max_concurrent_rpcs, grace_s=CUT_GRACE_S,
-                stream_write_timeout_s=config.stream_write_timeout,
-                max_undelivered_messages=config.max_undelivered_messages)
-        except HttpStartError as exc:
-            client.close()
-            metrics.stop()
-            raise FrontendStartError(str(exc)) from exc
-    server.start()
-    readiness.start()
-    return FrontendServer(server, bound_port, metrics, bound_metrics_port, readiness, client, in_flight,
-                          http_server, watchdog)
+def _serve_metrics(metrics: FrontendMetrics, config: FrontendConfig) -> int | None:
+    """Starts /metrics when a metrics port is given; returns the bound port (None: not served)."""
+    if config.metrics_port is None:
+        return None
+    try:
+        return metrics.serve(config.metrics_port, host=config.resolved_metrics_host)
+    except OSError as exc:
+        raise FrontendStartError(f"cannot serve metrics on {config.resolved_metrics_host}:{config.metrics_port}: "
+                                 f"{exc}") from exc
 
 
 def run_frontend(config: FrontendConfig) -> int:

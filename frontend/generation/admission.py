@@ -7,6 +7,8 @@
            cancels it)
  leave()   unregisters it (after its scheduler stream has closed)
  finished() records the end in the metrics and logs `request_finished`
+ failed()  closes a request that failed, before or while it ran (failure.py: drain cut, cancel,
+           classify, timer, log); the edge maps the returned RequestError to its status
 ```
 
 The protocol handlers only convert their requests and responses; admission, back-pressure
@@ -19,7 +21,11 @@ from __future__ import annotations
 import structlog
 
 from pagedserve.frontend.generation.drain import Draining, InFlight
-from pagedserve.frontend.generation.generation import Generation, SchedulerRecovery, Usage
+from pagedserve.frontend.generation.errors import RequestError
+from pagedserve.frontend.generation.failure import close_failed
+from pagedserve.frontend.generation.generation import Generation
+from pagedserve.frontend.generation.recovery import SchedulerRecovery
+from pagedserve.frontend.generation.updates import Usage
 from pagedserve.frontend.metrics import RequestTimer
 from pagedserve.frontend.grpc.codec import finish_label
 from pagedserve.frontend.upstream.readiness import ReadinessMonitor
@@ -75,8 +81,12 @@ class Admission:
     def leave(self, generation: Generation) -> None:
         self.in_flight.leave(generation)
 
-    def was_cut(self, generation: Generation) -> bool:
-        return self.in_flight.was_cut(generation)
+    def failed(self, exc: BaseException, timer: RequestTimer, generation: Generation | None = None,
+               **options) -> RequestError:
+        """Closes a failed request (failure.close_failed; options: deadline_passed, code_of,
+        request_id) and returns why it failed."""
+        was_cut = generation is not None and self.in_flight.was_cut(generation)
+        return close_failed(exc, timer, generation, was_cut=was_cut, **options)
 
     @staticmethod
     def finished(generation: Generation, timer: RequestTimer, usage: Usage) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pagedserve.frontend.generation.completion_state import CompletionFinish, CompletionState, CompletionUpdate
-from pagedserve.frontend.generation.generation import Usage
+from pagedserve.frontend.generation.updates import Usage
 from pagedserve.contracts.request_types import TokenLogprob
 from pagedserve.v1 import generation_pb2
 

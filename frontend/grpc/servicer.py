@@ -7,8 +7,12 @@
    no restarted scheduler ready within --scheduler-recovery-timeout), scheduler abort,
  this frontend draining (Draining) or cut at the end of its drain               -> UNAVAILABLE
  SchedulerTimeout, the client's deadline passed                                 -> DEADLINE_EXCEEDED
+ the client cancelled the call                                                  -> CANCELLED
  anything else                                                                  -> INTERNAL
 ```
+
+The kinds come from errors.classify and a failed request is closed (scheduler abort, metrics, log
+line) by Admission.failed, as for HTTP; this edge maps the kind to its status code.
 
 A client that cancels, or whose deadline passes, ends the RPC; the RPC's done-callback cancels the
 internal Submit stream, which aborts the request in the scheduler and frees its blocks.
@@ -29,16 +33,14 @@ import grpc
 import structlog
 
 from pagedserve.frontend.generation.admission import Admission
-from pagedserve.frontend.generation.drain import InFlight
-from pagedserve.frontend.generation.generation import Generation, SchedulerRecovery
+from pagedserve.frontend.generation.generation import Generation
 from pagedserve.frontend.metrics import FrontendMetrics, RequestTimer
 from pagedserve.frontend.grpc.codec import stream_message, whole_response
-from pagedserve.frontend.upstream.readiness import GENERATION_SERVICE, ReadinessMonitor
+from pagedserve.frontend.upstream.readiness import GENERATION_SERVICE
 from pagedserve.frontend.grpc.request_decoding import UndecodableRequest, lenient_deserializer
-from pagedserve.frontend.generation.errors import ErrorKind, classify
+from pagedserve.frontend.generation.errors import CANCELLED, ErrorKind, RequestError, RequestFailed, classify
 from pagedserve.frontend.generation.stream_watchdog import StreamWatch, StreamWatchdog
-from pagedserve.frontend.upstream.scheduler_client import SchedulerClient, SchedulerError, SubmitCancelled
-from pagedserve.frontend.tokenization.tokenizer import Tokenizer
+from pagedserve.frontend.upstream.scheduler_client import SchedulerError
 from pagedserve.frontend.tokenization.chat_template import ChatTemplate
 from pagedserve.frontend.grpc.validation import check_text_bytes, is_printable_ascii, validate_request
 from pagedserve.contracts.sampling_params import InvalidParameter
@@ -57,22 +59,13 @@ _CODE_OF_KIND = {
     ErrorKind.BUSY: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     ErrorKind.TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
+    ErrorKind.CANCELLED: grpc.StatusCode.CANCELLED,
     ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
 }
 
 
-class _StatusError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str, label: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.label = label
-
-
-def _status_for(exc: Exception) -> _StatusError:
-    if isinstance(exc, _StatusError):
-        return exc
-    error = classify(exc)
-    return _StatusError(_CODE_OF_KIND[error.kind], error.message, error.metrics_label)
+def _code_name(error: RequestError) -> str:
+    return _CODE_OF_KIND[error.kind].name
 
 
 class CallSlots:
@@ -101,22 +94,19 @@ class CallSlots:
 class GenerationServicer:
     """Implements Generate, GenerateStream, Tokenize and ModelInfo."""
 
-    def __init__(self, tokenizer: Tokenizer, client: SchedulerClient, readiness: ReadinessMonitor,
-                 metrics: FrontendMetrics, in_flight: InFlight | None = None,
-                 recovery: SchedulerRecovery | None = None, chat: ChatTemplate | None = None, *,
+    def __init__(self, admission: Admission, metrics: FrontendMetrics, chat: ChatTemplate | None = None, *,
                  max_concurrent_calls: int | None = None, watchdog: StreamWatchdog | None = None) -> None:
-        """recovery: how requests ride out a scheduler restart (None: they fail with UNAVAILABLE);
+        """admission: the request lifecycle shared with the HTTP API (readiness, drain, recovery);
         chat: renders `messages` prompts (None: such requests are INVALID_ARGUMENT);
         max_concurrent_calls: calls of this service at once, beyond it RESOURCE_EXHAUSTED (None: no
         limit; health and reflection never count); watchdog: cuts streams whose client stops reading."""
         self._slots = CallSlots(max_concurrent_calls)
         self._watchdog = watchdog
-        self._tokenizer = tokenizer
+        self._tokenizer = admission.tokenizer
         self._chat = chat
-        self._client = client
+        self._client = admission.client
         self._metrics = metrics
-        self.in_flight = in_flight if in_flight is not None else InFlight()
-        self._admission = Admission(tokenizer, client, readiness, self.in_flight, recovery)
+        self._admission = admission
 
     def Generate(self, request, context) -> generation_pb2.GenerateResponse:
         with self._slots.slot(context):
@@ -147,7 +137,6 @@ class GenerationServicer:
     def _generate_stream(self, request, context):
         timer = self._metrics.start_request(PROTOCOL)
         generation = None
-        watch = None
         try:
             generation = self._start(request, context, timer)
             request_id = generation.request.request_id
@@ -163,15 +152,13 @@ class GenerationServicer:
                     with watch.writing():
                         yield stream_message(request_id, update.completions, update.usage)
         except GeneratorExit:  # the call ended while a message was on its way: the client is gone
-            if generation is not None and timer.is_running:
-                timer.on_done("abort")
-                if watch is None or not watch.has_timed_out:
-                    self._log_client_gone(context, generation.request.request_id)
+            if timer.is_running:
+                self._admission.failed(RequestFailed(CANCELLED), timer, generation,
+                                       deadline_passed=lambda: _deadline_passed(context), code_of=_code_name)
             raise
         except Exception as exc:  # every failure becomes a status code
             self._fail(exc, request, context, timer, generation)
         finally:
-            timer.on_done("abort")  # counts only when the stream was closed early (client gone)
             if generation is not None:
                 self._admission.leave(generation)
 
@@ -196,8 +183,8 @@ class GenerationServicer:
         try:
             info = self._client.get_info()
         except SchedulerError as exc:
-            status = _status_for(exc)
-            context.abort(status.code, str(status))
+            error = classify(exc)
+            context.abort(_CODE_OF_KIND[error.kind], error.message)
         return generation_pb2.ModelInfoResponse(
             model_name=info.model_name, max_model_len=info.max_model_len,
             vocab_size=info.vocab_size or self._tokenizer.vocab_size,
@@ -221,7 +208,7 @@ class GenerationServicer:
 
     def _start(self, request, context, timer: RequestTimer) -> Generation:
         if isinstance(request, UndecodableRequest):
-            raise _StatusError(grpc.StatusCode.INVALID_ARGUMENT, request.message, "rejected")
+            raise RequestFailed(RequestError(ErrorKind.INVALID, request.message, "rejected", request.field_name or None))
         limits = self._admission.limits()
         if not request.request_id:
             request.request_id = _metadata_request_id(context)
@@ -233,37 +220,21 @@ class GenerationServicer:
         return generation
 
     def _fail(self, exc: Exception, request, context, timer: RequestTimer, generation: Generation | None) -> None:
+        """Closes the failed request (Admission.failed) and ends the call with its status."""
         request_id = generation.request.request_id if generation is not None else ""
         if not request_id and not isinstance(request, UndecodableRequest):
             request_id = request.request_id
         if request_id and is_printable_ascii(request_id):
             context.set_trailing_metadata(((REQUEST_ID_METADATA, request_id),))
-        if generation is not None and self._admission.was_cut(generation):
-            timer.on_done("error")
-            log.info("request_cut_by_drain", request_id=request_id)
-            context.abort(grpc.StatusCode.UNAVAILABLE, "the frontend shut down before the request finished; "
-                          "retry on another instance")
-        if isinstance(exc, SubmitCancelled) or (generation is not None and generation.is_cancelled):
-            timer.on_done("abort")
-            if self._log_client_gone(context, request_id):
-                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed before the request finished")
-            context.abort(grpc.StatusCode.CANCELLED, "the client cancelled the request")
-        status = _status_for(exc)
-        timer.on_done(status.label)
-        if status.code == grpc.StatusCode.INTERNAL:
-            log.error("request_failed", request_id=request_id, code=status.code.name, error=str(status), exc_info=exc)
-        else:
-            log.info("request_failed", request_id=request_id, code=status.code.name, error=str(status))
-        context.abort(status.code, str(status))
+        error = self._admission.failed(exc, timer, generation, request_id=request_id,
+                                       deadline_passed=lambda: _deadline_passed(context), code_of=_code_name)
+        context.abort(_CODE_OF_KIND[error.kind], error.message)
 
 
-    @staticmethod
-    def _log_client_gone(context, request_id: str) -> bool:
-        """Logs why the call ended early; True when its deadline passed, False when cancelled."""
-        remaining = context.time_remaining()
-        is_deadline = remaining is not None and remaining <= DEADLINE_SLACK_S
-        log.info("request_deadline_exceeded" if is_deadline else "request_cancelled", request_id=request_id)
-        return is_deadline
+def _deadline_passed(context) -> bool:
+    """Whether a call that ended early ended because its deadline passed (else it was cancelled)."""
+    remaining = context.time_remaining()
+    return remaining is not None and remaining <= DEADLINE_SLACK_S
 
 
 def _metadata_request_id(context) -> str:

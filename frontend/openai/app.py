@@ -1,7 +1,7 @@
-"""The OpenAI-compatible HTTP API of the frontend (a FastAPI app; http_server.py serves it).
+"""The OpenAI-compatible HTTP API of the frontend (a FastAPI app; server.py serves it).
 
 ```
- POST /v1/completions  POST /v1/chat/completions   openai_serving.py (streamed or whole)
+ POST /v1/completions  POST /v1/chat/completions   serving.py (streamed or whole)
  GET  /v1/models       GET  /v1/models/{model}     the one served model
  GET  /health                                      200 ready, 503 not ready or draining (no API key)
  POST /tokenize        POST /detokenize            vLLM's shapes
@@ -34,13 +34,9 @@ from starlette.responses import JSONResponse, Response
 
 import pagedserve
 from pagedserve.frontend.generation.admission import Admission
-from pagedserve.frontend.tokenization.chat_template import ChatTemplate
 from pagedserve.frontend.openai.errors import HttpError, error_response, unauthorized
-from pagedserve.frontend.openai.protocol import (
-    DetokenizeBody, TokenizeBody, chat_messages, parse_body,
-)
+from pagedserve.frontend.openai.protocol import DetokenizeBody, TokenizeBody, parse_body
 from pagedserve.frontend.openai.bodies import error_body, model_card
-from pagedserve.frontend.grpc.validation import check_text_bytes
 from pagedserve.frontend.openai.serving import OpenAIServing
 from pagedserve.contracts.sampling_params import InvalidParameter
 
@@ -145,13 +141,17 @@ def _reject_lone_surrogates(body) -> None:
             stack.extend(item)
 
 
-def build_app(admission: Admission, serving: OpenAIServing, chat_template: ChatTemplate, executor: Executor, *,
+def build_app(admission: Admission, serving: OpenAIServing, executor: Executor, *,
               api_key: str | None, max_request_bytes: int) -> HttpEdge:
     """The ASGI app of the HTTP port."""
     app = FastAPI(title="pagedserve", version=pagedserve.__version__, docs_url=None, redoc_url=None,
                   openapi_url=None)
     started = int(time.time())
     tokenizer = admission.tokenizer
+
+    def max_model_len() -> int | None:
+        info = admission.readiness.info
+        return info.max_model_len if info is not None else None
 
     async def guarded(request: Request, handler) -> Response:
         try:
@@ -174,16 +174,14 @@ def build_app(admission: Admission, serving: OpenAIServing, chat_template: ChatT
 
     @app.get("/v1/models")
     async def models() -> Response:
-        info = admission.readiness.info
-        card = model_card(serving.served_model_name, started, info.max_model_len if info else None)
+        card = model_card(serving.served_model_name, started, max_model_len())
         return JSONResponse({"object": "list", "data": [card]})
 
     @app.get("/v1/models/{model:path}")
     async def model(request: Request, model: str) -> Response:
         async def answer() -> Response:
             serving.check_model(model)
-            info = admission.readiness.info
-            return JSONResponse(model_card(model, started, info.max_model_len if info else None))
+            return JSONResponse(model_card(model, started, max_model_len()))
         return await guarded(request, answer)
 
     @app.get("/health")
@@ -206,17 +204,12 @@ def build_app(admission: Admission, serving: OpenAIServing, chat_template: ChatT
 
             def encode() -> list[int]:
                 if body.messages is not None:
-                    messages = chat_messages(body.messages)
-                    check_text_bytes("messages", [m["content"] for m in messages], max_bytes)
-                    return chat_template.encode(messages, body.add_generation_prompt)
-                check_text_bytes("prompt", [body.prompt], max_bytes)
+                    return serving.encode_messages(body.messages, body.add_generation_prompt, max_bytes)
                 add_special = True if body.add_special_tokens is None else body.add_special_tokens
-                return tokenizer.encode(body.prompt, add_special_tokens=add_special)
+                return serving.encode_text("prompt", body.prompt, max_bytes, add_special)
 
             token_ids = await asyncio.get_running_loop().run_in_executor(executor, encode)
-            info = admission.readiness.info
-            return JSONResponse({"count": len(token_ids), "max_model_len": info.max_model_len if info else None,
-                                 "tokens": token_ids})
+            return JSONResponse({"count": len(token_ids), "max_model_len": max_model_len(), "tokens": token_ids})
         return await guarded(request, answer)
 
     @app.post("/detokenize")

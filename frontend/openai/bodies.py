@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagedserve.frontend.generation.completion_state import CompletionFinish
-from pagedserve.frontend.generation.generation import Usage
+from pagedserve.frontend.generation.updates import Usage
 from pagedserve.contracts.request_types import TokenLogprob
 
 MIN_LOGPROB = -9999.0  # JSON has no -Infinity: a masked alternative reports this (as vLLM does)

@@ -15,6 +15,7 @@
  503     service_unavailable     scheduler unreachable or not ready, draining, cut by a drain
                                  (Retry-After: 1)
  504     timeout_error           the scheduler's deadline passed
+ 499     cancelled               the client went away (nobody reads it)
 ```
 """
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 from starlette.responses import JSONResponse
 
 from pagedserve.frontend.openai.bodies import error_body
-from pagedserve.frontend.generation.errors import ErrorKind, classify
+from pagedserve.frontend.generation.errors import ErrorKind, RequestError, classify
 
 RETRY_AFTER_S = 1
 
@@ -32,6 +33,7 @@ _OF_KIND = {  # ErrorKind -> (status, type, code)
     ErrorKind.BUSY: (429, "rate_limit_error", "rate_limit_exceeded"),
     ErrorKind.UNAVAILABLE: (503, "service_unavailable", "service_unavailable"),
     ErrorKind.TIMEOUT: (504, "timeout_error", "timeout"),
+    ErrorKind.CANCELLED: (499, "cancelled", "client_closed_request"),  # the client is gone: unread
     ErrorKind.INTERNAL: (500, "internal_error", "internal_error"),
 }
 
@@ -56,6 +58,11 @@ def unknown_model(name: str, served_name: str) -> HttpError:
 def unauthorized() -> HttpError:
     return HttpError(401, "authentication_error", "missing or wrong API key (send Authorization: Bearer KEY)",
                      code="invalid_api_key")
+
+
+def http_status(error: RequestError) -> int:
+    """The HTTP status of a classified failure."""
+    return _OF_KIND[error.kind][0]
 
 
 def error_parts(exc: BaseException) -> tuple[int, dict, str]:

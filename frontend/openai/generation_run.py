@@ -12,9 +12,10 @@ it and posts every update into one asyncio queue of the request, tagged with the
  cancel() (client gone) ──▶ Generation.cancel() ──▶ Submit stream closed: aborted in the scheduler
 ```
 
-A pump owns its request's metrics and log lines: `request_finished` with the last update,
-`request_cancelled` (aborted), `request_cut_by_drain` (RequestCut instead of the cancellation)
-or `request_failed`.
+A pump owns its request's metrics and log lines: `request_finished` with the last update, or
+the failure path shared with gRPC (Admission.failed: `request_cancelled`, `request_cut_by_drain`,
+`stream_backlog_exceeded` or `request_failed`), whose classified error the handler then raises
+(RequestFailed).
 
 The queue holds what the client has not taken yet. A client that stops reading stalls the
 handler's writes while the pumps go on, so the run counts the updates posted and not yet read:
@@ -35,11 +36,11 @@ from dataclasses import dataclass
 import structlog
 
 from pagedserve.frontend.generation.admission import Admission
-from pagedserve.frontend.generation.drain import RequestCut
-from pagedserve.frontend.generation.generation import Generation, GenerationUpdate, Usage
+from pagedserve.frontend.generation.generation import Generation
+from pagedserve.frontend.generation.updates import GenerationUpdate, Usage
 from pagedserve.frontend.metrics import RequestTimer
-from pagedserve.frontend.generation.errors import UndeliveredOutputExceeded, classify
-from pagedserve.frontend.upstream.scheduler_client import SubmitCancelled
+from pagedserve.frontend.generation.errors import RequestFailed, UndeliveredOutputExceeded
+from pagedserve.frontend.openai.errors import http_status
 from pagedserve.frontend.grpc.validation import ValidatedRequest
 
 log = structlog.get_logger()
@@ -131,7 +132,8 @@ class GenerationRun:
                 self._check_backlog()
             self._post(index, _END, generation)
         except BaseException as exc:  # noqa: BLE001 - every failure goes to the handler
-            self._post(index, _Failure(self._record_failure(generation, timer, exc)), generation)
+            error = self._admission.failed(exc, timer, generation, code_of=http_status)
+            self._post(index, _Failure(RequestFailed(error)), generation)
         finally:
             self._admission.leave(generation)
             if self._on_pump_end is not None:
@@ -142,33 +144,7 @@ class GenerationRun:
             self._num_undelivered += 1
             num_undelivered = self._num_undelivered
         if self._max_undelivered is not None and num_undelivered > self._max_undelivered:
-            raise UndeliveredOutputExceeded(
-                f"the client left {num_undelivered} messages unread (at most {self._max_undelivered}, "
-                f"--max-undelivered-messages): the request was aborted")
-
-    def _record_failure(self, generation: Generation, timer: RequestTimer, exc: BaseException) -> BaseException:
-        request_id = generation.request.request_id
-        if isinstance(exc, UndeliveredOutputExceeded):
-            generation.cancel()  # aborted in the scheduler: its blocks are freed
-            timer.on_done("abort")
-            log.warning("stream_backlog_exceeded", request_id=request_id, max_undelivered=self._max_undelivered)
-            return exc
-        if self._admission.was_cut(generation):
-            timer.on_done("error")
-            log.info("request_cut_by_drain", request_id=request_id)
-            return RequestCut()
-        if isinstance(exc, SubmitCancelled) or generation.is_cancelled:
-            timer.on_done("abort")
-            log.info("request_cancelled", request_id=request_id)
-            return exc
-        error = classify(exc)
-        timer.on_done(error.metrics_label)
-        if error.is_internal:
-            log.error("request_failed", request_id=request_id, kind=error.kind.value, error=error.message,
-                      exc_info=exc)
-        else:
-            log.info("request_failed", request_id=request_id, kind=error.kind.value, error=error.message)
-        return exc
+            raise UndeliveredOutputExceeded(num_undelivered, self._max_undelivered)
 
     def _post(self, index: int, item, generation: Generation) -> None:
         try:

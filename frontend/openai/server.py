@@ -71,7 +71,7 @@ def start_http_server(admission: Admission, metrics: FrontendMetrics, config: Ht
                             executor, ConcurrencyLimit(max_concurrent_requests),
                             stream_write_timeout_s=stream_write_timeout_s,
                             max_undelivered_messages=max_undelivered_messages)
-    app = build_app(admission, serving, chat_template, executor, api_key=config.resolved_api_key(),
+    app = build_app(admission, serving, executor, api_key=config.resolved_api_key(),
                     max_request_bytes=config.max_request_bytes)
     uvicorn_config = uvicorn.Config(
         app, log_config=None, access_log=False, lifespan="off", server_header=False,

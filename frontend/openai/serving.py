@@ -29,12 +29,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pagedserve.frontend.generation.admission import Admission
+from pagedserve.frontend.generation.errors import RequestFailed
 from pagedserve.frontend.tokenization.chat_template import ChatTemplate
 from pagedserve.frontend.openai.generation_run import GenerationRun
-from pagedserve.frontend.openai.errors import HttpError, error_parts, error_response, unknown_model
+from pagedserve.frontend.openai.errors import HttpError, error_parts, error_response, http_status, unknown_model
 from pagedserve.frontend.metrics import FrontendMetrics
 from pagedserve.frontend.openai.protocol import (
-    ChatCompletionBody, CompletionBody, GenerationPlan, chat_messages, generation_plan, parse_body, prompts_of,
+    ChatCompletionBody, ChatMessage, CompletionBody, GenerationPlan, chat_messages, generation_plan, parse_body,
+    prompts_of,
 )
 from pagedserve.frontend.openai.bodies import (
     ResponseHeader, TokenTexts, chat_choice, chat_logprobs, chat_response, completion_choice, completion_logprobs,
@@ -171,31 +173,40 @@ class OpenAIServing:
         return run
 
     def _refused(self, exc: Exception, timer) -> Response:
-        status, body, label = error_parts(exc)
-        timer.on_done(label)
-        if status >= 500 and status != 503:
-            log.error("request_failed", status=status, error=body["error"]["message"], exc_info=exc)
-        else:
-            log.info("request_failed", status=status, error=body["error"]["message"], param=body["error"]["param"])
-        return error_response(exc)
+        """A request that failed before its run started."""
+        if isinstance(exc, HttpError):  # the HTTP API's own refusals (unknown model, too many requests)
+            timer.on_done("rejected")
+            log.info("request_failed", code=exc.status, error=str(exc), param=exc.param)
+            return error_response(exc)
+        return error_response(RequestFailed(self._admission.failed(exc, timer, code_of=http_status)))
+
+    def encode_messages(self, messages: list[ChatMessage], add_generation_prompt: bool, max_bytes: int) -> list[int]:
+        """Chat messages rendered by the chat template, as token ids (their texts checked against
+        max_bytes first)."""
+        rendered = chat_messages(messages)
+        check_text_bytes("messages", [m["content"] for m in rendered], max_bytes)
+        return self._chat_template.encode(rendered, add_generation_prompt)
+
+    def encode_text(self, field_name: str, text: str, max_bytes: int, add_special_tokens: bool = True) -> list[int]:
+        """A text prompt as token ids (checked against max_bytes first)."""
+        check_text_bytes(field_name, [text], max_bytes)
+        return self._admission.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _prepare(self, parsed, plan: GenerationPlan, request_id: str, is_chat: bool) -> PreparedRequest:
         """On a worker thread: limits (draining, readiness), chat template, tokens, validation."""
         limits = self._admission.limits()
         tokenizer = self._admission.tokenizer
         if is_chat:
-            messages = chat_messages(parsed.messages)
-            check_text_bytes("messages", [m["content"] for m in messages], limits.max_prompt_bytes)
             prompts: list[tuple[str, list[int]]] = [
-                ("messages", self._chat_template.encode(messages, parsed.add_generation_prompt))]
+                ("messages", self.encode_messages(parsed.messages, parsed.add_generation_prompt,
+                                                  limits.max_prompt_bytes))]
         else:
             prompts = []
             items = prompts_of(parsed)
             for index, item in enumerate(items):
                 field_name = "prompt" if len(items) == 1 else f"prompt[{index}]"
                 if isinstance(item, str):
-                    check_text_bytes(field_name, [item], limits.max_prompt_bytes)
-                    prompts.append((field_name, tokenizer.encode(item)))
+                    prompts.append((field_name, self.encode_text(field_name, item, limits.max_prompt_bytes)))
                 else:
                     check_token_ids(field_name, item, limits.vocab_size)
                     prompts.append((field_name, list(item)))

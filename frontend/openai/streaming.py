@@ -25,7 +25,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Send
 
 from pagedserve.frontend.generation.completion_state import CompletionUpdate
-from pagedserve.frontend.generation.generation import GenerationUpdate
+from pagedserve.frontend.generation.updates import GenerationUpdate
 from pagedserve.frontend.openai.generation_run import GenerationRun
 from pagedserve.frontend.openai.bodies import (
     ResponseHeader, TokenTexts, chat_logprobs, completion_logprobs, finish_reason, total_usage, usage_body,

@@ -5,7 +5,7 @@ while the scheduler answers GetInfo with is_ready (every worker registered and l
 NOT_SERVING otherwise. The latest SchedulerInfo also gives the model limits requests are validated
 against.
 
-It also serves the requests whose Submit stream broke (generation.py): `answer_after()` asks
+It also serves the requests whose Submit stream broke (generation/recovery.py): `answer_after()` asks
 whether the scheduler that ran them is still there (same instance_id: it ended them itself), and
 `wait_for_new_scheduler()` waits until another instance is ready, polling every
 RECOVERY_POLL_INTERVAL_S while anyone waits. One GetInfo at a time serves every caller, however

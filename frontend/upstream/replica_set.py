@@ -1,7 +1,7 @@
 """Several replicas behind one frontend: each replica is one scheduler (with its worker ranks) at
 one address. The set stands in for the single scheduler's ReadinessMonitor (readiness is "any
 replica is ready"; the model limits are a ready replica's) and client (ModelInfo counts the KV
-blocks of every ready replica), and places each request on one replica (replica_router.py).
+blocks of every ready replica), and places each request on one replica (router.py).
 
     --scheduler-address A --scheduler-address B   one replica per address
     --scheduler-address name:6000                 one replica per address the name resolves to,
@@ -10,7 +10,7 @@ blocks of every ready replica), and places each request on one replica (replica_
 
 Each replica has its own ReadinessMonitor (its own poll, its own instance id for recovery);
 their health verdicts are combined into the frontend's one grpc.health.v1 status. A replica
-that is not ready gets no request. generation.py retries a request that a replica refused
+that is not ready gets no request. rerouting.py moves a request that a replica refused
 before its first token (UNAVAILABLE, RESOURCE_EXHAUSTED) on another replica, and resumes one
 whose replica was lost mid-stream on another ready replica (or on the same one, restarted).
 """

@@ -6,7 +6,7 @@ Transport failures become exceptions the servicer maps to public status codes:
  scheduler status / failure             exception              public status
  UNAVAILABLE, connection refused/lost   SchedulerUnavailable   UNAVAILABLE
  a Submit stream broken by the peer     SchedulerLost          UNAVAILABLE, unless resumed
-   (UNAVAILABLE, or CANCELLED that the    (a SchedulerUnavailable; generation.py resubmits the
+   (UNAVAILABLE, or CANCELLED that the    (a SchedulerUnavailable; recovery.py resubmits the
    frontend did not ask for)              request when another scheduler instance is ready)
  RESOURCE_EXHAUSTED (queue full)        SchedulerBusy          RESOURCE_EXHAUSTED
  INVALID_ARGUMENT                       SchedulerRejected      INVALID_ARGUMENT
@@ -76,11 +76,16 @@ _ERROR_FOR_CODE = {
 }
 
 
-def error_from_rpc(exc: grpc.RpcError) -> SchedulerError:
+def _status(exc: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
+    """The failed call's status code and the message a SchedulerError carries for it."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else str(exc)
-    error_class = _ERROR_FOR_CODE.get(code, SchedulerError)
-    return error_class(f"scheduler: {details or code.name}", code)
+    return code, f"scheduler: {details or code.name}"
+
+
+def error_from_rpc(exc: grpc.RpcError) -> SchedulerError:
+    code, message = _status(exc)
+    return _ERROR_FOR_CODE.get(code, SchedulerError)(message, code)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,10 +126,9 @@ class SubmitStream:
         except grpc.RpcError as exc:
             if self.is_cancelled:
                 raise SubmitCancelled("the Submit stream was cancelled", grpc.StatusCode.CANCELLED) from exc
-            code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+            code, message = _status(exc)
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-                details = exc.details() if hasattr(exc, "details") else str(exc)
-                raise SchedulerLost(f"scheduler: {details or code.name}", grpc.StatusCode.UNAVAILABLE) from exc
+                raise SchedulerLost(message, grpc.StatusCode.UNAVAILABLE) from exc
             raise error_from_rpc(exc) from exc
 
 

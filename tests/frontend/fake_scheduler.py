@@ -34,6 +34,8 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.step_delay_s = 0.0
         self.reject_code: grpc.StatusCode | None = None
         self.abort_after_messages: int | None = None  # ends each stream with UNAVAILABLE after this many
+        self.bad_index_at_message: int | None = None  # this message (from 0) names a completion that does
+        # not exist, and the stream then stays open until the frontend closes it
         self.cached_prompt_tokens = 0
         self.submits: list[scheduler_pb2.SubmitRequest] = []
         self.finish_requests: list[tuple[str, int]] = []
@@ -124,8 +126,13 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
                     delta.finish_reason = scheduler_pb2.FINISH_REASON_LENGTH
                 if delta.finish_reason:
                     finished.add(index)
-            msg.is_finished = len(finished) == num_completions
+            is_bad = self.bad_index_at_message is not None and num_sent - 1 == self.bad_index_at_message
+            if is_bad:
+                msg.deltas.add(index=num_completions, token_ids=[self.tokens_by_index[0][0]])
+            msg.is_finished = len(finished) == num_completions and not is_bad
             yield msg
+            while is_bad and context.is_active():  # the stream goes on until the frontend closes it
+                time.sleep(0.01)
 
     def _beams(self, request, context):
         sampling = request.sampling
