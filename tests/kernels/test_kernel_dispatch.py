@@ -153,7 +153,8 @@ def test_ops_works_without_triton_installed():
 def test_kernels_refuse_cpu_tensors_without_the_interpreter():
     run_python("""
         import torch
-        from pagedserve.kernels import cache_ops, paged_attention
+        from pagedserve.kernels.attention import triton_kernel as paged_attention
+        from pagedserve.kernels.cache import triton_kernel as cache_ops
         cache = torch.zeros(2, 8, 1, 64)
         for call in (
             lambda: paged_attention.paged_attention(torch.zeros(1, 1, 64), cache, cache,
