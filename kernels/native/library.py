@@ -89,7 +89,7 @@ def build_key(cc: str) -> str:
 
 
 def library_path(cc: str) -> Path:
-    from pagedserve.checkpoints.demo import cache_dir
+    from pagedserve.cache_root import cache_dir
 
     return cache_dir() / "native" / build_key(cc) / LIBRARY_NAME
 
