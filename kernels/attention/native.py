@@ -17,8 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.kernels.native import library as native_lib
-
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+from pagedserve.kernels.native.abi import DTYPE_CODES
 MAX_GROUP, MAX_GROUP_WIDTH, MAX_HEAD_SIZE = 64, 8192, 512  # decode_attention.c's stack buffers
 
 

@@ -9,6 +9,7 @@
 #include <math.h>
 
 #include "common.h"
+#include "pagedserve_cpu.h"
 
 void add_rms_norm(void *x, void *residual, const void *weight, void *out, int64_t T, int64_t H, float eps,
                   int32_t dtype, int32_t has_residual) {

@@ -9,6 +9,7 @@
  * rotated key and its value go to slot slot_mapping[t]; a slot of -1 is skipped. The caches hold
  * the model's dtype or float32 (cache_dtype). */
 #include "common.h"
+#include "pagedserve_cpu.h"
 
 static void rotate_head(void *qkv, int64_t base, const void *cos_sin, int64_t table_row, int64_t hs, int dtype) {
     int64_t half = hs / 2;

@@ -7,6 +7,7 @@
  * capped at 88 (exp(88) ~ 1.6e38: below g = -88 the result is a tiny negative number, not the
  * denormal torch computes). */
 #include "common.h"
+#include "pagedserve_cpu.h"
 
 void silu_mul(const void *gate_up, void *out, int64_t T, int64_t inner, int64_t stride, int32_t dtype) {
 #pragma omp parallel for schedule(static) if (T * inner >= PARALLEL_MIN_ELEMENTS)
