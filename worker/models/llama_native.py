@@ -13,14 +13,14 @@ them, the model is bfloat16 or float32 on one CPU rank with dense
 library is built. In float32 the results differ from the per-op path in the last bits (sums in
 another order: the matmuls, RMSNorm's sum of squares), as bfloat16's do.
 Each layer's weight and cache pointers are gathered once into the kernel's structure
-(decode_layer.layer_weights) kept on the layer, and rebuilt if a tensor moved.
+(ops.layer_weights) kept on the layer, and rebuilt if a tensor moved.
 """
 
 from __future__ import annotations
 
 import torch
 
-from pagedserve.kernels.layer import decode_layer
+from pagedserve.kernels import ops
 
 # up to 4 rows: the row kernel streams the weights about as fast as oneDNN there (bench/linear_rows.py)
 # and the layer saves the per-op calls
@@ -34,7 +34,7 @@ def _is_dense(linear, dtype: torch.dtype) -> bool:
 
 
 def _layer_weights(layer, kv_cache, dtype: torch.dtype):
-    """The layer's decode_layer.LayerWeights (cached on it), or None when the layer does not qualify."""
+    """The layer's ops.LayerWeights (cached on it), or None when the layer does not qualify."""
     attention, mlp = layer.self_attn, layer.mlp
     key_cache, value_cache = kv_cache
     identity = (attention.qkv_proj.weight.data_ptr() if attention.qkv_proj.weight is not None else None,
@@ -44,11 +44,11 @@ def _layer_weights(layer, kv_cache, dtype: torch.dtype):
         return cached[1]
     linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
     if not (all(_is_dense(linear, dtype) for linear in linears) and layer.input_layernorm.weight.dtype == dtype
-            and decode_layer.supports_decode_layer(dtype, key_cache, value_cache, attention.num_heads,
-                                                   attention.num_kv_heads, attention.head_size)):
+            and ops.supports_decode_layer(dtype, key_cache, value_cache, attention.num_heads,
+                                          attention.num_kv_heads, attention.head_size)):
         layer._native_decode = None
         return None
-    weights = decode_layer.layer_weights(
+    weights = ops.layer_weights(
         layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
         *[(linear.weight, linear.bias) for linear in linears],
         key_cache, value_cache, num_heads=attention.num_heads, num_kv_heads=attention.num_kv_heads,
@@ -59,7 +59,7 @@ def _layer_weights(layer, kv_cache, dtype: torch.dtype):
 
 
 class NativeDecodeStep:
-    def __init__(self, model, layers: "decode_layer.DecodeLayers") -> None:
+    def __init__(self, model, layers: "ops.DecodeLayers") -> None:
         self.model = model
         self.layers = layers
 
@@ -70,7 +70,7 @@ class NativeDecodeStep:
         if not (0 < num_rows <= MAX_ROWS and metadata.num_seqs == num_rows and model.tp.world_size == 1
                 and model.rotary.cos_sin.device.type == "cpu"):
             return None
-        lib = decode_layer.decode_layer_library()
+        lib = ops.decode_layer_library()
         if lib is None or metadata.query_start_loc.tolist() != list(range(num_rows + 1)):
             return None
         layer_weights = []
@@ -80,8 +80,8 @@ class NativeDecodeStep:
                 return None
             layer_weights.append(weights)
         model.rotary.check_positions(metadata.positions, metadata.step_plans)
-        return cls(model, decode_layer.DecodeLayers(lib, layer_weights, model.rotary.cos_sin, metadata.positions,
-                                                    metadata.slot_mapping, metadata.block_tables, metadata.seq_lens))
+        return cls(model, ops.DecodeLayers(lib, layer_weights, model.rotary.cos_sin, metadata.positions,
+                                           metadata.slot_mapping, metadata.block_tables, metadata.seq_lens))
 
     def run(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [M, H] (the embeddings) -> (last layer's output, residual stream), as the layer loop returns."""

@@ -18,12 +18,9 @@ its quantized form exists.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from pagedserve.kernels import ops
-from pagedserve.kernels.linear import native_rows
-from pagedserve.kernels.linear.packed_weights import PackedWeight
-from pagedserve.kernels.linear.onednn import prepacked_linear
+from pagedserve.kernels.ops import PackedWeight
 from pagedserve.worker.quantization.quantizers import (
     QuantizationConfig,
     QuantizationError,
@@ -40,14 +37,7 @@ class QuantizableLinear(torch.nn.Module):
     onednn_weight: torch.Tensor | None = None  # the dense weight prepacked (worker/loading/prepacked_weights.py)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # [T, in] -> [T, out]
-        if self.packed is not None:
-            return ops.quantized_linear(x, self.packed, bias)
-        if self.onednn_weight is not None:
-            lib = native_rows.supports(x, self.weight)
-            if lib is not None:
-                return native_rows.linear_rows(x, self.weight, bias, lib)
-            return prepacked_linear(x, self.onednn_weight, bias)
-        return F.linear(x, self.weight, bias)
+        return ops.linear(x, self.weight, bias, packed=self.packed, prepacked=self.onednn_weight)
 
     def input_range(self) -> tuple[int, int, int]:
         """(full input size, this rank's first input, its number of inputs)."""

@@ -29,14 +29,14 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.kernels.linear.int4_layout import pack_int4
-from pagedserve.kernels.linear.packed_weights import (
+from pagedserve.kernels.ops import (
     INT4_GROUP_SIZES,
     INT4_ROW_MULTIPLE,
     SCALE_DTYPE,
     Int4Weight,
     Int8Weight,
     PackedWeight,
+    pack_int4,
 )
 
 METHODS = ("auto", "none", "int8", "int4")
