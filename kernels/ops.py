@@ -27,7 +27,7 @@ for oneDNN (`prepack_weight`, linear/onednn.py) take the native few-rows kernel
 Per-step plans: paged_attention and write_kv_cache take an optional `step_plans` dict, owned by
 the caller and shared by every layer of one step (the worker keeps it on the step's
 AttentionMetadata). The CPU paths store there what they derive from the step's block tables,
-lengths and slots (see attention/sdpa.py plan_cpu_attention), so the first layer builds it and
+lengths and slots (see attention/sdpa.py plan_sdpa_attention), so the first layer builds it and
 the others reuse it; the dict must not outlive the tensors it was built from.
 
 Fused per-layer ops (add_rms_norm, silu_mul, rotary_write_kv): the native C kernels
@@ -51,13 +51,13 @@ import torch.nn.functional as F
 from pagedserve.kernels.layer import native as layer_ops_native
 from pagedserve.kernels.layer import reference as layer_ops_ref
 from pagedserve.kernels.attention import native as paged_attention_native
-from pagedserve.kernels.cache.index_copy import slot_mapping_has_padding, write_kv_cache_cpu
+from pagedserve.kernels.cache.index_copy import slot_mapping_has_padding, write_kv_cache_index_copy
 from pagedserve.kernels.cache.reference import copy_blocks_ref, swap_blocks_ref, write_kv_cache_ref
-from pagedserve.kernels.attention.sdpa import attend_prefills, paged_attention_cpu, plan_cpu_attention
+from pagedserve.kernels.attention.sdpa import attend_prefills, paged_attention_sdpa, plan_sdpa_attention
 from pagedserve.kernels.attention.native import paged_decode_attention, plan_native_decodes
 from pagedserve.kernels.linear.packed_weights import Int8Weight
 from pagedserve.kernels.attention.reference import paged_attention_ref
-from pagedserve.kernels.linear.quantized import int4_linear_dequant, int8_linear_dequant, linear_cpu
+from pagedserve.kernels.linear.quantized import int4_linear_dequant, int8_linear_dequant, quantized_linear_by_rows
 from pagedserve.kernels.linear.quantized_reference import int4_linear_ref, int8_linear_ref
 from pagedserve.kernels.linear import native_rows
 from pagedserve.kernels.linear.onednn import can_prepack, prepack_linear_weight, prepacked_linear
@@ -116,12 +116,12 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query
                                        scale, sliding_window, k_scale, v_scale, step_plans)
     plan = None
     if step_plans is not None:
-        key = ("cpu_attention", key_cache.shape[1], sliding_window)
+        key = ("sdpa_attention", key_cache.shape[1], sliding_window)
         plan = step_plans.get(key)
         if plan is None:
-            plan = step_plans[key] = plan_cpu_attention(block_tables, seq_lens, query_start_loc, key_cache.shape[1],
+            plan = step_plans[key] = plan_sdpa_attention(block_tables, seq_lens, query_start_loc, key_cache.shape[1],
                                                         sliding_window)
-    return paged_attention_cpu(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+    return paged_attention_sdpa(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                                scale, sliding_window, k_scale, v_scale, plan)
 
 
@@ -134,10 +134,10 @@ def _paged_attention_native(lib, query, key_cache, value_cache, block_tables, se
         decodes = step_plans["native_decodes"] = plan_native_decodes(block_tables, seq_lens, query_start_loc)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [T, nh, hs]
     if decodes.num_seqs < seq_lens.shape[0]:
-        key = ("cpu_attention", key_cache.shape[1], sliding_window)
+        key = ("sdpa_attention", key_cache.shape[1], sliding_window)
         plan = step_plans.get(key)
         if plan is None:
-            plan = step_plans[key] = plan_cpu_attention(block_tables, seq_lens, query_start_loc, key_cache.shape[1],
+            plan = step_plans[key] = plan_sdpa_attention(block_tables, seq_lens, query_start_loc, key_cache.shape[1],
                                                         sliding_window)
         attend_prefills(out, query, key_cache, value_cache, plan, scale * k_scale, v_scale)
     if decodes.num_seqs:
@@ -160,7 +160,7 @@ def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=1.0
         has_padding = step_plans.get("slot_mapping_has_padding")
         if has_padding is None:
             has_padding = step_plans["slot_mapping_has_padding"] = slot_mapping_has_padding(slot_mapping)
-    write_kv_cache_cpu(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, has_padding)
+    write_kv_cache_index_copy(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, has_padding)
 
 
 def copy_blocks(key_caches, value_caches, block_mapping):
@@ -186,7 +186,7 @@ def quantized_linear(x, weight, bias=None):
     if os.environ.get(KERNELS_ENV) == "reference":
         return (int8_linear_ref if is_int8 else int4_linear_ref)(x, weight, bias)
     if x.device.type == "cpu":
-        return linear_cpu(x, weight, bias)
+        return quantized_linear_by_rows(x, weight, bias)
     return (int8_linear_dequant if is_int8 else int4_linear_dequant)(x, weight, bias)
 
 

@@ -1,6 +1,6 @@
 """The decodes of a CPU attention call through the native kernel (kernels/native/decode_attention.c):
 each decode row attends straight from the paged cache, with no gathered copy of its context and
-no padding mask; reference paged_attention_ref. Prefill chunks keep SDPA (paged_attention_cpu).
+no padding mask; reference paged_attention_ref. Prefill chunks keep SDPA (paged_attention_sdpa).
 
     decodes = plan_native_decodes(block_tables, seq_lens, query_start_loc)   # once per step
     paged_decode_attention(query, key_cache, value_cache, out, decodes, scale, window, v_scale)

@@ -1,5 +1,5 @@
 """ctypes wrappers of the fused per-layer CPU kernels in kernels/native (RMSNorm with the residual
-add, SiLU-mul, RoPE with the K/V cache write); references with the same meaning in layer_ops_ref.
+add, SiLU-mul, RoPE with the K/V cache write); references with the same meaning in layer/reference.py.
 
 `supports_*` say whether a call qualifies (CPU, float32 or bfloat16, the layouts the C code
 assumes): they return the library (to pass to the wrapper, sparing a second lookup) or None;

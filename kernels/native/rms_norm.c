@@ -1,4 +1,4 @@
-/* RMSNorm with the residual add folded in; torch reference: layer_ops_ref.add_rms_norm.
+/* RMSNorm with the residual add folded in; torch reference: kernels/layer/reference.py add_rms_norm.
  *
  * For each of the T rows of width H (rows contiguous, row stride H):
  *   has_residual:  residual += x (rounded to dtype), then s = residual

@@ -1,5 +1,5 @@
 /* RoPE on the query and key heads of a fused QKV projection, in place, then the new K/V rows
- * written into their paged-cache slots; torch reference: layer_ops_ref.rotary_write_kv.
+ * written into their paged-cache slots; torch reference: kernels/layer/reference.py rotary_write_kv.
  *
  * qkv [T, stride]: query heads [0, nh * hs), key heads [nh * hs, (nh + kvh) * hs), value heads after.
  * cos_sin [P, 2 hs]: per position cos_full = [cos | cos] then sin_signed = [-sin | sin]

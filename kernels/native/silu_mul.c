@@ -1,4 +1,4 @@
-/* SiLU-and-multiply of a fused gate/up projection; torch reference: layer_ops_ref.silu_mul.
+/* SiLU-and-multiply of a fused gate/up projection; torch reference: kernels/layer/reference.py silu_mul.
  *
  * gate_up [T, stride] holds gate in columns [0, inner) and up in [inner, 2 inner); out [T, inner]:
  *   out = round(round(silu(gate)) * up),   silu(g) = g / (1 + exp(-g))
