@@ -31,10 +31,10 @@ from lib.output import print_table, save_report, timestamp
 from pagedserve.kernels import ops
 from pagedserve.kernels.linear.quantized import (
     MAX_KERNEL_ROWS,
-    int4_linear_cpu,
     int4_linear_dequant,
-    int8_linear_cpu,
+    int4_linear_packed_mm,
     int8_linear_dequant,
+    int8_linear_packed_mm,
 )
 from pagedserve.worker.quantization.quantizers import quantize_int4, quantize_int8
 
@@ -57,10 +57,10 @@ def build_layers(num_layers: int, group_size: int) -> list[dict]:
 METHODS = {
     "fp32": lambda x, w: F.linear(x, w["fp32"]),
     "bf16": lambda x, w: F.linear(x.to(torch.bfloat16), w["bf16"]).float(),
-    "int8 kernel": lambda x, w: int8_linear_cpu(x, w["int8"]),
+    "int8 kernel": lambda x, w: int8_linear_packed_mm(x, w["int8"]),
     "int8 deq": lambda x, w: int8_linear_dequant(x, w["int8"]),
     "int8 auto": lambda x, w: ops.quantized_linear(x, w["int8"]),
-    "int4 kernel": lambda x, w: int4_linear_cpu(x, w["int4"]),
+    "int4 kernel": lambda x, w: int4_linear_packed_mm(x, w["int4"]),
     "int4 deq": lambda x, w: int4_linear_dequant(x, w["int4"]),
     "int4 auto": lambda x, w: ops.quantized_linear(x, w["int4"]),
 }

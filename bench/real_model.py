@@ -125,7 +125,7 @@ def run_pagedserve(dtype: str, workloads: dict[int, tuple[list[BenchRequest], bo
 def hf_folder(gguf: Path) -> Path:
     """A plain float32 Hugging Face folder of the GGUF's weights (transformers keeps a GGUF's
     weights packed and dequantizes them in every matmul); built once into the cache."""
-    from pagedserve.checkpoints.demo import cache_dir
+    from pagedserve.cache_root import cache_dir
     from quant_accuracy import build_from_gguf
 
     folder = cache_dir() / f"{gguf.stem}-hf-float32"

@@ -1,32 +1,39 @@
-"""Kernel dispatcher: Triton on CUDA; on the CPU, plain torch.
+"""Kernel dispatcher, the worker's one door into the kernels: Triton on CUDA; on the CPU, the
+native C kernels where they take the call, plain torch otherwise.
 
-The worker calls only these functions; their signatures are those of the references in
-`paged_attention_ref`, `cache_ops_ref` and `quantized_matmul_ref`. PAGEDSERVE_KERNELS picks the
-implementation:
+The worker calls only this module (tests/test_import_boundaries.py enforces it), and what it needs
+of the kernels besides calls (the packed weight forms, the KV cache dtype names, the native decoder
+layer's structures) is re-exported here. The attention and cache signatures are those of the
+references (attention/reference.py, cache/reference.py, linear/quantized_reference.py).
+PAGEDSERVE_KERNELS picks the implementation:
 
     auto (default)   Triton when the tensors are on CUDA and triton is installed; otherwise
                      the production CPU paths: decodes through the native kernel
-                     (paged_attention_native) and prefill chunks through SDPA, or where the
-                     native library is missing paged_attention_cpu (batched SDPA) for both;
-                     write_kv_cache_cpu (index_copy_), and the references for the block copies
+                     (attention/native.py) and prefill chunks through SDPA, or where the
+                     native library is missing attention/sdpa.py (batched SDPA) for both;
+                     cache/index_copy.py (index_copy_), and the references for the block copies
     triton           always Triton; on CPU tensors this needs TRITON_INTERPRET=1 set before the
                      kernel modules are first imported (the Triton interpreter, for tests)
     reference        always the plain-torch references (the oracle every other path is tested
                      against)
 
-Quantized linear layers have no Triton kernel: on the CPU they take PyTorch's packed int8/int4
-kernels or a bfloat16 dequantize-then-matmul by batch rows (`quantized_matmul_cpu.linear_cpu`),
-on CUDA the dequantize-then-matmul paths (plain torch), and under `reference` the references.
+Linear layers: `linear` picks the path for a weight and its rows. Quantized weights have no Triton
+kernel: on the CPU they take PyTorch's packed int8/int4 kernels or a bfloat16
+dequantize-then-matmul by batch rows (linear/quantized.py), on CUDA the dequantize-then-matmul
+paths (plain torch), and under `reference` the references. Dense bfloat16 CPU weights prepacked
+for oneDNN (`prepack_weight`, linear/onednn.py) take the native few-rows kernel
+(linear/native_rows.py) for a step of few rows and oneDNN above; other dense weights F.linear.
 
 Per-step plans: paged_attention and write_kv_cache take an optional `step_plans` dict, owned by
 the caller and shared by every layer of one step (the worker keeps it on the step's
 AttentionMetadata). The CPU paths store there what they derive from the step's block tables,
-lengths and slots (see paged_attention_cpu.plan_cpu_attention), so the first layer builds it and
+lengths and slots (see attention/sdpa.py plan_sdpa_attention), so the first layer builds it and
 the others reuse it; the dict must not outlive the tensors it was built from.
 
 Fused per-layer ops (add_rms_norm, silu_mul, rotary_write_kv): the native C kernels
-(layer_ops_native, built by native_lib) on CPU float32/bfloat16 tensors under `auto`; otherwise,
-and whenever the native library is unavailable, their torch references (layer_ops_ref).
+(layer/native.py, built by native/library.py) on CPU float32/bfloat16 tensors under `auto`;
+otherwise, and whenever the native library is unavailable, their torch references
+(layer/reference.py). Whole decoder layers in one native call: layer/decode_layer.py.
 
 triton is imported lazily, on the first call that picks it, so importing this module works on a
 machine without triton.
@@ -39,18 +46,41 @@ import os
 from functools import cache
 
 import torch
+import torch.nn.functional as F
 
 from pagedserve.kernels.layer import native as layer_ops_native
 from pagedserve.kernels.layer import reference as layer_ops_ref
 from pagedserve.kernels.attention import native as paged_attention_native
-from pagedserve.kernels.cache.index_copy import slot_mapping_has_padding, write_kv_cache_cpu
+from pagedserve.kernels.cache.index_copy import slot_mapping_has_padding, write_kv_cache_index_copy
 from pagedserve.kernels.cache.reference import copy_blocks_ref, swap_blocks_ref, write_kv_cache_ref
-from pagedserve.kernels.attention.sdpa import attend_prefills, paged_attention_cpu, plan_cpu_attention
+from pagedserve.kernels.attention.sdpa import attend_prefills, paged_attention_sdpa, plan_sdpa_attention
 from pagedserve.kernels.attention.native import paged_decode_attention, plan_native_decodes
 from pagedserve.kernels.linear.packed_weights import Int8Weight
 from pagedserve.kernels.attention.reference import paged_attention_ref
-from pagedserve.kernels.linear.quantized import int4_linear_dequant, int8_linear_dequant, linear_cpu
+from pagedserve.kernels.linear.quantized import int4_linear_dequant, int8_linear_dequant, quantized_linear_by_rows
 from pagedserve.kernels.linear.quantized_reference import int4_linear_ref, int8_linear_ref
+from pagedserve.kernels.linear import native_rows
+from pagedserve.kernels.linear.onednn import can_prepack, prepack_linear_weight, prepacked_linear
+
+# Re-exported for the worker, which reaches the kernels only through this module: the packed weight
+# forms the quantized kernels take (the worker's quantizers build them), the KV cache dtype names, and
+# the native decoder layer's structures (worker/models/llama_native.py gathers each layer's tensors).
+from pagedserve.kernels.linear.int4_layout import pack_int4  # noqa: F401
+from pagedserve.kernels.linear.packed_weights import (  # noqa: F401
+    INT4_GROUP_SIZES,
+    INT4_ROW_MULTIPLE,
+    SCALE_DTYPE,
+    Int4Weight,
+    PackedWeight,
+)
+from pagedserve.kernels.cache.kv_dtype import resolve_kv_cache_dtype  # noqa: F401
+from pagedserve.kernels.layer.decode_layer import (  # noqa: F401
+    DecodeLayers,
+    LayerWeights,
+    decode_layer_library,
+    layer_weights,
+    supports_decode_layer,
+)
 
 KERNELS_ENV = "PAGEDSERVE_KERNELS"
 
@@ -86,28 +116,28 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query
                                        scale, sliding_window, k_scale, v_scale, step_plans)
     plan = None
     if step_plans is not None:
-        key = ("cpu_attention", key_cache.shape[1], sliding_window)
+        key = ("sdpa_attention", key_cache.shape[1], sliding_window)
         plan = step_plans.get(key)
         if plan is None:
-            plan = step_plans[key] = plan_cpu_attention(block_tables, seq_lens, query_start_loc, key_cache.shape[1],
+            plan = step_plans[key] = plan_sdpa_attention(block_tables, seq_lens, query_start_loc, key_cache.shape[1],
                                                         sliding_window)
-    return paged_attention_cpu(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+    return paged_attention_sdpa(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                                scale, sliding_window, k_scale, v_scale, plan)
 
 
 def _paged_attention_native(lib, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
                             sliding_window, k_scale, v_scale, step_plans):
-    """Decodes by the native kernel, prefill chunks by SDPA (paged_attention_cpu.attend_prefills)."""
+    """Decodes by the native kernel, prefill chunks by SDPA (attention/sdpa.py attend_prefills)."""
     step_plans = {} if step_plans is None else step_plans
     decodes = step_plans.get("native_decodes")
     if decodes is None:
         decodes = step_plans["native_decodes"] = plan_native_decodes(block_tables, seq_lens, query_start_loc)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [T, nh, hs]
     if decodes.num_seqs < seq_lens.shape[0]:
-        key = ("cpu_attention", key_cache.shape[1], sliding_window)
+        key = ("sdpa_attention", key_cache.shape[1], sliding_window)
         plan = step_plans.get(key)
         if plan is None:
-            plan = step_plans[key] = plan_cpu_attention(block_tables, seq_lens, query_start_loc, key_cache.shape[1],
+            plan = step_plans[key] = plan_sdpa_attention(block_tables, seq_lens, query_start_loc, key_cache.shape[1],
                                                         sliding_window)
         attend_prefills(out, query, key_cache, value_cache, plan, scale * k_scale, v_scale)
     if decodes.num_seqs:
@@ -130,7 +160,7 @@ def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=1.0
         has_padding = step_plans.get("slot_mapping_has_padding")
         if has_padding is None:
             has_padding = step_plans["slot_mapping_has_padding"] = slot_mapping_has_padding(slot_mapping)
-    write_kv_cache_cpu(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, has_padding)
+    write_kv_cache_index_copy(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, has_padding)
 
 
 def copy_blocks(key_caches, value_caches, block_mapping):
@@ -156,7 +186,7 @@ def quantized_linear(x, weight, bias=None):
     if os.environ.get(KERNELS_ENV) == "reference":
         return (int8_linear_ref if is_int8 else int4_linear_ref)(x, weight, bias)
     if x.device.type == "cpu":
-        return linear_cpu(x, weight, bias)
+        return quantized_linear_by_rows(x, weight, bias)
     return (int8_linear_dequant if is_int8 else int4_linear_dequant)(x, weight, bias)
 
 
@@ -186,3 +216,33 @@ def rotary_write_kv(qkv, cos_sin, positions, slot_mapping, key_cache, value_cach
     layer_ops_native.rotary_write_kv(qkv, cos_sin, positions, slot_mapping, key_cache, value_cache, num_heads,
                                      num_kv_heads, lib)
     return True
+
+
+def linear(x, weight, bias=None, *, packed=None, prepacked=None):
+    """x [M, K] @ a linear layer's weight (+ bias [N]) -> [M, N] in x's dtype, the one place that picks
+    the path: `packed` (Int8Weight/Int4Weight) -> quantized_linear; else the dense weight [N, K]
+    beside its oneDNN copy `prepacked` (prepack_weight) -> the native few-rows kernel where it takes
+    x and weight (bfloat16, up to native_rows.MAX_ROWS rows, AVX-512 BF16), oneDNN above; with no
+    prepacked copy (float32, float16, CUDA, PAGEDSERVE_KERNELS=reference) -> F.linear."""
+    if packed is not None:
+        return quantized_linear(x, packed, bias)
+    if prepacked is not None:
+        lib = native_rows.supports(x, weight)
+        if lib is not None:
+            return native_rows.linear_rows(x, weight, bias, lib)
+        return prepacked_linear(x, prepacked, bias)
+    return F.linear(x, weight, bias)
+
+
+def prepack_weight(weight):
+    """weight [N, K] in oneDNN's blocked layout, for linear(prepacked=...), where it qualifies
+    (bfloat16 on a CPU with oneDNN's bfloat16 matmul; not under PAGEDSERVE_KERNELS=reference); else None."""
+    if os.environ.get(KERNELS_ENV) == "reference" or not can_prepack(weight):
+        return None
+    return prepack_linear_weight(weight)
+
+
+def rotate(x, cos, sin):
+    """x [T, heads, hs] rotated by RoPE rows (cos_full, sin_signed [T, 1, hs]) -> a rotated copy; torch
+    (the native kernel rotates only fused with the K/V write: rotary_write_kv)."""
+    return layer_ops_ref.rotate(x, cos, sin)

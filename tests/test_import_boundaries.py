@@ -4,10 +4,14 @@
  folder       package                may import besides itself and pagedserve/ (shared)
  frontend/    pagedserve.frontend    -                      and never torch
  scheduler/   pagedserve.scheduler   -                      and never torch
- worker/      pagedserve.worker      kernels/
+ worker/      pagedserve.worker      kernels/, through pagedserve.kernels.ops only
  kernels/     pagedserve.kernels     -
  pagedserve/  pagedserve             -  (cli.py and launch/ start the processes: left out)
 ```
+
+The worker enters the kernels through one door, `pagedserve.kernels.ops` (the module or names
+imported from it): ops picks each kernel path, so no worker module repeats a choice or reaches
+into a kernel's module. Tests and benchmarks may import any kernel module.
 
 `pagedserve/testing/` holds test doubles and research tools (a torch-free worker stand-in, a GGUF
 writer, fp8 KV calibration): it may import any process, and nothing outside tests/ and bench/
@@ -33,6 +37,7 @@ PACKAGE_OF_FOLDER = {"frontend": "pagedserve.frontend", "scheduler": "pagedserve
 PROCESS_FOLDERS = ("frontend", "scheduler", "worker", "kernels")
 MAY_IMPORT = {"frontend": set(), "scheduler": set(), "worker": {"kernels"}, "kernels": set(), "pagedserve": set()}
 TORCH_FREE = ("frontend", "scheduler")
+KERNELS_DOOR = "pagedserve.kernels.ops"
 # The launcher: `pagedserve` and `serve` build every process's config and start the processes.
 LAUNCH_MODULES = {"pagedserve/cli.py", "pagedserve/launch/supervisor.py", "pagedserve/launch/serve_config.py"}
 TESTING_FOLDER = "pagedserve/testing/"
@@ -162,3 +167,35 @@ def test_nothing_in_the_product_imports_the_testing_package() -> None:
             violations += [f"{rel}:{line} imports {module}" for line, module in _imports_of(path)
                            if module == TESTING_PACKAGE or module.startswith(TESTING_PACKAGE + ".")]
     assert not violations, "\n".join(violations)
+
+
+def enters_kernels_by_the_door(module: str) -> bool:
+    """A worker import of `module` is allowed: not the kernels, or ops itself or a name from it."""
+    if _process_folder_of(module) != "kernels":
+        return True
+    return module == KERNELS_DOOR or module.startswith(KERNELS_DOOR + ".")
+
+
+def test_the_door_rule_tells_ops_from_the_kernel_modules() -> None:
+    source = ("from pagedserve.kernels import ops\n"
+              "from pagedserve.kernels.ops import PackedWeight\n"
+              "import pagedserve.kernels.ops\n"
+              "from ..kernels.linear import native_rows\n"
+              "from pagedserve.kernels.layer.reference import rotate\n"
+              "import pagedserve.kernels\n"
+              "from pagedserve.kernels import opsx\n"
+              "from pagedserve import kernels\n")
+    modules = [module for _, module in imported_modules(source, "pagedserve.worker")]
+    assert [enters_kernels_by_the_door(module) for module in modules] == [True, True, True, False, False, False,
+                                                                          False, False]
+
+
+def test_the_worker_enters_the_kernels_only_through_ops() -> None:
+    violations = []
+    for path in _source_files():
+        if _folder_of(path) != "worker":
+            continue
+        rel = path.relative_to(REPO_ROOT).as_posix()
+        violations += [f"{rel}:{line} imports {module}" for line, module in _imports_of(path)
+                       if not enters_kernels_by_the_door(module)]
+    assert not violations, "the worker imports kernel modules other than ops:\n" + "\n".join(violations)

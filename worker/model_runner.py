@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.kernels.cache.kv_dtype import resolve_kv_cache_dtype
+from pagedserve.kernels.ops import resolve_kv_cache_dtype
 from pagedserve.checkpoints.model_config import load_model_info
 from pagedserve.contracts.step_plan import SampleSpec, ScheduledSeq, StepPlan, StepResult
 from pagedserve.worker.cache_engine import (

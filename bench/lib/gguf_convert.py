@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pagedserve.checkpoints.demo import cache_dir
+from pagedserve.cache_root import cache_dir
 
 FILE_TYPES = {"float32": ("F32", "ALL_F32"), "bfloat16": ("BF16", "MOSTLY_BF16")}
 

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedserve.checkpoints.demo import cache_dir
+from pagedserve.cache_root import cache_dir
 from pagedserve.launch.serve_config import free_port
 from lib.workload import BenchRequest
 

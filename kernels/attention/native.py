@@ -1,6 +1,6 @@
 """The decodes of a CPU attention call through the native kernel (kernels/native/decode_attention.c):
 each decode row attends straight from the paged cache, with no gathered copy of its context and
-no padding mask; reference paged_attention_ref. Prefill chunks keep SDPA (paged_attention_cpu).
+no padding mask; reference paged_attention_ref. Prefill chunks keep SDPA (paged_attention_sdpa).
 
     decodes = plan_native_decodes(block_tables, seq_lens, query_start_loc)   # once per step
     paged_decode_attention(query, key_cache, value_cache, out, decodes, scale, window, v_scale)
@@ -17,8 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.kernels.native import library as native_lib
-
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+from pagedserve.kernels.native.abi import DTYPE_CODES
 MAX_GROUP, MAX_GROUP_WIDTH, MAX_HEAD_SIZE = 64, 8192, 512  # decode_attention.c's stack buffers
 
 

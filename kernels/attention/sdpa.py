@@ -25,8 +25,8 @@ converted after the gather, on the gathered copy only; fp8 scales fold into SDPA
 and the output (v_scale).
 
 All of this (sorting, chunking, slots, masks, query rows) depends only on block_tables, seq_lens
-and query_start_loc, which every layer of a step shares: plan_cpu_attention builds it once (a
-CpuAttentionPlan; the worker keeps it on the step's AttentionMetadata) and each layer's call
+and query_start_loc, which every layer of a step shares: plan_sdpa_attention builds it once (a
+SdpaAttentionPlan; the worker keeps it on the step's AttentionMetadata) and each layer's call
 passes it back, so a layer runs only the gathers, SDPA and the output copy. A decode-only batch
 in one chunk whose rows are already in order (one sequence, or equal lengths) reads its queries
 as a view and returns SDPA's output as the result.
@@ -69,8 +69,8 @@ class PrefillChunk:
 
 
 @dataclass(frozen=True, slots=True)
-class CpuAttentionPlan:
-    """What paged_attention_cpu derives from block_tables, seq_lens and query_start_loc for one block
+class SdpaAttentionPlan:
+    """What paged_attention_sdpa derives from block_tables, seq_lens and query_start_loc for one block
     size and sliding window. covers_all_rows: the batch is one decode chunk over rows 0..T-1 in
     order, so SDPA's output is the result with no copy."""
 
@@ -79,13 +79,13 @@ class CpuAttentionPlan:
     covers_all_rows: bool
 
 
-def plan_cpu_attention(
+def plan_sdpa_attention(
     block_tables: torch.Tensor,  # [num_seqs, max_num_blocks] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32, context length including the new tokens
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, cumulative query lengths
     block_size: int,
     sliding_window: int | None = None,
-) -> CpuAttentionPlan:
+) -> SdpaAttentionPlan:
     seq_lens_list = seq_lens.tolist()
     starts = query_start_loc.tolist()
     decode_rows: list[int] = []  # sequence indexes with one query row
@@ -100,10 +100,10 @@ def plan_cpu_attention(
                if decode_rows else ())
     covers_all_rows = (not prefills and len(decodes) == 1 and isinstance(decodes[0].q_rows, slice)
                        and decodes[0].q_rows == slice(0, starts[-1]))
-    return CpuAttentionPlan(decodes, tuple(prefills), covers_all_rows)
+    return SdpaAttentionPlan(decodes, tuple(prefills), covers_all_rows)
 
 
-def paged_attention_cpu(
+def paged_attention_sdpa(
     query: torch.Tensor,  # [num_tokens, num_heads, head_size]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
@@ -114,10 +114,10 @@ def paged_attention_cpu(
     sliding_window: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
-    plan: CpuAttentionPlan | None = None,  # plan_cpu_attention of these arguments; built here when None
+    plan: SdpaAttentionPlan | None = None,  # plan_sdpa_attention of these arguments; built here when None
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
     if plan is None:
-        plan = plan_cpu_attention(block_tables, seq_lens, query_start_loc, key_cache.shape[1], sliding_window)
+        plan = plan_sdpa_attention(block_tables, seq_lens, query_start_loc, key_cache.shape[1], sliding_window)
     scale = scale * k_scale  # q . (k_scale k) = k_scale (q . k)
     if plan.covers_all_rows:
         out = _decode(query, key_cache, value_cache, plan.decodes[0], scale).reshape(query.shape)
@@ -136,7 +136,7 @@ def paged_attention_cpu(
 
 
 def attend_prefills(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    plan: CpuAttentionPlan, scale: float, v_scale: float = 1.0) -> None:
+                    plan: SdpaAttentionPlan, scale: float, v_scale: float = 1.0) -> None:
     """Only the prefill chunks of plan, into their rows of out [T, nh, hs] (the native decode path's
     companion: pagedserve.kernels.attention.native attends the decodes)."""
     for chunk in plan.prefills:

@@ -15,7 +15,7 @@ from pagedserve.kernels.cache.reference import write_kv_cache_ref
 from pagedserve.kernels.cache.kv_dtype import raw_bytes, to_cache_dtype
 
 
-def write_kv_cache_cpu(
+def write_kv_cache_index_copy(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]

@@ -1,6 +1,6 @@
 """Triton KV-cache writes and block copies; block swaps between devices as torch copies.
 
-Cache layout, as in `cache_ops_ref`: per layer one key and one value tensor
+Cache layout, as in the reference (cache/reference.py): per layer one key and one value tensor
 [num_blocks, block_size, num_kv_heads, head_size]; slot s = block_id * block_size + offset.
 
     write_kv_cache   one program per new token: slot -> (block, offset), all KV heads at once;

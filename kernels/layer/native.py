@@ -1,5 +1,5 @@
 """ctypes wrappers of the fused per-layer CPU kernels in kernels/native (RMSNorm with the residual
-add, SiLU-mul, RoPE with the K/V cache write); references with the same meaning in layer_ops_ref.
+add, SiLU-mul, RoPE with the K/V cache write); references with the same meaning in layer/reference.py.
 
 `supports_*` say whether a call qualifies (CPU, float32 or bfloat16, the layouts the C code
 assumes): they return the library (to pass to the wrapper, sparing a second lookup) or None;
@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 
 from pagedserve.kernels.native import library as native_lib
-
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+from pagedserve.kernels.native.abi import DTYPE_CODES
 # RMSNorm and SiLU-mul take only bfloat16: there the kernels equal torch bit for bit. In float32
 # torch's vectorised sum of squares and its exp round differently in the last place, and float32
 # is the dtype of the exact-equality tests against Hugging Face, so float32 keeps torch's ops.

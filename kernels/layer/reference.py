@@ -1,4 +1,4 @@
-"""Torch references of the fused per-layer CPU kernels (kernels/native/*.c via layer_ops_native):
+"""Torch references of the fused per-layer CPU kernels (kernels/native/*.c via layer/native.py):
 the oracle in tests and the path for whatever the native kernels do not take (CUDA, fp8 caches,
 float16, PAGEDSERVE_KERNELS=reference, no C compiler).
 

@@ -1,7 +1,7 @@
 """bfloat16 linear layers for a few rows (decoding few sequences) on the CPU: a native kernel that
 streams the dense weight once (kernels/native/linear_rows.c); reference F.linear.
 
-oneDNN (prepacked_linear_cpu) is the better path for many rows, where AMX tiles pay off; with
+oneDNN (linear/onednn.py) is the better path for many rows, where AMX tiles pay off; with
 few rows a step is a pass over every weight and the question is only how fast it streams. The
 kernel prefetches each weight row 16 KiB ahead. It is ahead of oneDNN at one and two rows and
 even at about four (bench/linear_rows.py times SmolLM2's projections of one decode step, whose

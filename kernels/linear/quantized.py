@@ -1,21 +1,21 @@
 """Quantized linear layers for production: PyTorch's packed CPU kernels for few rows, a bfloat16
 dequantize-then-matmul for many.
 
-Same signature and result (within bfloat16 rounding) as `quantized_matmul_ref`:
+Same signature and result (within bfloat16 rounding) as the references (linear/quantized_reference.py):
 x [M, K] in any float dtype -> [M, N] in x's dtype. All compute runs on bfloat16 activations:
 the packed kernels are much slower on float32 ones (bench/quant_matmul.py; docs/quantization.md).
 
-    int8_linear_cpu      torch._weight_int8pack_mm: int8 weight, one scale per row
-    int4_linear_cpu      torch._weight_int4pack_mm_for_cpu: tinygemm layout, groups along K
-    int8_linear_dequant  (x @ int8 weight as bfloat16) * scales: one conversion pass over the weight
-    int4_linear_dequant  the weight unpacked in its packed row order (no gather), dequantized in
-                         bfloat16, one dense matmul, the output columns put back in row order
-                         (a no-op for the AVX-512 and AVX2 layouts of whole 64/32-row blocks)
+    int8_linear_packed_mm   torch._weight_int8pack_mm: int8 weight, one scale per row
+    int4_linear_packed_mm   torch._weight_int4pack_mm_for_cpu: tinygemm layout, groups along K
+    int8_linear_dequant     (x @ int8 weight as bfloat16) * scales: one conversion pass over the weight
+    int4_linear_dequant     the weight unpacked in its packed row order (no gather), dequantized in
+                            bfloat16, one dense matmul, the output columns put back in row order
+                            (a no-op for the AVX-512 and AVX2 layouts of whole 64/32-row blocks)
 
 The packed kernels stream the weight once per call but compute every row's products with
 scalar broadcasts: they win at decode batch sizes, where a dense matmul is bound by reading
 weights, and lose badly on prefill chunks, where the dense bfloat16 matmul (AMX/AVX-512) is far
-ahead and dequantizing the weight once per call costs less than it saves. `linear_cpu` picks by
+ahead and dequantizing the weight once per call costs less than it saves. `quantized_linear_by_rows` picks by
 rows: the packed kernel up to MAX_KERNEL_ROWS[format], the dequantizing path above. The bounds are
 the crossovers bench/quant_matmul.py finds on SmolLM2-135M's layer shapes (docs/quantization.md):
 int8 dequantizing costs one conversion pass and wins from about 16 rows; int4 unpacking and
@@ -47,12 +47,12 @@ def _padded(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:  # [M, K] -> [
     return F.pad(x, (0, extra)) if extra else x.contiguous()
 
 
-def int8_linear_cpu(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def int8_linear_packed_mm(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     y = torch._weight_int8pack_mm(x.to(COMPUTE_DTYPE).contiguous(), weight.qweight, weight.scales)  # [M, N]
     return _finish(y, bias, x.dtype)
 
 
-def int4_linear_cpu(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def int4_linear_packed_mm(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     y = torch._weight_int4pack_mm_for_cpu(_padded(x, weight), weight.packed, weight.group_size,
                                           weight.scales_and_zeros)  # [M, N]
     return _finish(y, bias, x.dtype)
@@ -83,10 +83,10 @@ def int4_linear_dequant(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor 
     return _finish(y, bias, x.dtype)
 
 
-def linear_cpu(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def quantized_linear_by_rows(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] -> [M, N]: the packed kernel for M <= MAX_KERNEL_ROWS[format], else dequantize-then-matmul."""
     if isinstance(weight, Int8Weight):
         is_few_rows = x.shape[0] <= MAX_KERNEL_ROWS["int8"]
-        return (int8_linear_cpu if is_few_rows else int8_linear_dequant)(x, weight, bias)
+        return (int8_linear_packed_mm if is_few_rows else int8_linear_dequant)(x, weight, bias)
     is_few_rows = x.shape[0] <= MAX_KERNEL_ROWS["int4"]
-    return (int4_linear_cpu if is_few_rows else int4_linear_dequant)(x, weight, bias)
+    return (int4_linear_packed_mm if is_few_rows else int4_linear_dequant)(x, weight, bias)

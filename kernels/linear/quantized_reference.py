@@ -1,7 +1,7 @@
 """Plain-torch quantized linear layers: dequantize the weight, then one float32 matmul.
 
 The reference (the oracle in tests) for every quantized matmul in
-`quantized_matmul_cpu`; same signature: x [M, K] in any float dtype -> [M, N] in x's dtype.
+linear/quantized.py; same signature: x [M, K] in any float dtype -> [M, N] in x's dtype.
 """
 
 from __future__ import annotations

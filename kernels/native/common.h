@@ -1,6 +1,6 @@
 /* Shared by the native kernels: element types and the conversions torch uses.
  *
- * dtype codes (the `dtype` arguments): 0 float32, 1 bfloat16.
+ * dtype codes (the `dtype` arguments): enum pagedserve_dtype in pagedserve_cpu.h.
  * bfloat16 <-> float32 as torch converts: widening is exact, narrowing rounds to nearest even,
  * NaN stays NaN (quiet). */
 #ifndef PAGEDSERVE_COMMON_H
@@ -9,7 +9,7 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
+#include "pagedserve_cpu.h"
 
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t u = (uint32_t)v << 16;

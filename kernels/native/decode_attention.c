@@ -20,6 +20,7 @@
 #include <stdlib.h>
 
 #include "common.h"
+#include "pagedserve_cpu.h"
 
 #define MAX_GROUP_WIDTH 8192
 #define PREFETCH_POSITIONS 8 /* context positions ahead */ /* query heads per kv head x head size held on the stack */

@@ -13,45 +13,7 @@
  * starts as the embeddings). scratch holds M * (H + qkv width + nh * hs + H + 2 inner + inner)
  * values of the dtype. */
 #include "common.h"
-
-struct layer_weights {
-    const void *norm1, *norm2;           /* [H] */
-    const void *w_qkv, *b_qkv;           /* [(nh + 2 kvh) hs, H], bias or NULL */
-    const void *w_o, *b_o;               /* [H, nh hs] */
-    const void *w_gate_up, *b_gate_up;   /* [2 inner, H] */
-    const void *w_down, *b_down;         /* [H, inner] */
-    void *key_cache, *value_cache;       /* [num_blocks, block_size, kvh, hs] */
-    int64_t hidden, num_heads, num_kv_heads, head_size, inner, num_slots, block_size;
-    float eps, scale;
-    int32_t cache_dtype, sliding_window; /* sliding_window 0: none */
-    int32_t dtype;                       /* of the activations and weights */
-};
-
-struct step_rows {
-    const void *cos_sin;                 /* [P, 2 hs] */
-    const int64_t *positions, *slot_mapping; /* [M] */
-    const int32_t *block_tables;         /* [M, max_blocks]: row i is sequence i's table */
-    const int32_t *seq_lens;             /* [M] */
-    const int32_t *query_start_loc;      /* [M + 1]: 0, 1, ..., M */
-    const int64_t *seqs;                 /* [M]: 0, 1, ..., M - 1 */
-    int64_t num_rows, max_blocks;
-};
-
-void add_rms_norm(void *x, void *residual, const void *weight, void *out, int64_t T, int64_t H, float eps,
-                  int32_t dtype, int32_t has_residual);
-void linear_rows_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t M, int64_t N,
-                      int64_t K);
-void rotary_write_kv(void *qkv, const void *cos_sin, const int64_t *positions, const int64_t *slot_mapping,
-                     void *key_cache, void *value_cache, int64_t T, int64_t num_heads, int64_t num_kv_heads,
-                     int64_t head_size, int64_t stride, int64_t num_slots, int32_t dtype, int32_t cache_dtype);
-void linear_rows_f32(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K);
-void silu_mul(const void *gate_up, void *out, int64_t T, int64_t inner, int64_t stride, int32_t dtype);
-void paged_decode_attention(const void *query, int64_t q_stride, void *out, int64_t out_stride, const void *key_cache,
-                            const void *value_cache, const int32_t *block_tables, int64_t max_blocks,
-                            const int32_t *seq_lens, const int32_t *query_start_loc, const int64_t *seqs,
-                            int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
-                            int64_t block_size, float scale, int32_t sliding_window, float v_scale, int32_t dtype,
-                            int32_t cache_dtype);
+#include "pagedserve_cpu.h"
 
 static void linear(int32_t dtype, const void *x, const void *w, const void *bias, void *y, int64_t M, int64_t N,
                    int64_t K) {

@@ -3,6 +3,11 @@ once per host into one shared library and called through ctypes.
 
     lib = native_lib.load()   # a ctypes.CDLL, or None where no C compiler or no library is to be had
 
+The interface is declared once, in pagedserve_cpu.h (every exported function and struct); SIGNATURES
+and RESTYPES below, and the structures and dtype codes in abi.py, are its ctypes side, checked
+against the header by tests/kernels/test_native_header.py. A new function: its prototype in the
+header, its argument types here.
+
 Why C: a decode step of a small model on the CPU is thousands of tiny torch ops (RMSNorm, RoPE, the
 K/V write and gather, SiLU-mul), each paying Python and dispatch costs larger than its arithmetic.
 One C call per fused operation does the same work in one pass over the data. Every kernel has its
@@ -44,7 +49,7 @@ NATIVE_ENV = "PAGEDSERVE_NATIVE"
 _log = logging.getLogger(__name__)
 
 P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
-SIGNATURES = {  # exported function -> argument types (every function returns void)
+SIGNATURES = {  # exported function -> argument types, as pagedserve_cpu.h declares them (P: any pointer)
     "add_rms_norm": (P, P, P, P, I64, I64, F32, I32, I32),
     "rotary_write_kv": (P, P, P, P, P, P, I64, I64, I64, I64, I64, I64, I32, I32),
     "silu_mul": (P, P, I64, I64, I64, I32),
@@ -55,7 +60,7 @@ SIGNATURES = {  # exported function -> argument types (every function returns vo
     "paged_decode_attention": (P, I64, P, I64, P, P, P, I64, P, P, P, I64, I64, I64, I64, I64, F32, I32, F32, I32,
                                I32),
 }
-RESTYPES = {"linear_rows_available": I32}
+RESTYPES = {"linear_rows_available": I32}  # the others return void
 
 
 class NativeBuildError(RuntimeError):
@@ -89,7 +94,7 @@ def build_key(cc: str) -> str:
 
 
 def library_path(cc: str) -> Path:
-    from pagedserve.checkpoints.demo import cache_dir
+    from pagedserve.cache_root import cache_dir
 
     return cache_dir() / "native" / build_key(cc) / LIBRARY_NAME
 

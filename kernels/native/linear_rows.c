@@ -11,6 +11,7 @@
 #include <immintrin.h>
 
 #include "common.h"
+#include "pagedserve_cpu.h"
 
 #define LINEAR_ROWS_MAX 8
 #define ROWS_PER_BLOCK 4

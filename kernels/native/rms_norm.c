@@ -1,4 +1,4 @@
-/* RMSNorm with the residual add folded in; torch reference: layer_ops_ref.add_rms_norm.
+/* RMSNorm with the residual add folded in; torch reference: kernels/layer/reference.py add_rms_norm.
  *
  * For each of the T rows of width H (rows contiguous, row stride H):
  *   has_residual:  residual += x (rounded to dtype), then s = residual
@@ -9,6 +9,7 @@
 #include <math.h>
 
 #include "common.h"
+#include "pagedserve_cpu.h"
 
 void add_rms_norm(void *x, void *residual, const void *weight, void *out, int64_t T, int64_t H, float eps,
                   int32_t dtype, int32_t has_residual) {

@@ -1,5 +1,5 @@
 /* RoPE on the query and key heads of a fused QKV projection, in place, then the new K/V rows
- * written into their paged-cache slots; torch reference: layer_ops_ref.rotary_write_kv.
+ * written into their paged-cache slots; torch reference: kernels/layer/reference.py rotary_write_kv.
  *
  * qkv [T, stride]: query heads [0, nh * hs), key heads [nh * hs, (nh + kvh) * hs), value heads after.
  * cos_sin [P, 2 hs]: per position cos_full = [cos | cos] then sin_signed = [-sin | sin]
@@ -9,6 +9,7 @@
  * rotated key and its value go to slot slot_mapping[t]; a slot of -1 is skipped. The caches hold
  * the model's dtype or float32 (cache_dtype). */
 #include "common.h"
+#include "pagedserve_cpu.h"
 
 static void rotate_head(void *qkv, int64_t base, const void *cos_sin, int64_t table_row, int64_t hs, int dtype) {
     int64_t half = hs / 2;

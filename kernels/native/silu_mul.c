@@ -1,4 +1,4 @@
-/* SiLU-and-multiply of a fused gate/up projection; torch reference: layer_ops_ref.silu_mul.
+/* SiLU-and-multiply of a fused gate/up projection; torch reference: kernels/layer/reference.py silu_mul.
  *
  * gate_up [T, stride] holds gate in columns [0, inner) and up in [inner, 2 inner); out [T, inner]:
  *   out = round(round(silu(gate)) * up),   silu(g) = g / (1 + exp(-g))
@@ -7,6 +7,7 @@
  * capped at 88 (exp(88) ~ 1.6e38: below g = -88 the result is a tiny negative number, not the
  * denormal torch computes). */
 #include "common.h"
+#include "pagedserve_cpu.h"
 
 void silu_mul(const void *gate_up, void *out, int64_t T, int64_t inner, int64_t stride, int32_t dtype) {
 #pragma omp parallel for schedule(static) if (T * inner >= PARALLEL_MIN_ELEMENTS)

@@ -1,26 +1,22 @@
 """The built-in `demo` model: a small deterministic Llama checkpoint with its own tokenizer.
 
-Built on first use into a cache folder (PAGEDSERVE_CACHE, default ~/.cache/pagedserve), so a
-fresh offline machine can serve. The weights are seeded random: the text is not meaningful, but
+Built on first use into the cache folder (pagedserve.cache_root: PAGEDSERVE_CACHE, default
+~/.cache/pagedserve), so a fresh offline machine can serve. The weights are seeded random: the text is not meaningful, but
 every serving path (tokenizer, paged KV cache, sampling, streaming) runs as with a real model.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
+from pagedserve.cache_root import cache_dir
+
 DEMO_NAME = "demo"
 DEMO_VERSION = 1
-CACHE_ENV = "PAGEDSERVE_CACHE"
 DEMO_VOCAB_SIZE = 1024
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "pagedserve"))
 
 
 def demo_path() -> Path:

@@ -24,7 +24,7 @@ GGUF_CACHE = "gguf"
 
 
 def derived_folder(gguf_file: Path) -> Path:
-    from pagedserve.checkpoints.demo import cache_dir
+    from pagedserve.cache_root import cache_dir
 
     stat = gguf_file.stat()
     identity = f"{gguf_file.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"

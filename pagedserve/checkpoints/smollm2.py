@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedserve.checkpoints.demo import cache_dir
+from pagedserve.cache_root import cache_dir
 
 SMOLLM2_NAME = "smollm2"
 FETCH_TIMEOUT_S = 600

@@ -13,7 +13,7 @@ import torch
 
 from pagedserve.kernels import ops
 from pagedserve.kernels.cache.reference import copy_blocks_ref, write_kv_cache_ref
-from pagedserve.kernels.attention.sdpa import paged_attention_cpu
+from pagedserve.kernels.attention.sdpa import paged_attention_sdpa
 from pagedserve.kernels.attention.reference import paged_attention_ref
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -84,7 +84,7 @@ def call_every_op(batch):
 def test_cpu_tensors_take_plain_torch_by_default(monkeypatch, triton_spies):
     monkeypatch.delenv(ops.KERNELS_ENV, raising=False)
     batch = small_batch()
-    expected = paged_attention_cpu(*batch, 0.125)
+    expected = paged_attention_sdpa(*batch, 0.125)
     reference = paged_attention_ref(*batch, 0.125)
     out = call_every_op(batch)
     assert triton_spies == []
@@ -153,7 +153,8 @@ def test_ops_works_without_triton_installed():
 def test_kernels_refuse_cpu_tensors_without_the_interpreter():
     run_python("""
         import torch
-        from pagedserve.kernels import cache_ops, paged_attention
+        from pagedserve.kernels.attention import triton_kernel as paged_attention
+        from pagedserve.kernels.cache import triton_kernel as cache_ops
         cache = torch.zeros(2, 8, 1, 64)
         for call in (
             lambda: paged_attention.paged_attention(torch.zeros(1, 1, 64), cache, cache,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.kernels.cache.index_copy import write_kv_cache_cpu
+from pagedserve.kernels.cache.index_copy import write_kv_cache_index_copy
 from pagedserve.kernels.cache.reference import copy_blocks_ref, swap_blocks_ref, write_kv_cache_ref
 from pagedserve.kernels.cache.kv_dtype import (
     KVCacheDtypeError,
@@ -14,7 +14,7 @@ from pagedserve.kernels.cache.kv_dtype import (
     resolve_kv_cache_dtype,
     to_cache_dtype,
 )
-from pagedserve.kernels.attention.sdpa import paged_attention_cpu
+from pagedserve.kernels.attention.sdpa import paged_attention_sdpa
 from pagedserve.kernels.attention.reference import paged_attention_ref
 from tests.kernels.conftest import build_paged_batch
 
@@ -66,7 +66,7 @@ def test_cpu_write_matches_reference_bytes(dtype, has_padding):
         slots[::6] = -1
     expected_key, expected_value = key_cache.clone(), value_cache.clone()
     write_kv_cache_ref(key, value, expected_key, expected_value, slots, 0.5, 2.0)
-    write_kv_cache_cpu(key, value, key_cache, value_cache, slots, 0.5, 2.0)
+    write_kv_cache_index_copy(key, value, key_cache, value_cache, slots, 0.5, 2.0)
     assert torch.equal(_bytes(key_cache), _bytes(expected_key))
     assert torch.equal(_bytes(value_cache), _bytes(expected_value))
     assert _bytes(key_cache).any()
@@ -83,13 +83,13 @@ def _fp8_batch(seqs, dtype, *, k_scale, v_scale, device=torch.device("cpu"), **o
 @pytest.mark.parametrize("dtype", FP8)
 @pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("sliding_window", [None, 7])
-def test_cpu_attention_reads_fp8_like_the_reference(dtype, query_dtype, sliding_window, assert_matches):
+def test_sdpa_attention_reads_fp8_like_the_reference(dtype, query_dtype, sliding_window, assert_matches):
     seqs = [(0, 17), (40, 1), (15, 1), (3, 9), (63, 1), (31, 33)]
     batch = _fp8_batch(seqs, dtype, k_scale=0.5, v_scale=4.0, num_heads=8, num_kv_heads=2, head_size=64,
                        block_size=16)
     batch.query = batch.query.to(query_dtype)
     expected = paged_attention_ref(*batch.args(), 0.125, sliding_window, 0.5, 4.0)
-    actual = paged_attention_cpu(*batch.args(), 0.125, sliding_window, 0.5, 4.0)
+    actual = paged_attention_sdpa(*batch.args(), 0.125, sliding_window, 0.5, 4.0)
     assert actual.dtype == query_dtype
     assert_matches(actual, expected)
 

@@ -124,7 +124,7 @@ def test_a_failing_compiler_is_an_error_not_a_library(tmp_path):
 
 def test_a_process_without_a_compiler_runs_the_torch_paths(tmp_path):
     script = ("import logging, torch; logging.basicConfig(level=logging.WARNING)\n"
-              "from pagedserve.kernels import native_lib, ops\n"
+              "from pagedserve.kernels import ops\nfrom pagedserve.kernels.native import library as native_lib\n"
               "assert native_lib.load() is None\n"
               "x = torch.randn(2, 8).bfloat16(); print(ops.silu_mul(x, 4).shape)\n")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,

@@ -52,3 +52,31 @@ def test_a_bfloat16_layer_uses_it_for_few_rows_and_onednn_for_many():
     few, many = torch.randn(1, 64).bfloat16(), torch.randn(16, 64).bfloat16()
     assert torch.equal(layer(few), native_rows.linear_rows(few, layer.weight, None))
     assert torch.equal(layer(many), F.linear(many, layer.weight))
+
+
+def test_ops_linear_picks_the_path_by_weight_and_rows(monkeypatch):
+    """ops.linear, the worker's one entry for linear layers: the native kernel up to MAX_ROWS rows
+    beside a prepacked weight, oneDNN above (both bit for bit against their own kernel), F.linear
+    without a prepacked copy, the quantized kernel for a packed weight."""
+    from pagedserve.kernels import ops
+    from pagedserve.kernels.linear.onednn import prepacked_linear
+    from pagedserve.worker.quantization.quantizers import quantize_int8
+
+    generator = torch.Generator().manual_seed(5)
+    weight = (torch.randn(96, 64, generator=generator) / 8).bfloat16()
+    bias = torch.randn(96, generator=generator).bfloat16()
+    prepacked = ops.prepack_weight(weight)
+    assert prepacked is not None and ops.prepack_weight(weight.float()) is None
+    for num_rows in range(1, native_rows.MAX_ROWS + 3):
+        x = torch.randn(num_rows, 64, generator=generator).bfloat16()
+        chosen = ops.linear(x, weight, bias, prepacked=prepacked)
+        if num_rows <= native_rows.MAX_ROWS:
+            assert torch.equal(chosen, native_rows.linear_rows(x, weight, bias))
+        else:
+            assert torch.equal(chosen, prepacked_linear(x, prepacked, bias))
+        assert torch.equal(ops.linear(x, weight, bias), F.linear(x, weight, bias))
+    x = torch.randn(3, 64, generator=generator)
+    packed = quantize_int8(weight.float())
+    assert torch.equal(ops.linear(x, None, None, packed=packed), ops.quantized_linear(x, packed))
+    monkeypatch.setenv("PAGEDSERVE_KERNELS", "reference")
+    assert ops.prepack_weight(weight) is None

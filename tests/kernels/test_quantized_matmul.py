@@ -10,11 +10,11 @@ from pagedserve.kernels.linear.int4_layout import Int4Layout, check_round_trip, 
 from pagedserve.kernels.linear.packed_weights import Int4Weight, Int8Weight
 from pagedserve.kernels.linear.quantized import (
     MAX_KERNEL_ROWS,
-    int4_linear_cpu,
     int4_linear_dequant,
-    int8_linear_cpu,
+    int4_linear_packed_mm,
     int8_linear_dequant,
-    linear_cpu,
+    int8_linear_packed_mm,
+    quantized_linear_by_rows,
 )
 from pagedserve.kernels.linear.quantized_reference import int4_linear_ref, int8_linear_ref
 from pagedserve.worker.quantization.quantizers import quantize_int4, quantize_int8
@@ -63,7 +63,7 @@ def test_int8_paths_match_reference(num_tokens, dtype, has_bias):
     bias = torch.randn(96).to(dtype) if has_bias else None
     expected = int8_linear_ref(x, weight, bias)
     assert expected.dtype == dtype and expected.shape == (num_tokens, 96)
-    for path in (int8_linear_cpu, int8_linear_dequant, linear_cpu, ops.quantized_linear):
+    for path in (int8_linear_packed_mm, int8_linear_dequant, quantized_linear_by_rows, ops.quantized_linear):
         actual = path(x, weight, bias)
         assert actual.dtype == dtype and actual.shape == expected.shape
         assert _relative_error(actual, expected) < TOLERANCE, path.__name__
@@ -78,7 +78,7 @@ def test_int4_paths_match_reference(num_tokens, group_size, num_cols, dtype, num
     x = _inputs(num_tokens, num_cols, dtype)
     bias = torch.randn(num_rows).to(dtype)
     expected = int4_linear_ref(x, weight, bias)
-    for path in (int4_linear_cpu, int4_linear_dequant, linear_cpu, ops.quantized_linear):
+    for path in (int4_linear_packed_mm, int4_linear_dequant, quantized_linear_by_rows, ops.quantized_linear):
         actual = path(x, weight, bias)
         assert actual.dtype == dtype and actual.shape == (num_tokens, num_rows)
         assert _relative_error(actual, expected) < TOLERANCE, path.__name__

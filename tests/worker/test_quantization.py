@@ -1,4 +1,6 @@
-"""Quantization options, tensor-parallel group checks and GGUF-style pre-quantized weights."""
+"""Quantization options, tensor-parallel group checks and GGUF-style pre-quantized weights (the GGUF
+loader reads each rank's slices and packs them with pack_parts: tests/worker/test_gguf_packed.py and
+test_gguf_tensor_parallel.py load real files)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from pagedserve.worker.quantization.quantizers import (
     QuantizedWeight,
     quantize_int4,
 )
-from pagedserve.worker.quantization.linear import load_prequantized, quantize_model
+from pagedserve.worker.quantization.linear import pack_parts, quantize_model
 from pagedserve.worker.layers.tensor_parallel import ShardRange, TensorParallelGroup
 
 
@@ -103,51 +105,41 @@ def test_prequantized_q4_keeps_codes_and_q8_becomes_per_channel_int8():
     assert _relative_error(packed.dequantize(), dense) < 0.01
 
 
-def test_prequantized_weight_validates_and_slices_on_groups():
+def test_prequantized_weight_validates_its_groups():
     weight = q4_1(_dense(32, 128))
-    assert weight.narrow(1, 64, 64).shape == (32, 64)
-    assert torch.equal(weight.narrow(1, 64, 64).dequantize(), weight.dequantize()[:, 64:])
-    with pytest.raises(QuantizationError, match="group boundaries"):
-        weight.narrow(1, 48, 64)
+    assert weight.shape == (32, 128)
     with pytest.raises(QuantizationError, match="scales"):
         QuantizedWeight(4, weight.values, weight.scales[:, :2], weight.offsets)
     with pytest.raises(QuantizationError, match="symmetric"):
         QuantizedWeight(8, weight.values.to(torch.int8), weight.scales, weight.offsets)
+    with pytest.raises(QuantizationError, match="groups of 32"):
+        QuantizedWeight(4, weight.values[:, :48], weight.scales[:, :1], weight.offsets[:, :1])
 
 
-class _TwoLayerShard(torch.nn.Module):
-    """Rank 1 of 2: a fused column-parallel layer (q, k) and a row-parallel one, as a model exposes them."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        tp = TensorParallelGroup()
-        self.qk = ColumnParallelLinear(128, [ShardRange(64, 32, 32), ShardRange(32, 16, 16)], bias=False,
-                                       dtype=torch.float32, device="cpu")
-        self.down = RowParallelLinear(ShardRange(128, 64, 64), 32, bias=False, tp=tp, dtype=torch.float32,
-                                      device="cpu")
-
-    def checkpoint_slices(self):
-        return (self.qk.checkpoint_slices("qk", ["q", "k"]) + self.down.checkpoint_slices("down", "down"))
+def test_pack_parts_fuses_parts_of_one_format_as_they_are():
+    """q and k of one rank (what the GGUF loader reads for a fused layer): int4 groups kept, rows in order."""
+    q, k = q4_1(_dense(32, 128, 2)), q4_1(_dense(16, 128, 3))
+    packed = pack_parts([q, k])
+    assert isinstance(packed, Int4Weight) and (packed.out_features, packed.in_features) == (48, 128)
+    expected = torch.cat([q.dequantize(), k.dequantize()])
+    assert _relative_error(packed.dequantize(), expected) < 5e-3
 
 
-def test_load_prequantized_slices_and_fuses_for_the_rank():
-    full = {"q.weight": _dense(64, 128, 2), "k.weight": _dense(32, 128, 3), "down.weight": _dense(32, 128, 4)}
-    tensors = {name: q4_1(weight) for name, weight in full.items()}
-    model = _TwoLayerShard()
-    assert load_prequantized(model, tensors) == set(full)
-    expected_qk = torch.cat([tensors["q.weight"].dequantize()[32:64], tensors["k.weight"].dequantize()[16:32]])
-    assert _relative_error(model.qk.packed.dequantize(), expected_qk) < 5e-3
-    expected_down = tensors["down.weight"].dequantize()[:, 64:]
-    assert _relative_error(model.down.packed.dequantize(), expected_down) < 5e-3
-    assert model.qk.weight is None and model.down.weight is None
+def test_pack_parts_requantizes_mixed_fused_parts_as_int8():
+    q, k = q4_1(_dense(64, 128, 5)), q8_0(_dense(32, 128, 6))
+    packed = pack_parts([q, k])
+    assert isinstance(packed, Int8Weight) and (packed.out_features, packed.in_features) == (96, 128)
+    expected = torch.cat([q.dequantize(), k.dequantize()])
+    assert _relative_error(packed.dequantize(), expected) < 0.01
 
 
-def test_load_prequantized_requantizes_mixed_fused_parts_as_int8():
-    model = _TwoLayerShard()
-    tensors = {"q.weight": q4_1(_dense(64, 128, 5)), "k.weight": q8_0(_dense(32, 128, 6))}
-    assert load_prequantized(model, tensors) == {"q.weight", "k.weight"}
-    assert isinstance(model.qk.packed, Int8Weight)
-    assert model.down.packed is None and model.down.weight is not None  # not in `tensors`: left dense
+def test_a_layer_takes_a_packed_weight_only_of_its_own_shape():
+    layer = ColumnParallelLinear(128, [ShardRange(64, 32, 32), ShardRange(32, 16, 16)], bias=False,
+                                 dtype=torch.float32, device="cpu")
+    with pytest.raises(QuantizationError, match=r"does not fit a layer of \[48, 128\]"):
+        layer.set_packed_weight(pack_parts([q4_1(_dense(32, 128, 7))]))
+    layer.set_packed_weight(pack_parts([q4_1(_dense(32, 128, 8)), q4_1(_dense(16, 128, 9))]))
+    assert layer.weight is None and isinstance(layer.packed, Int4Weight)
 
 
 def test_quantize_int4_of_a_prequantized_grid_is_lossless():

@@ -21,8 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels.linear import native_rows
-from pagedserve.kernels.linear.onednn import prepacked_linear
+from pagedserve.kernels import ops
 from pagedserve.worker.quantization.linear import QuantizableLinear
 from pagedserve.worker.layers.tensor_parallel import ShardRange, TensorParallelGroup
 
@@ -165,13 +164,7 @@ class ParallelLMHead(torch.nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [L, hidden] -> logits [L, vocab_size] on rank 0, None on the others."""
-        lib = native_rows.supports(hidden, self.weight) if self.onednn_weight is not None else None
-        if lib is not None:
-            logits = native_rows.linear_rows(hidden, self.weight, None, lib)  # [L, rows_per_rank]
-        elif self.onednn_weight is not None:
-            logits = prepacked_linear(hidden, self.onednn_weight, None)  # [L, rows_per_rank]
-        else:
-            logits = F.linear(hidden, self.embedding.weight)  # [L, rows_per_rank]
+        logits = ops.linear(hidden, self.weight, prepacked=self.onednn_weight)  # [L, rows_per_rank]
         logits = self.tp.gather_to_first(logits, dim=-1)  # [L, rows_per_rank * world_size] on rank 0
         if logits is None or logits.shape[-1] == self.vocab_size:
             return logits

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedserve.kernels.layer import reference as layer_ops_ref
+from pagedserve.kernels import ops
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
@@ -208,4 +208,4 @@ class RotaryEmbedding(torch.nn.Module):
     @staticmethod
     def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, heads, head_size] (any heads: query and key heads side by side) -> rotated copy."""
-        return layer_ops_ref.rotate(x, cos, sin)  # [T, heads, head_size]
+        return ops.rotate(x, cos, sin)  # [T, heads, head_size]

@@ -1,23 +1,24 @@
 """After the load: the dense bfloat16 CPU weights of the linear layers and of the LM head
 prepacked for oneDNN once, so that no step reorders them again
+<<<<<<< HEAD
 (docs/kernels.md has the measurements; results are bit-identical).
+=======
+(ops.prepack_weight; pagedserve.kernels.linear.onednn has the measurements; results are bit-identical).
+>>>>>>> folds
 
     prepack_model(model) -> bytes the prepacked copies hold (0 where nothing qualifies)
 
 Quantized layers (their `packed` weights), float32 and float16 models, CUDA, and
 PAGEDSERVE_KERNELS=reference keep F.linear on the dense weight. Layers with a prepacked weight
-take the native few-rows kernel (pagedserve.kernels.linear.native_rows) on the dense weight when a
-step has at most two rows, oneDNN above.
+take the native few-rows kernel on the dense weight when a step has at most two rows, oneDNN above
+(ops.linear picks).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from pagedserve.kernels import ops
-from pagedserve.kernels.linear.onednn import can_prepack, prepack_linear_weight
 from pagedserve.worker.layers.parallel import ParallelLMHead
 from pagedserve.worker.quantization.linear import QuantizableLinear
 
@@ -25,8 +26,6 @@ from pagedserve.worker.quantization.linear import QuantizableLinear
 def prepack_model(model: torch.nn.Module) -> int:
     """Sets `onednn_weight` on every QuantizableLinear (not quantized) and ParallelLMHead whose
     weight qualifies; returns the bytes held by the prepacked copies."""
-    if os.environ.get(ops.KERNELS_ENV) == "reference":
-        return 0
     num_bytes = 0
     for module in model.modules():
         if isinstance(module, QuantizableLinear) and module.packed is None:
@@ -35,7 +34,8 @@ def prepack_model(model: torch.nn.Module) -> int:
             weight = module.weight
         else:
             continue
-        if weight is not None and can_prepack(weight):
-            module.onednn_weight = prepack_linear_weight(weight)
+        prepacked = ops.prepack_weight(weight) if weight is not None else None
+        if prepacked is not None:
+            module.onednn_weight = prepacked
             num_bytes += weight.numel() * weight.element_size()
     return num_bytes

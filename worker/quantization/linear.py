@@ -5,8 +5,10 @@ a dense `weight` [out_local, in_local]; afterwards `packed` (an Int8Weight or In
 dense weight is gone. The packed tensors are registered as parameters (requires_grad False), so
 device moves, `parameters()` and the weight-byte count see them.
 
-    quantize_model(model, config)        after a dense load: quantizes every such layer in place
-    load_prequantized(model, tensors)    GGUF: fills layers straight from QuantizedWeights
+    quantize_model(model, config)   after a dense load: quantizes every such layer in place
+    pack_parts(parts)               a GGUF layer's pre-quantized parts in the kernel form (the GGUF
+                                    loader, pagedserve.worker.loading.gguf_weights, reads this rank's
+                                    slices of them and sets the result with set_packed_weight)
 
 Quantizing after the dense load keeps the loader unchanged; the price is that the rank's dense
 shard is resident until quantize_model runs, each layer's dense weight being freed as soon as
@@ -15,16 +17,10 @@ its quantized form exists.
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Mapping
-
 import torch
-import torch.nn.functional as F
 
 from pagedserve.kernels import ops
-from pagedserve.kernels.linear import native_rows
-from pagedserve.kernels.linear.packed_weights import PackedWeight
-from pagedserve.kernels.linear.onednn import prepacked_linear
+from pagedserve.kernels.ops import PackedWeight
 from pagedserve.worker.quantization.quantizers import (
     QuantizationConfig,
     QuantizationError,
@@ -41,14 +37,7 @@ class QuantizableLinear(torch.nn.Module):
     onednn_weight: torch.Tensor | None = None  # the dense weight prepacked (worker/loading/prepacked_weights.py)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # [T, in] -> [T, out]
-        if self.packed is not None:
-            return ops.quantized_linear(x, self.packed, bias)
-        if self.onednn_weight is not None:
-            lib = native_rows.supports(x, self.weight)
-            if lib is not None:
-                return native_rows.linear_rows(x, self.weight, bias, lib)
-            return prepacked_linear(x, self.onednn_weight, bias)
-        return F.linear(x, self.weight, bias)
+        return ops.linear(x, self.weight, bias, packed=self.packed, prepacked=self.onednn_weight)
 
     def input_range(self) -> tuple[int, int, int]:
         """(full input size, this rank's first input, its number of inputs)."""
@@ -99,35 +88,6 @@ def quantize_model(model: torch.nn.Module, config: QuantizationConfig) -> int:
             module.quantize_weight(config, name)
             count += 1
     return count
-
-
-def load_prequantized(model: torch.nn.Module, tensors: Mapping[str, QuantizedWeight]) -> set[str]:
-    """Fills the linear layers whose checkpoint weights are in `tensors` (checkpoint name -> weight);
-    returns the checkpoint names used, so the caller loads every other slice densely.
-
-    Each layer takes this rank's slice of each of its checkpoint tensors (model.checkpoint_slices())
-    and concatenates fused ones (q, k, v) row-wise. Parts in different formats (a GGUF file may
-    mix types) are dequantized and requantized together as int8 per output channel.
-    """
-    pieces_by_param = defaultdict(list)
-    for piece in model.checkpoint_slices():
-        if piece.checkpoint_name in tensors and piece.param_name.endswith(".weight"):
-            pieces_by_param[piece.param_name].append(piece)
-    used: set[str] = set()
-    for param_name, pieces in pieces_by_param.items():
-        module = model.get_submodule(param_name.rsplit(".", 1)[0])
-        if not isinstance(module, QuantizableLinear):
-            continue  # embeddings and the LM head are loaded densely
-        parts = []
-        for piece in sorted(pieces, key=lambda piece: piece.dst_start):
-            weight = tensors[piece.checkpoint_name]
-            if weight.shape != piece.checkpoint_shape:
-                raise QuantizationError(f"{piece.checkpoint_name} has shape {list(weight.shape)}, the model "
-                                        f"config implies {list(piece.checkpoint_shape)}")
-            parts.append(weight.narrow(piece.dim, piece.src_start, piece.length))
-            used.add(piece.checkpoint_name)
-        module.set_packed_weight(pack_parts(parts))
-    return used
 
 
 def pack_parts(parts: list[QuantizedWeight]) -> PackedWeight:

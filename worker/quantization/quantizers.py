@@ -29,14 +29,14 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.kernels.linear.int4_layout import pack_int4
-from pagedserve.kernels.linear.packed_weights import (
+from pagedserve.kernels.ops import (
     INT4_GROUP_SIZES,
     INT4_ROW_MULTIPLE,
     SCALE_DTYPE,
     Int4Weight,
     Int8Weight,
     PackedWeight,
+    pack_int4,
 )
 
 METHODS = ("auto", "none", "int8", "int4")
@@ -154,11 +154,12 @@ class QuantizedWeight:
         Q8_0   bits 8, values int8 -128..127, scales d, offsets None    (w = d * q)
 
     values [N, K] hold one code per element (unpacked); scales and offsets are [N, K / group_size]
-    in any float dtype. A GGUF loader builds one per checkpoint tensor (in the Hugging Face
-    [out, in] orientation) and hands them to `pagedserve.worker.quantization.linear.load_prequantized`,
-    which slices them for this rank, fuses q/k/v and gate/up, and packs them for the kernels: 4-bit
-    groups of 32 go to the int4 kernel as they are (scales rounded to bfloat16); 8-bit weights are
-    requantized to int8 per output channel, the layout of the int8 kernel.
+    in any float dtype. The GGUF loader (pagedserve.worker.loading.gguf_weights) builds one per
+    slice of a checkpoint tensor that this rank holds (in the Hugging Face [out, in] orientation)
+    and hands a layer's slices to `pagedserve.worker.quantization.linear.pack_parts`, which fuses
+    q/k/v and gate/up and packs them for the kernels: 4-bit groups of 32 go to the int4 kernel as
+    they are (scales rounded to bfloat16); 8-bit weights are requantized to int8 per output channel,
+    the layout of the int8 kernel.
     """
 
     bits: int
@@ -192,24 +193,6 @@ class QuantizedWeight:
         if self.offsets is not None:
             weight = weight + self.offsets.to(torch.float32)[..., None]
         return weight.view(num_rows, num_cols)
-
-    def narrow(self, dim: int, start: int, length: int) -> QuantizedWeight:
-        """Rows (dim 0) or whole groups of inputs (dim 1) of this weight."""
-        if dim == 0:
-            return QuantizedWeight(self.bits, self.values.narrow(0, start, length),
-                                   self.scales.narrow(0, start, length),
-                                   None if self.offsets is None else self.offsets.narrow(0, start, length),
-                                   self.group_size)
-        if dim != 1:
-            raise QuantizationError(f"a linear weight has dimensions 0 and 1, not {dim}")
-        if start % self.group_size or length % self.group_size:
-            raise QuantizationError(
-                f"inputs {start}..{start + length - 1} cut through groups of {self.group_size}: a "
-                f"pre-quantized weight can only be split between tensor-parallel ranks on group boundaries")
-        first, count = start // self.group_size, length // self.group_size
-        return QuantizedWeight(self.bits, self.values.narrow(1, start, length), self.scales.narrow(1, first, count),
-                               None if self.offsets is None else self.offsets.narrow(1, first, count),
-                               self.group_size)
 
     def has_format_of(self, other: QuantizedWeight) -> bool:
         return (self.bits, self.group_size, self.offsets is None) == (other.bits, other.group_size,

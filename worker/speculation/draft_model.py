@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.kernels.cache.kv_dtype import resolve_kv_cache_dtype
+from pagedserve.kernels.ops import resolve_kv_cache_dtype
 from pagedserve.worker.layers.attention import AttentionMetadata
 from pagedserve.worker.cache_engine import CacheShape, KVCache
 from pagedserve.worker.loading.build import LoadedModel, load_model

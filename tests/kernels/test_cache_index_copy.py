@@ -1,4 +1,4 @@
-"""write_kv_cache_cpu against the reference: with and without padding slots, every dtype, and a
+"""write_kv_cache_index_copy against the reference: with and without padding slots, every dtype, and a
 key that is a strided view (as the model passes it)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.kernels.cache.index_copy import slot_mapping_has_padding, write_kv_cache_cpu
+from pagedserve.kernels.cache.index_copy import slot_mapping_has_padding, write_kv_cache_index_copy
 from pagedserve.kernels.cache.reference import write_kv_cache_ref
 
 
@@ -27,7 +27,7 @@ def test_matches_the_reference(dtype, has_padding, checked_by_caller):
     write_kv_cache_ref(key, value, expected_key, expected_value, slots)
     checked = slot_mapping_has_padding(slots) if checked_by_caller else None  # as a step checks it once
     assert checked in (None, has_padding)
-    write_kv_cache_cpu(key, value, key_cache, value_cache, slots, has_padding=checked)
+    write_kv_cache_index_copy(key, value, key_cache, value_cache, slots, has_padding=checked)
     torch.testing.assert_close(key_cache, expected_key, atol=0, rtol=0)
     torch.testing.assert_close(value_cache, expected_value, atol=0, rtol=0)
 
@@ -35,5 +35,5 @@ def test_matches_the_reference(dtype, has_padding, checked_by_caller):
 def test_no_tokens_is_a_no_op():
     cache = torch.randn(2, 8, 1, 64)
     before = cache.clone()
-    write_kv_cache_cpu(cache[0, :0], cache[0, :0], cache, cache, torch.zeros(0, dtype=torch.int64))
+    write_kv_cache_index_copy(cache[0, :0], cache[0, :0], cache, cache, torch.zeros(0, dtype=torch.int64))
     torch.testing.assert_close(cache, before, atol=0, rtol=0)

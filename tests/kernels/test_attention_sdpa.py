@@ -10,9 +10,9 @@ import random
 import pytest
 import torch
 
-from pagedserve.kernels.attention import sdpa as cpu_module
+from pagedserve.kernels.attention import sdpa as sdpa_module
 from pagedserve.kernels import ops
-from pagedserve.kernels.attention.sdpa import paged_attention_cpu, plan_cpu_attention
+from pagedserve.kernels.attention.sdpa import paged_attention_sdpa, plan_sdpa_attention
 from pagedserve.kernels.attention.reference import paged_attention_ref
 from tests.kernels.conftest import build_paged_batch
 
@@ -29,15 +29,15 @@ def check(assert_matches):
                                   **batch_options)
         scale = head_size ** -0.5
         expected = paged_attention_ref(*batch.args(), scale, sliding_window)
-        actual = paged_attention_cpu(*batch.args(), scale, sliding_window)
+        actual = paged_attention_sdpa(*batch.args(), scale, sliding_window)
         assert actual.shape == expected.shape and actual.dtype == expected.dtype
         assert_matches(actual, expected)
         query, key_cache, value_cache, *layout = batch.args()
-        plan = plan_cpu_attention(*layout, block_size, sliding_window)
+        plan = plan_sdpa_attention(*layout, block_size, sliding_window)
         for layer in range(2):
             args = (query * (1.0 - 2.5 * layer), key_cache * (1.0 + layer), value_cache - layer, *layout)
             expected = paged_attention_ref(*args, scale, sliding_window)
-            assert_matches(paged_attention_cpu(*args, scale, sliding_window, plan=plan), expected)
+            assert_matches(paged_attention_sdpa(*args, scale, sliding_window, plan=plan), expected)
     return run
 
 
@@ -79,7 +79,7 @@ def test_prefill_chunks_after_cached_prefixes(check):
 def test_many_decodes_split_into_chunks(monkeypatch, check):
     """More decodes than one gather chunk holds, in several length bands, with queries in an order
     unrelated to their lengths."""
-    monkeypatch.setattr(cpu_module, "DECODE_CHUNK_ROWS", 256)
+    monkeypatch.setattr(sdpa_module, "DECODE_CHUNK_ROWS", 256)
     rng = random.Random(1)
     seqs = [(rng.randint(0, 300), 1) for _ in range(64)]
     seqs[10] = (0, 30)  # a prefill among them
@@ -87,7 +87,7 @@ def test_many_decodes_split_into_chunks(monkeypatch, check):
 
 
 def test_a_context_longer_than_a_chunk(monkeypatch, check):
-    monkeypatch.setattr(cpu_module, "DECODE_CHUNK_ROWS", 64)
+    monkeypatch.setattr(sdpa_module, "DECODE_CHUNK_ROWS", 64)
     check([(500, 1), (20, 1), (499, 1)])
 
 
@@ -121,7 +121,7 @@ def test_strided_query(assert_matches):
     qkv[:, : 4 * 64] = batch.query.reshape(-1, 4 * 64)
     query = qkv[:, : 4 * 64].view(-1, 4, 64)  # [T, nh, hs], row stride 512
     args = (query, *batch.args()[1:])
-    assert_matches(paged_attention_cpu(*args, 0.125), paged_attention_ref(*args, 0.125))
+    assert_matches(paged_attention_sdpa(*args, 0.125), paged_attention_ref(*args, 0.125))
 
 
 @pytest.mark.parametrize("seqs", [[(64, 1)], [(40, 1), (40, 1), (40, 1)], [(40, 1), (30, 1), (17, 1)]])
@@ -131,7 +131,7 @@ def test_decodes_in_order_in_one_chunk(seqs, dtype, check):
     check(seqs, num_heads=9, num_kv_heads=3, dtype=dtype)
     batch = build_paged_batch(seqs, num_heads=9, num_kv_heads=3, head_size=64, block_size=16, dtype=dtype,
                               device=torch.device("cpu"))
-    assert plan_cpu_attention(*batch.args()[3:], 16).covers_all_rows
+    assert plan_sdpa_attention(*batch.args()[3:], 16).covers_all_rows
 
 
 def test_step_plans_are_built_once_per_block_size_and_window(assert_matches):
@@ -143,7 +143,7 @@ def test_step_plans_are_built_once_per_block_size_and_window(assert_matches):
     for window in (None, None, 8, None, 8):
         actual = ops.paged_attention(*batch.args(), 0.125, window, step_plans=step_plans)
         assert_matches(actual, paged_attention_ref(*batch.args(), 0.125, window))
-    plans = [key for key in step_plans if isinstance(key, tuple) and key[0] == "cpu_attention"]
+    plans = [key for key in step_plans if isinstance(key, tuple) and key[0] == "sdpa_attention"]
     assert sorted(key[2] or 0 for key in plans) == [0, 8]
     # with the native decode kernel, one decode list serves every window
     assert set(step_plans) - set(plans) <= {"native_decodes"}

@@ -1,0 +1,103 @@
+"""Whole Llama decoder layers in one native call each (kernels/native/decode_layer.c), for decode
+steps of a few rows: the chain of the per-op kernels (RMSNorm, the few-rows linear, RoPE with the
+K/V write, decode attention, SiLU-mul) without a Python-level call between them. Reference: the
+model's own layer loop on the per-op path (tests/worker/test_native_decode_layer.py).
+
+    lib = decode_layer_library()                        # None: no native library or no row kernels
+    weights = layer_weights(norm1, norm2, qkv, o, ...)  # once per layer, kept by the caller
+    hidden, residual = DecodeLayers(lib, [weights, ...], rows_of_the_step).run(hidden)
+
+The structures hold raw pointers: a LayerWeights keeps its caches alive, a DecodeLayers the step
+tensors it points into, and the caller rebuilds a layer's structure when one of its tensors moves.
+`supports_decode_layer` says whether a layer's dtypes, caches and head shapes fit the C code.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from pagedserve.kernels.attention.native import MAX_GROUP, MAX_GROUP_WIDTH, MAX_HEAD_SIZE
+from pagedserve.kernels.linear import native_rows
+from pagedserve.kernels.native.abi import DTYPE_CODES, LayerWeights, StepRows
+
+Linear = tuple[torch.Tensor, torch.Tensor | None]  # (weight [out, in], bias [out] or None)
+
+
+def decode_layer_library():
+    """The native library where it has the row kernels the layer chains (AVX-512 BF16), else None."""
+    return native_rows.library()
+
+
+def supports_decode_layer(dtype: torch.dtype, key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int,
+                          num_kv_heads: int, head_size: int) -> bool:
+    """Activations and weights in `dtype` (float32 or bfloat16), caches contiguous in it or float32,
+    and the head shapes within decode_attention.c's stack buffers."""
+    group = num_heads // num_kv_heads
+    return (dtype in DTYPE_CODES and key_cache.dtype in (dtype, torch.float32) and value_cache.dtype == key_cache.dtype
+            and key_cache.is_contiguous() and value_cache.is_contiguous() and head_size <= MAX_HEAD_SIZE
+            and group <= MAX_GROUP and group * head_size <= MAX_GROUP_WIDTH)
+
+
+def _ptr(tensor: torch.Tensor | None) -> int | None:
+    return tensor.data_ptr() if tensor is not None else None
+
+
+def layer_weights(norm1: torch.Tensor, norm2: torch.Tensor, qkv: Linear, o: Linear, gate_up: Linear, down: Linear,
+                  key_cache: torch.Tensor, value_cache: torch.Tensor, *, num_heads: int, num_kv_heads: int,
+                  head_size: int, eps: float, scale: float, sliding_window: int | None) -> LayerWeights:
+    """One layer's structure: norms [H], contiguous dense weights (and biases or None) in one dtype,
+    caches [num_blocks, block_size, kvh, hs] (supports_decode_layer)."""
+    num_blocks, block_size = key_cache.shape[:2]
+    weights = LayerWeights(
+        _ptr(norm1), _ptr(norm2), _ptr(qkv[0]), _ptr(qkv[1]), _ptr(o[0]), _ptr(o[1]), _ptr(gate_up[0]),
+        _ptr(gate_up[1]), _ptr(down[0]), _ptr(down[1]), key_cache.data_ptr(), value_cache.data_ptr(),
+        norm1.shape[0], num_heads, num_kv_heads, head_size, down[0].shape[1], num_blocks * block_size, block_size,
+        eps, scale, DTYPE_CODES[key_cache.dtype], sliding_window or 0, DTYPE_CODES[qkv[0].dtype])
+    weights._keep = (key_cache, value_cache)  # the pointers stay valid while the structure lives
+    return weights
+
+
+class DecodeLayers:
+    """One decode step of M rows, row i being sequence i's one new token, through a list of layers."""
+
+    def __init__(self, lib, layers: list[LayerWeights], cos_sin: torch.Tensor, positions: torch.Tensor,
+                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """cos_sin [P, 2 hs] in the layers' dtype; positions, slot_mapping [M] int64; block_tables
+        [M, max_blocks]; seq_lens [M]."""
+        num_rows = positions.shape[0]
+        block_tables = block_tables.to(torch.int32).contiguous()
+        seq_lens = seq_lens.to(torch.int32).contiguous()
+        query_start_loc = torch.arange(num_rows + 1, dtype=torch.int32)
+        positions, slot_mapping = positions.contiguous(), slot_mapping.contiguous()
+        seqs = torch.arange(num_rows)
+        self.rows = StepRows(cos_sin.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(),
+                             block_tables.data_ptr(), seq_lens.data_ptr(), query_start_loc.data_ptr(), seqs.data_ptr(),
+                             num_rows, block_tables.shape[1])
+        self.tensors = (cos_sin, block_tables, seq_lens, query_start_loc, positions, slot_mapping, seqs)
+        self.lib = lib
+        self.first = layers[0]
+        self.layer_addresses = [ctypes.addressof(weights) for weights in layers]
+        self.layers = layers  # keeps the structures alive
+        self.rows_address = ctypes.addressof(self.rows)
+
+    def run(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [M, H] (the embeddings) -> (last layer's output, residual stream), as a layer loop returns."""
+        num_rows, size = hidden.shape
+        first = self.first
+        q_width = first.num_heads * first.head_size
+        qkv_width = q_width + 2 * first.num_kv_heads * first.head_size
+        scratch = torch.empty(num_rows * (2 * size + qkv_width + q_width + 3 * first.inner), dtype=hidden.dtype)
+        hidden = hidden.contiguous()
+        residual = None
+        run_layer = self.lib.decode_layer
+        for address in self.layer_addresses:
+            out = torch.empty(num_rows, size, dtype=hidden.dtype)
+            run_layer(address, self.rows_address, hidden.data_ptr(),
+                      residual.data_ptr() if residual is not None else None, residual is not None, out.data_ptr(),
+                      scratch.data_ptr())
+            if residual is None:
+                residual = hidden
+            hidden = out
+        return hidden, residual

@@ -1,0 +1,36 @@
+"""What crosses the native library's C interface besides argument lists (those are
+library.SIGNATURES): the dtype codes and the structures, mirrored in ctypes from
+kernels/native/pagedserve_cpu.h. tests/kernels/test_native_header.py parses the header and checks
+these against it (names, order, types, sizes and offsets, the latter from a probe compiled by the
+system C compiler).
+
+    DTYPE_CODES     torch dtype -> enum pagedserve_dtype (the `dtype` and `cache_dtype` arguments)
+    LayerWeights    struct layer_weights: one decoder layer's weight and cache pointers and sizes
+    StepRows        struct step_rows: one decode step's rows, shared by every layer of the step
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # DTYPE_F32, DTYPE_BF16
+
+_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+
+
+class LayerWeights(ctypes.Structure):
+    _fields_ = [(name, _P) for name in ("norm1", "norm2", "w_qkv", "b_qkv", "w_o", "b_o", "w_gate_up", "b_gate_up",
+                                        "w_down", "b_down", "key_cache", "value_cache")] + [
+        (name, _I64) for name in ("hidden", "num_heads", "num_kv_heads", "head_size", "inner", "num_slots",
+                                  "block_size")] + [("eps", _F32), ("scale", _F32), ("cache_dtype", _I32),
+                                                    ("sliding_window", _I32), ("dtype", _I32)]
+
+
+class StepRows(ctypes.Structure):
+    _fields_ = [(name, _P) for name in ("cos_sin", "positions", "slot_mapping", "block_tables", "seq_lens",
+                                        "query_start_loc", "seqs")] + [("num_rows", _I64), ("max_blocks", _I64)]
+
+
+STRUCTURES = {"layer_weights": LayerWeights, "step_rows": StepRows}  # C struct name -> ctypes mirror

@@ -1,0 +1,151 @@
+"""The native library's one C header (kernels/native/pagedserve_cpu.h) against the ctypes side:
+library.SIGNATURES and RESTYPES match every prototype, each ctypes Structure in abi.py matches its
+C struct in member names, order, types, sizeof and offsets (as the system C compiler lays it out),
+and abi.DTYPE_CODES matches the header's enum. The same checks run on deliberately wrong copies,
+which they must reject."""
+
+from __future__ import annotations
+
+import ast
+import ctypes
+from pathlib import Path
+
+import pytest
+import torch
+from c_header import (
+    HeaderFormatError,
+    c_layout,
+    parse_header,
+    signature_mismatches,
+    structure_mismatches,
+)
+
+from pagedserve.kernels.native import abi
+from pagedserve.kernels.native import library as native_lib
+
+HEADER = native_lib.SOURCE_DIR / "pagedserve_cpu.h"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+ENUM_NAMES = {torch.float32: "DTYPE_F32", torch.bfloat16: "DTYPE_BF16"}
+
+
+@pytest.fixture(scope="module")
+def header():
+    return parse_header(HEADER.read_text())
+
+
+@pytest.fixture(scope="module")
+def layouts(header, tmp_path_factory):
+    compiler = native_lib.compiler()
+    assert compiler is not None, "the layout check needs the C compiler the library build uses"
+    return c_layout(HEADER, header, compiler, tmp_path_factory.mktemp("probe"))
+
+
+def test_the_parser_reads_every_prototype_and_struct(header):
+    assert set(header.functions) >= {"add_rms_norm", "decode_layer", "linear_rows_available",
+                                      "paged_decode_attention"}
+    assert header.functions["linear_rows_available"].params == ()
+    assert header.functions["linear_rows_available"].return_type == "int32_t"
+    assert header.functions["decode_layer"].params[:2] == ("pointer", "pointer")  # the struct pointers
+    assert header.structs["step_rows"].fields[-2:] == (("num_rows", "int64_t"), ("max_blocks", "int64_t"))
+    assert header.enums["pagedserve_dtype"] == {"DTYPE_F32": 0, "DTYPE_BF16": 1}
+
+
+def test_signatures_match_every_prototype(header):
+    assert signature_mismatches(header, native_lib.SIGNATURES, native_lib.RESTYPES) == []
+
+
+def test_structures_match_the_compilers_layout(header, layouts):
+    assert set(abi.STRUCTURES) == set(header.structs)
+    assert structure_mismatches(header, abi.STRUCTURES, layouts) == []
+
+
+def test_dtype_codes_are_the_headers_enum(header):
+    enum = header.enums["pagedserve_dtype"]
+    assert {ENUM_NAMES[dtype]: code for dtype, code in abi.DTYPE_CODES.items()} == enum
+
+
+def test_dtype_codes_are_defined_once():
+    """Only abi.py assigns DTYPE_CODES; every kernel wrapper imports it."""
+    assigning = []
+    for folder in ("kernels", "worker", "pagedserve"):
+        for path in sorted((REPO_ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+                if any(isinstance(target, ast.Name) and target.id == "DTYPE_CODES" for target in targets):
+                    assigning.append(path.relative_to(REPO_ROOT).as_posix())
+    assert assigning == ["kernels/native/abi.py"]
+
+
+def test_the_library_builds_against_the_header():
+    """Every .c includes the header (the compiler then checks each definition against its prototype)."""
+    for source in native_lib.sources():
+        assert '#include "pagedserve_cpu.h"' in source.read_text(), source.name
+
+
+# --- the checks reject wrong copies ---------------------------------------------------------------
+
+def test_a_wrong_signature_is_named(header):
+    P, I32, I64, F32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+    wrong = dict(native_lib.SIGNATURES)
+    wrong["silu_mul"] = (P, P, I64, I64, I32, I32)  # stride int32, not int64
+    wrong["add_rms_norm"] = native_lib.SIGNATURES["add_rms_norm"][:-1]  # has_residual dropped
+    del wrong["linear_rows_f32"]
+    wrong["linear_rows_int8"] = (P, P, P, P, I64, I64, I64)  # a function the header does not declare
+    problems = signature_mismatches(header, wrong, {**native_lib.RESTYPES, "decode_layer": F32})
+    assert problems == [
+        "linear_rows_f32: in the header, not in SIGNATURES",
+        "linear_rows_int8: in SIGNATURES, not in the header",
+        "add_rms_norm: 9 arguments in the header, 8 in SIGNATURES",
+        "silu_mul: argument 4 is int64_t in the header, c_int in SIGNATURES",
+        "decode_layer: returns void in the header, c_float in RESTYPES",
+    ]
+    assert signature_mismatches(header, native_lib.SIGNATURES, {}) == [
+        "linear_rows_available: returns int32_t in the header, void in RESTYPES"]
+
+
+def test_a_wrong_structure_is_named(header, layouts):
+    rows, weights = list(abi.StepRows._fields_), list(abi.LayerWeights._fields_)
+
+    class Swapped(ctypes.Structure):  # two members in the wrong order
+        _fields_ = [rows[1], rows[0], *rows[2:]]
+
+    class Widened(ctypes.Structure):  # eps a double: the members after it move
+        _fields_ = [*weights[:19], ("eps", ctypes.c_double), *weights[20:]]
+
+    class Packed(ctypes.Structure):  # the right members packed: no tail padding, the size alone differs
+        _pack_ = 1
+        _fields_ = weights
+
+    def check(**structures):
+        return structure_mismatches(header, {**abi.STRUCTURES, **structures}, layouts)
+
+    assert check(step_rows=Swapped) == [
+        f"struct step_rows: members {[name for name, _ in rows]} in the header, "
+        f"{[name for name, _ in Swapped._fields_]} in Swapped",
+        "struct step_rows.positions: offset 8 in C, 0 in Swapped",
+        "struct step_rows.cos_sin: offset 0 in C, 8 in Swapped"]
+    assert check(layer_weights=Widened) == [
+        "struct layer_weights.eps: float in the header, c_double in Widened",
+        "struct layer_weights.scale: offset 156 in C, 160 in Widened",
+        "struct layer_weights.cache_dtype: offset 160 in C, 164 in Widened",
+        "struct layer_weights.sliding_window: offset 164 in C, 168 in Widened",
+        "struct layer_weights.dtype: offset 168 in C, 172 in Widened"]  # the size pads to 176 either way
+    assert check(layer_weights=Packed) == ["struct layer_weights: sizeof 176 in C, 172 in Packed"]
+    assert structure_mismatches(header, {"step_rows": abi.StepRows}, layouts) == [
+        "struct layer_weights: in the header, no ctypes Structure"]
+
+
+def test_a_wrong_header_is_caught_or_refused(tmp_path):
+    text = HEADER.read_text()
+    edited = parse_header(text.replace("int64_t stride, int32_t dtype);", "int32_t stride, int32_t dtype);"))
+    assert signature_mismatches(edited, native_lib.SIGNATURES, native_lib.RESTYPES) == [
+        "silu_mul: argument 4 is int32_t in the header, c_long in SIGNATURES"]
+    with pytest.raises(HeaderFormatError, match="double"):
+        parse_header(text.replace("float eps, scale;", "double eps, scale;"))
+    with pytest.raises(HeaderFormatError, match="struct missing"):
+        parse_header(text.replace("void *scratch);", "struct missing *scratch);"))
+    moved = text.replace("    int64_t num_rows, max_blocks;", "    int32_t pad;\n    int64_t num_rows, max_blocks;")
+    (tmp_path / HEADER.name).write_text(moved)
+    header = parse_header(moved)
+    layouts = c_layout(tmp_path / HEADER.name, header, native_lib.compiler(), tmp_path)
+    assert structure_mismatches(header, abi.STRUCTURES, layouts)[0].startswith("struct step_rows: members")
