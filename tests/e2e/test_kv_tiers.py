@@ -5,13 +5,16 @@ another block size reuses nothing."""
 
 from __future__ import annotations
 
+import os
 import random
 import re
+import signal
+import threading
 
 import pytest
 
 from tests.e2e.conftest import build_checkpoint, start_server
-from tests.e2e.harness import token_request
+from tests.e2e.harness import stream_tokens, token_request, wait_for
 
 PREFIX_TOKENS = 2000
 MAX_TOKENS = 8
@@ -73,3 +76,38 @@ def test_prefix_survives_eviction_and_restart(long_checkpoint, tmp_path, tmp_pat
         assert cached == 0
     finally:
         assert other.stop() == 0
+
+
+def test_a_worker_killed_while_writing_block_files(long_checkpoint, tmp_path, tmp_path_factory) -> None:
+    """A worker killed mid-stream, with block files still queued for its writer: serve restarts it,
+    the stream completes with the tokens of an undisturbed run, and every prompt asked again (its
+    blocks from disk where the files made it, computed where not) gives its cold tokens."""
+    tiers = ("--num-kv-blocks", "160", "--kv-offloading-size", "0.05", "--kv-cache-dir", str(tmp_path))
+    server = start_server(long_checkpoint, tmp_path_factory, "tiers-crash", *tiers)
+    try:
+        prompts = [_prompt(10 + index) for index in range(2)]
+        cold = [_generate(server, prompt)[0] for prompt in prompts]
+        streamed = _prompt(20)
+        undisturbed = list(server.stub.Generate(token_request(streamed, max_tokens=120, ignore_eos=True),
+                                                timeout=300).completions[0].token_ids)
+        _generate(server, _prompt(21))  # evicts the streamed prompt's blocks from the device pool
+        old_worker = server.child_pids()["worker-0"]
+        received: list[int] = []
+        errors: list[Exception] = []
+        thread = threading.Thread(target=stream_tokens, args=(server, _prompt(22), [], []),
+                                  kwargs={"max_tokens": 4})
+        thread.start()  # a fresh prompt: its blocks are being written when the worker dies
+        streaming = threading.Thread(target=stream_tokens, args=(server, streamed, received, errors),
+                                     kwargs={"max_tokens": 120})
+        streaming.start()
+        assert wait_for(lambda: len(received) >= 2, timeout=120)
+        os.kill(old_worker, signal.SIGKILL)
+        streaming.join(300)
+        thread.join(300)
+        assert not errors, errors
+        assert received == undisturbed
+        assert server.child_pids()["worker-0"] != old_worker
+        for prompt, tokens in zip(prompts, cold):
+            assert _generate(server, prompt)[0] == tokens
+    finally:
+        assert server.stop() == 0
