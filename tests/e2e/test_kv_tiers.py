@@ -111,3 +111,24 @@ def test_a_worker_killed_while_writing_block_files(long_checkpoint, tmp_path, tm
             assert _generate(server, prompt)[0] == tokens
     finally:
         assert server.stop() == 0
+
+
+def test_tensor_parallel_ranks_write_and_read_their_shards(long_checkpoint, tmp_path, tmp_path_factory) -> None:
+    """With two ranks every block has a file per rank (its KV heads); a restart reads both."""
+    prompt = _prompt(30)[:512]
+    tiers = ("--tensor-parallel-size", "2", "--num-kv-blocks", "64", "--kv-cache-dir", str(tmp_path))
+    server = start_server(long_checkpoint, tmp_path_factory, "tiers-tp", *tiers)
+    try:
+        cold, _ = _generate(server, prompt)
+    finally:
+        assert server.stop() == 0
+    (folder,) = [entry for entry in tmp_path.iterdir() if entry.is_dir()]
+    names = os.listdir(folder)
+    assert {name.split(".")[1] for name in names} == {"r0", "r1"}
+    assert len([name for name in names if ".r0." in name]) == len([name for name in names if ".r1." in name]) >= 31
+    restarted = start_server(long_checkpoint, tmp_path_factory, "tiers-tp-restarted", *tiers)
+    try:
+        again, cached = _generate(restarted, prompt)
+        assert cached == 496 and again == cold
+    finally:
+        assert restarted.stop() == 0
