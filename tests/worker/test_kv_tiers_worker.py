@@ -32,7 +32,8 @@ def _prefill(runner: ModelRunner, step_id: int = 1, tier_ops: TierOps | None = N
 
 
 def _blocks(runner: ModelRunner, blocks: list[int]) -> list[torch.Tensor]:
-    return [tensor[blocks].clone() for pair in runner.cache.gpu_cache for tensor in pair]
+    """The blocks' raw bytes (fp8 tensors compare as bytes)."""
+    return [tensor[blocks].view(torch.uint8).clone() for pair in runner.cache.gpu_cache for tensor in pair]
 
 
 @pytest.fixture()
@@ -40,9 +41,10 @@ def model_path(checkpoint_dir):
     return checkpoint_dir("llama-gqa-untied")
 
 
-def test_host_and_disk_round_trip_and_restart(model_path, tmp_path) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_host_and_disk_round_trip_and_restart(model_path, tmp_path, kv_cache_dtype) -> None:
     keys = full_block_keys(PROMPT, BLOCK)
-    runner = _runner(model_path)
+    runner = _runner(model_path, kv_cache_dtype=kv_cache_dtype)
     runner.init_cache(8, 0, num_host_blocks=4, kv_cache_dir=str(tmp_path))
     first_token = _prefill(runner)
     expected = _blocks(runner, [0, 1, 2])
@@ -52,13 +54,13 @@ def test_host_and_disk_round_trip_and_restart(model_path, tmp_path) -> None:
     # the device blocks are overwritten, then loaded back from the host slots into other blocks
     for pair in runner.cache.gpu_cache:
         for tensor in pair:
-            tensor.fill_(float("nan"))
+            tensor.view(torch.uint8).fill_(0x7F)
     runner.execute(StepPlan(step_id=3, tier_ops=TierOps(loads=[(0, 5), (1, 6), (2, 7)])))
     assert all(torch.equal(a, b) for a, b in zip(_blocks(runner, [5, 6, 7]), expected))
     folder = layout_dir(tmp_path, runner.kv_layout().layout_id)
     assert sorted(os.listdir(folder)) == sorted(block_file_name(key, 0) for key in keys)
 
-    restarted = _runner(model_path)
+    restarted = _runner(model_path, kv_cache_dtype=kv_cache_dtype)
     restarted.init_cache(8, 0, num_host_blocks=4, kv_cache_dir=str(tmp_path))
     fetch = TierOps(fetches=[(key, slot) for slot, key in enumerate(keys)])
     assert restarted.execute(StepPlan(step_id=1, tier_ops=fetch)).failed_fetch_keys == []
