@@ -242,7 +242,8 @@ class StepBuilder:
         lookup = None
         if tiers is not None and len(cached_blocks) < num_queries:
             lookup = tiers.find(prefix_cache.keys_of(leader, num_queries)[len(cached_blocks):num_queries])
-            if lookup.disk and tiers.fetch(group.request_id, lookup.disk):
+            if lookup.disk and not group.has_waited_for_disk and tiers.fetch(lookup.disk):
+                group.has_waited_for_disk = True  # once per admission: a tiny host tier cannot loop
                 return False  # waits a step for its blocks to come from disk (kv_tiers.py)
         manager.adopt_prefix(leader, cached_blocks)
         num_tier_hits = 0
@@ -265,7 +266,7 @@ class StepBuilder:
         prefix_cache.record(num_queries, num_hits)
         if tiers is not None:
             tiers.stats.hits["device"] += len(cached_blocks)
-            tiers.admitted(group.request_id)
+        group.has_waited_for_disk = False
         if not group.is_admitted_once:
             group.is_admitted_once = True
             # a continuation's leader may hit blocks past the prompt: those are not prompt tokens

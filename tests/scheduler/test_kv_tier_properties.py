@@ -56,7 +56,7 @@ def test_tiers_see_hits_in_random_runs() -> None:
     """The randomized runs above do exercise the tiers (a guard against a vacuous property)."""
     hits = {"host": 0, "disk": 0}
 
-    @settings(max_examples=30, deadline=None, suppress_health_check=_HEALTH, database=None)
+    @settings(max_examples=30, deadline=None, suppress_health_check=_HEALTH, database=None, derandomize=True)
     @given(_tiered_workload())
     def run(workload) -> None:
         config, specs, reset_steps, _, _ = workload

@@ -68,7 +68,6 @@ class KvTiers:
         self._ops = TierOps()
         self._registered: list[tuple[int, bytes]] = []  # this step's: written to disk next step
         self._to_write: dict[bytes, int] = {}  # key -> device block, registered by an earlier step
-        self._fetched_for: set[str] = set()  # requests that waited for a fetch once already
         if self.disk is not None:
             self._ops.deletes += self.disk.load(disk_folder, world_size)
 
@@ -136,11 +135,9 @@ class KvTiers:
         if self.disk is not None and key in self.disk:
             self.disk.touch(key)
 
-    def fetch(self, request_id: str, keys: list[bytes]) -> bool:
-        """Fetches keys from disk into host slots for a request that then waits a step; False
-        when nothing was fetched (it waited once already, or no slot is free)."""
-        if request_id in self._fetched_for:
-            return False
+    def fetch(self, keys: list[bytes]) -> bool:
+        """Fetches keys from disk into host slots, as many as there are unpinned slots for;
+        False when none could be (the caller then computes those blocks)."""
         num_issued = 0
         for key in keys:
             if key in self.host:
@@ -150,12 +147,7 @@ class KvTiers:
                 break
             self._ops.fetches.append((key, slot))
             num_issued += 1
-        if num_issued:
-            self._fetched_for.add(request_id)
         return num_issued > 0
-
-    def admitted(self, request_id: str) -> None:
-        self._fetched_for.discard(request_id)
 
     # -- steps --------------------------------------------------------------------------------
     def take_ops(self, gpu_pool: BlockPool) -> TierOps | None:
@@ -195,7 +187,6 @@ class KvTiers:
             self.host.clear()
         self._ops = TierOps()
         self._registered, self._to_write = [], {}
-        self._fetched_for.clear()
 
     def evictions(self) -> dict[str, int]:
         return {"host": self.host.num_evictions if self.host is not None else 0,
