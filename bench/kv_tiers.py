@@ -1,5 +1,6 @@
 """Time to first token of a long shared prefix: cold, warm from the device pool, warm from the host
-tier (after other load evicted it), warm from the disk tier (after a restart of serve).
+tier (after other load evicted it), warm from the disk tier (after a restart of serve), and cold on a serve without the tiers (what
+the saves and the disk write-through cost a cold prompt).
 
     python bench/kv_tiers.py [--prefix-tokens 2000] [--hidden-size 256] [--num-layers 4] [--repeats 3]
 
@@ -91,13 +92,22 @@ def main() -> None:
             ttft, tokens, cached = ask(server, prompt)
             assert tokens == expected, "disk hit changed the tokens"
             results["disk"].append((ttft, cached))
+    # the cost of the tiers on a cold prompt (saves and write-through snapshots in the steps):
+    # the same prompts on a serve without them, the same order
+    plain = [flag for flag in flags if flag not in ("--kv-offloading-size", "0.5", "--kv-cache-dir", str(work / "kv"))]
+    with ServeProcess(model, work / "serve-plain.log", plain) as server:
+        ask(server, [5, 6, 7])
+        for prompt, expected in zip(prompts, cold_tokens):
+            ttft, tokens, cached = ask(server, prompt)
+            assert tokens == expected
+            results.setdefault("cold, no tiers", []).append((ttft, cached))
     cold = statistics.median(ttft for ttft, _ in results["cold"])
     print(f"prefix {args.prefix_tokens} tokens, hidden {args.hidden_size}, {args.num_layers} layers, float32, "
           f"{args.repeats} prefixes; load {open('/proc/loadavg').read().split()[:3]}")
-    print(f"{'source':8} {'TTFT ms (median)':>17} {'vs cold':>8} {'cached tokens':>14}")
+    print(f"{'source':14} {'TTFT ms (median)':>11} {'vs cold':>8} {'cached tokens':>14}")
     for name, runs in results.items():
         median = statistics.median(ttft for ttft, _ in runs)
-        print(f"{name:8} {median * 1000:17.1f} {median / cold:8.2f} {min(cached for _, cached in runs):14d}")
+        print(f"{name:14} {median * 1000:11.1f} {median / cold:8.2f} {min(cached for _, cached in runs):14d}")
     files = os.listdir(next((work / "kv").iterdir()))
     print(f"block files: {len(files)}, {sum(os.path.getsize(next((work / 'kv').iterdir()) / name) for name in files)} bytes")
 

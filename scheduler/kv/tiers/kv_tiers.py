@@ -137,10 +137,11 @@ class KvTiers:
 
     def fetch(self, keys: list[bytes]) -> bool:
         """Fetches keys from disk into host slots, as many as there are unpinned slots for;
-        False when none could be (the caller then computes those blocks)."""
+        False when none is on its way (the caller then computes those blocks)."""
         num_issued = 0
         for key in keys:
             if key in self.host:
+                num_issued += self.host.is_pending(key)  # another request's fetch: ready next step too
                 continue
             slot = self.host.put(key, is_pending=True)
             if slot is None:
