@@ -147,3 +147,13 @@ def test_disk_index_reads_complete_blocks_of_every_rank(tmp_path) -> None:
     index = DiskIndex(10)
     assert index.load(str(tmp_path), world_size=2) == []
     assert index.keys() == [key_a]
+
+
+def test_speculation_and_preemption_by_swap_keep_their_tokens_with_tiers(tmp_path) -> None:
+    specs = _evicting_workload([3, 4, 5], again_at=30)  # the prefix comes back while the fillers run
+    oracle = run_workload(_config(num_gpu_blocks=400), specs)
+    for index, changes in enumerate(({"speculative_method": "ngram"}, {"preemption_mode": "swap", "num_cpu_blocks": 64},
+                                     {"speculative_method": "draft"})):
+        result = run_workload(_disk_config(tmp_path / str(index), **changes), specs)
+        for spec in specs:
+            assert _tokens(result, spec.request_id) == _tokens(oracle, spec.request_id), changes
