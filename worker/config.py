@@ -89,6 +89,8 @@ class WorkerConfig:
         require(self.kv_offloading_size_gib is None or self.kv_offloading_size_gib >= 0, "kv_offloading_size_gib",
                 "must be >= 0")
         require(self.kv_cache_dir is None or bool(self.kv_cache_dir), "kv_cache_dir", "must name a folder when given")
+        require(not (self.kv_cache_dir and self.kv_offloading_size_gib == 0), "kv_offloading_size_gib",
+                "must be > 0 with --kv-cache-dir: blocks read from disk are staged in the host tier")
         require(self.quantization in QUANTIZATIONS, "quantization", f"must be one of {', '.join(QUANTIZATIONS)}")
         require(self.quantization_group_size is None or self.quantization_group_size > 0,
                 "quantization_group_size", "must be positive")

@@ -119,3 +119,14 @@ def test_block_file_decode_checks_everything() -> None:
         arguments = dict(key=b"k" * 16, rank=0, layout_id="L", payload_bytes=200) | options
         with pytest.raises(block_file.BadBlockFile):
             block_file.decode(bad, **arguments)
+
+
+def test_worker_config_sizes_the_host_tier() -> None:
+    from pagedserve.config.flags import ConfigError
+    from pagedserve.worker.config import DISK_STAGING_GIB, WorkerConfig
+
+    assert WorkerConfig(model_path="m").host_tier_gib == 0.0
+    assert WorkerConfig(model_path="m", kv_cache_dir="/tmp/kv").host_tier_gib == DISK_STAGING_GIB
+    assert WorkerConfig(model_path="m", kv_offloading_size_gib=2.0).host_tier_gib == 2.0
+    with pytest.raises(ConfigError, match="staged in the host tier"):
+        WorkerConfig(model_path="m", kv_cache_dir="/tmp/kv", kv_offloading_size_gib=0.0)
