@@ -103,11 +103,11 @@ class KvTiers:
         found = TierLookup()
         for key in keys:
             slot = self.host.slot_of(key) if self.host is not None else None
-            if slot is not None and not found.disk:
-                found.host.append((key, slot))
-            elif self.disk is not None and key in self.disk and self.host is not None:
-                if slot is None:
-                    found.disk.append(key)
+            if slot is not None:
+                if not found.disk:  # after a key to fetch it waits with the rest of the prefix
+                    found.host.append((key, slot))
+            elif self.host is not None and self.disk is not None and key in self.disk:
+                found.disk.append(key)
             else:
                 break
         return found
