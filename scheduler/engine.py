@@ -37,7 +37,7 @@ from pagedserve.contracts.request_types import Request, RequestOutput
 from pagedserve.scheduler.core.admission import Admission
 from pagedserve.scheduler.core.errors import RequestFailed, SchedulerConfigError
 from pagedserve.scheduler.core.config import SchedulerConfig
-from pagedserve.scheduler.worker_link import WorkerLink, WorkerLost
+from pagedserve.scheduler.worker_link import PoolSize, WorkerLink, WorkerLost
 
 Sink = Callable[[RequestOutput | Exception], None]
 Dispatch = Callable[[list[tuple[Sink, RequestOutput | Exception]]], None]
@@ -216,7 +216,7 @@ class Engine:
             self._give_up_recovery("the restarted workers have a different KV pool size")
         is_new_scheduler = self.scheduler is None
         if is_new_scheduler:
-            self.scheduler = self._new_scheduler(pool.num_gpu_blocks, pool.num_cpu_blocks)
+            self.scheduler = self._new_scheduler(pool)
         else:
             self._log.info("requests_resumed", num_requests=len(self._sinks))
         self._recovery_deadline = None
@@ -240,10 +240,14 @@ class Engine:
         self.scheduler = None
         self._fail_all(EngineUnavailable(f"workers lost: {reason}"))
 
-    def _new_scheduler(self, num_gpu_blocks: int, num_cpu_blocks: int):
+    def _new_scheduler(self, pool: PoolSize):
+        """A Scheduler over the pool the workers offer, with their KV tiers (the disk tier's index
+        is read from its folder now: scheduler/kv/tiers)."""
         from pagedserve.scheduler.core.scheduler import Scheduler
 
-        return Scheduler(replace(self.config, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks))
+        return Scheduler(replace(self.config, num_gpu_blocks=pool.num_gpu_blocks, num_cpu_blocks=pool.num_cpu_blocks,
+                                 num_host_blocks=pool.num_host_blocks, kv_layout_id=pool.kv_layout_id,
+                                 num_kv_block_bytes=pool.num_bytes_per_block, num_kv_ranks=self.link.world_size))
 
     def _step(self) -> bool:
         started = time.perf_counter()

@@ -54,6 +54,23 @@ class SchedulerMetrics:
         self.spec_unspeculated = Counter(
             "pagedserve_spec_decode_unspeculated_requests",
             "Requests served without speculation although it is on, by reason", ["reason"], registry=r)
+        self.kv_tier_hits = Counter("pagedserve_kv_tier_hits",
+                                    "Prompt KV blocks reused from a prefix-cache tier (device, host, disk)",
+                                    ["tier"], registry=r)
+        self.kv_tier_bytes = Counter("pagedserve_kv_tier_bytes",
+                                     "KV bytes moved into (write) or out of (read) the host and disk tiers, all ranks",
+                                     ["tier", "direction"], registry=r)
+        self.kv_tier_evictions = Counter("pagedserve_kv_tier_evictions",
+                                         "KV blocks evicted from the host or disk tier", ["tier"], registry=r)
+        self.kv_tier_failed_fetches = Counter("pagedserve_kv_tier_failed_fetches",
+                                              "Block files that could not be read back (missing, truncated, "
+                                              "corrupt) and were dropped", registry=r)
+        for tier in ("device", "host", "disk"):
+            self.kv_tier_hits.labels(tier=tier)
+        for tier in ("host", "disk"):
+            self.kv_tier_evictions.labels(tier=tier)
+            for direction in ("read", "write"):
+                self.kv_tier_bytes.labels(tier=tier, direction=direction)
         self._last = {"swap": 0, "recompute": 0, "queries": 0, "hits": 0, "drafts": 0, "draft_tokens": 0,
                       "accepted": 0}
 
@@ -79,6 +96,16 @@ class SchedulerMetrics:
         for position, total in enumerate(stats.num_spec_accepted_per_position):
             self._advance(self.spec_accepted_per_position.labels(position=str(position)),
                           f"accepted_at_{position}", total)
+        tiers = stats.tiers
+        for tier, total in tiers.hits.items():
+            self._advance(self.kv_tier_hits.labels(tier=tier), f"tier_hits_{tier}", total)
+        for direction, totals in (("read", tiers.bytes_read), ("write", tiers.bytes_written)):
+            for tier, total in totals.items():
+                self._advance(self.kv_tier_bytes.labels(tier=tier, direction=direction),
+                              f"tier_bytes_{tier}_{direction}", total)
+        for tier, total in tiers.evictions.items():
+            self._advance(self.kv_tier_evictions.labels(tier=tier), f"tier_evictions_{tier}", total)
+        self._advance(self.kv_tier_failed_fetches, "tier_failed_fetches", tiers.num_failed_fetches)
         if step_seconds is not None:
             self.step_seconds.observe(step_seconds)
         for seconds in queue_seconds:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedserve.scheduler.kv.block_pool import BlockPool
 
@@ -18,6 +18,26 @@ class PoolStats:
     def of(pool: BlockPool) -> PoolStats:
         return PoolStats(num_total=pool.num_blocks, num_free=pool.num_free, num_used=pool.num_used,
                          num_cached=pool.num_cached)
+
+
+@dataclass(slots=True, frozen=True)
+class TierTotals:
+    """Running totals of the KV tiers (scheduler/kv/tiers): per tier hits, bytes, evictions."""
+
+    hits: dict[str, int] = field(default_factory=dict)  # device, host, disk: prefix blocks reused
+    bytes_read: dict[str, int] = field(default_factory=dict)  # host, disk
+    bytes_written: dict[str, int] = field(default_factory=dict)
+    evictions: dict[str, int] = field(default_factory=dict)
+    num_failed_fetches: int = 0
+
+    @staticmethod
+    def of(tiers) -> TierTotals:
+        if tiers is None:
+            return TierTotals()
+        stats = tiers.stats
+        return TierTotals(hits=dict(stats.hits), bytes_read=dict(stats.bytes_read),
+                          bytes_written=dict(stats.bytes_written), evictions=tiers.evictions(),
+                          num_failed_fetches=stats.num_failed_fetches)
 
 
 @dataclass(slots=True, frozen=True)
@@ -38,3 +58,4 @@ class SchedulerStats:
     num_spec_accepted_tokens: int = 0  # of those, accepted
     num_spec_accepted_per_position: tuple[int, ...] = ()  # [i]: proposal i + 1 accepted
     num_spec_unspeculated_requests: int = 0  # requests a speculating scheduler serves without (beam search)
+    tiers: TierTotals = field(default_factory=TierTotals)

@@ -63,12 +63,18 @@ class RankState:
     pid: int
     last_seen: float
     ready_epoch: int = -1
+    num_host_blocks: int = 0  # host KV tier slots
+    kv_layout_id: str = ""  # the disk tier's layout ("" without --kv-cache-dir)
+    num_bytes_per_block: int = 0
 
 
 @dataclass(slots=True)
 class PoolSize:
     num_gpu_blocks: int
     num_cpu_blocks: int
+    num_host_blocks: int = 0
+    kv_layout_id: str = ""  # every rank's, when they agree; "" otherwise (no disk tier)
+    num_bytes_per_block: int = 0  # one rank's block
 
 
 @dataclass
@@ -175,7 +181,8 @@ class WorkerLink:
             raise WorkerLost(f"worker rank {reg.rank} registered again as pid {reg.pid}: "
                              f"its serving process (pid {known.pid}) is gone")
         self.ranks[reg.rank] = RankState(reg.rank, reg.num_gpu_blocks, reg.num_cpu_blocks,
-                                         reg.device, reg.pid, now)
+                                         reg.device, reg.pid, now, num_host_blocks=reg.num_host_blocks,
+                                         kv_layout_id=reg.kv_layout_id, num_bytes_per_block=reg.num_bytes_per_block)
 
     def last_heard(self) -> str:
         """'last heard: rank 0 0.1s ago, rank 1 3.0s ago' for log lines."""
@@ -207,9 +214,11 @@ class WorkerLink:
         if max_gpu_blocks is not None:
             num_gpu = min(num_gpu, max_gpu_blocks)
         num_cpu = min(state.num_cpu_blocks for state in self.ranks.values())
+        num_host = min(state.num_host_blocks for state in self.ranks.values())
+        layout_ids = {state.kv_layout_id for state in self.ranks.values()}
         self.epoch += 1
         init = step_pb2.SchedulerMessage(init_cache=step_pb2.InitCache(
-            epoch=self.epoch, num_gpu_blocks=num_gpu, num_cpu_blocks=num_cpu))
+            epoch=self.epoch, num_gpu_blocks=num_gpu, num_cpu_blocks=num_cpu, num_host_blocks=num_host))
         payload = init.SerializeToString()
         while not all(state.ready_epoch == self.epoch for state in self.ranks.values()):
             if time.monotonic() > deadline:
@@ -220,7 +229,8 @@ class WorkerLink:
                 message = self._receive(end - time.monotonic())
                 if message is not None:
                     self._note(message)
-        return PoolSize(num_gpu, num_cpu)
+        return PoolSize(num_gpu, num_cpu, num_host, layout_ids.pop() if len(layout_ids) == 1 else "",
+                        max(state.num_bytes_per_block for state in self.ranks.values()))
 
     # ---- steps -----------------------------------------------------------------------------
 

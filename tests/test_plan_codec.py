@@ -110,3 +110,16 @@ def test_worker_draft_context_round_trips() -> None:
     assert decoded == plan
     assert decoded.seqs[0].draft_context_ids == [3, 4] and decoded.seqs[2].draft_start_position == 20
     assert not plan_to_proto(StepPlan(step_id=6, seqs=[ScheduledSeq(2, [8], 4, [1], spec)])).draft_context_ids
+
+
+def test_kv_tier_operations_round_trip_and_are_absent_when_empty() -> None:
+    from pagedserve.contracts.tier_ops import TierOps, TierSave
+
+    ops = TierOps(saves=[TierSave(3, 7, b"k" * 16, True), TierSave(4, -1, b"j" * 16, True), TierSave(5, 2, b"i" * 16)],
+                  fetches=[(b"f" * 16, 1)], loads=[(7, 9), (2, 10)], deletes=[b"d" * 16])
+    plan = StepPlan(step_id=4, epoch=2, tier_ops=ops)
+    assert plan_from_proto(plan_to_proto(plan)) == plan
+    assert not plan_to_proto(StepPlan(step_id=5, tier_ops=TierOps())).HasField("tier_ops")
+    assert plan_from_proto(plan_to_proto(StepPlan(step_id=5))).tier_ops is None
+    result = StepResult(step_id=4, epoch=2, failed_fetch_keys=[b"f" * 16])
+    assert result_from_proto(result_to_proto(result)) == result

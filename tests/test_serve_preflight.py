@@ -78,3 +78,13 @@ def test_on_cuda_only_the_swap_space_is_host_memory():
     with pytest.raises(PreflightError, match="swap space 32.00 GiB"):
         check_deployment(model, Deployment(device="cuda", swap_space_gib=16.0, tensor_parallel_size=2),
                          total_bytes=24 * GIB)
+
+
+def test_the_host_kv_tier_counts_as_host_memory():
+    model = _model()
+    check_deployment(model, _cpu(kv_offloading_size_gib=2.0), total_bytes=24 * GIB)
+    with pytest.raises(PreflightError, match="--kv-offloading-size does not fit.*host KV tier 24.00 GiB"):
+        check_deployment(model, _cpu(kv_offloading_size_gib=24.0), total_bytes=24 * GIB)
+    with pytest.raises(PreflightError, match="host KV tier 32.00 GiB"):
+        check_deployment(model, Deployment(device="cuda", kv_offloading_size_gib=16.0, tensor_parallel_size=2),
+                         total_bytes=24 * GIB)

@@ -12,13 +12,14 @@ from dataclasses import dataclass
 from pagedserve.config.flags import option, require
 from pagedserve.config.shared_options import (
     DEFAULT_DIST_INIT_ADDRESS, SPECULATIVE_QUANTIZATIONS, allow_insecure_internal_transport_option, block_size_option,
-    model_option, plan_address_option, result_address_option, speculative_model_option,
+    kv_cache_dir_option, model_option, plan_address_option, result_address_option, speculative_model_option,
     speculative_quantization_option, tensor_parallel_size_option,
 )
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
+DISK_STAGING_GIB = 0.25  # the host tier's default with a disk tier: blocks read from disk land there first
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
 
 
@@ -48,6 +49,12 @@ class WorkerConfig:
     kv_cache_memory_gib: float | None = option(
         None, flag="--kv-cache-memory", metavar="GIB", serve=True,
         help="memory for the KV pool per rank (default: derived from the device)")
+    kv_offloading_size_gib: float | None = option(
+        None, flag="--kv-offloading-size", metavar="GIB", serve=True,
+        help="host tier of the prefix cache per rank: KV blocks evicted from the device pool are kept in this much "
+             "host memory and loaded back on a prefix hit (default 0, or 0.25 with --kv-cache-dir, where it "
+             "stages the blocks read from disk; on a CPU device it is the same RAM as the pool)")
+    kv_cache_dir: str | None = kv_cache_dir_option()
     quantization: str = option("none", choices=QUANTIZATIONS, serve=True,
                                help="weight-only quantization of the linear layers: none dequantizes a GGUF to "
                                     "--dtype; auto keeps a GGUF's Q4_0/Q4_1 (int4, groups of 32) and Q8_0 (int8) "
@@ -61,6 +68,13 @@ class WorkerConfig:
     speculative_model: str | None = speculative_model_option()
     speculative_quantization: str = speculative_quantization_option()
 
+    @property
+    def host_tier_gib(self) -> float:
+        """--kv-offloading-size, or its default: 0 without a disk tier, else DISK_STAGING_GIB."""
+        if self.kv_offloading_size_gib is not None:
+            return self.kv_offloading_size_gib
+        return DISK_STAGING_GIB if self.kv_cache_dir else 0.0
+
     def __post_init__(self) -> None:
         require(self.world_size >= 1, "world_size", f"must be >= 1, not {self.world_size}")
         require(0 <= self.rank < self.world_size, "rank", f"{self.rank} is outside world size {self.world_size}")
@@ -72,6 +86,11 @@ class WorkerConfig:
         require(self.swap_space_gib is None or self.swap_space_gib >= 0, "swap_space_gib", "must be >= 0")
         require(self.kv_cache_memory_gib is None or self.kv_cache_memory_gib > 0, "kv_cache_memory_gib",
                 "must be positive")
+        require(self.kv_offloading_size_gib is None or self.kv_offloading_size_gib >= 0, "kv_offloading_size_gib",
+                "must be >= 0")
+        require(self.kv_cache_dir is None or bool(self.kv_cache_dir), "kv_cache_dir", "must name a folder when given")
+        require(not (self.kv_cache_dir and self.kv_offloading_size_gib == 0), "kv_offloading_size_gib",
+                "must be > 0 with --kv-cache-dir: blocks read from disk are staged in the host tier")
         require(self.quantization in QUANTIZATIONS, "quantization", f"must be one of {', '.join(QUANTIZATIONS)}")
         require(self.quantization_group_size is None or self.quantization_group_size > 0,
                 "quantization_group_size", "must be positive")

@@ -34,6 +34,9 @@ from pagedserve.worker.cache_engine import (
     cuda_device_blocks,
     pair_bytes_per_block,
 )
+from pagedserve.contracts.tier_ops import layout_dir
+from pagedserve.worker.kv_tiers.layout import KvLayout, model_digest, scales_digest
+from pagedserve.worker.kv_tiers.tier_store import TierStore
 from pagedserve.worker.speculation.draft_model import DraftModel
 from pagedserve.worker.speculation.draft_proposer import DraftProposer
 from pagedserve.worker.speculation.draft_verify import sample_verifying_drafts
@@ -107,6 +110,8 @@ class ModelRunner:
             self.draft = DraftModel(speculative_model, quantization=speculative_quantization,
                                     quantization_group_size=quantization_group_size)
         self.draft_proposer: DraftProposer | None = None
+        self.tp: TensorParallelGroup | None = None
+        self.tiers: TierStore | None = None
 
     def load(self) -> None:
         """Reads config.json, builds this rank's shard of the model and loads its weights."""
@@ -118,6 +123,7 @@ class ModelRunner:
             self.dtype = resolve_dtype(self.requested_dtype, checkpoint_dtype, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(self.requested_kv_cache_dtype, self.dtype)
         tp = TensorParallelGroup(rank=self.rank, world_size=self.world_size)
+        self.tp = tp
         max_positions = self.max_model_len or self.config.max_position_embeddings
         loaded = load_model(self.model_path, self.config, tp=tp, dtype=self.dtype, device=self.device,
                             max_positions=max_positions, quantization=self.quantization)
@@ -225,9 +231,32 @@ class ModelRunner:
                 self.draft.logits(inputs.token_ids, inputs.metadata, scratch)
         del scratch, logits
 
-    def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+    def kv_layout(self) -> KvLayout:
+        """What makes this rank's KV blocks reusable (worker/kv_tiers/layout.py)."""
+        model = self._require_model()
+        shape = self.cache_shape
+        draft = ""
+        if self.draft is not None:
+            draft_shape = self.draft_cache_shape
+            draft = (f"{model_digest(self.draft.path)}:{draft_shape.num_layers}x{draft_shape.num_kv_heads}"
+                     f"x{draft_shape.head_size}:{self.draft.quantization.method}")
+        return KvLayout(model_digest=model_digest(self.model_path), dtype=str(self.dtype).removeprefix("torch."),
+                        kv_cache_dtype=str(shape.dtype).removeprefix("torch."), kv_scales=scales_digest(model),
+                        block_size=shape.block_size, num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads,
+                        head_size=shape.head_size, world_size=self.world_size,
+                        quantization=f"{self.quantization.method}:{self.quantization.group_size}", draft=draft)
+
+    def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int, num_host_blocks: int = 0,
+                   kv_cache_dir: str | None = None, layout: KvLayout | None = None) -> None:
+        """The device pool and swap space; with num_host_blocks or kv_cache_dir, the KV tiers too."""
+        self.tiers = None
         self.cache = CacheEngine(self.cache_shape, num_gpu_blocks, num_cpu_blocks, self.device,
                                  draft_shape=self.draft_cache_shape)
+        if num_host_blocks or kv_cache_dir:
+            layout = layout or self.kv_layout()
+            folder = layout_dir(kv_cache_dir, layout.layout_id) if kv_cache_dir else None
+            self.tiers = TierStore(self.cache, num_host_blocks, folder=folder, layout_id=layout.layout_id,
+                                   layout=layout.describe(), rank=self.rank, tp=self.tp)
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Block operations, then the forward (the draft model's first when it proposes the drafts);
@@ -238,8 +267,20 @@ class ModelRunner:
         if plan.drafts_from_worker and self.draft_proposer is None:
             raise PlanError("the plan asks for drafts from the worker's draft model, and this worker has none "
                             "(--speculative-model)")
-        self.cache.execute_block_ops(plan.blocks_to_swap_out, plan.blocks_to_swap_in, plan.blocks_to_copy)
         result = StepResult(step_id=plan.step_id, epoch=plan.epoch)
+        tier_ops = plan.tier_ops
+        if tier_ops is not None and self.tiers is None:
+            raise PlanError("the plan has KV tier operations, and this worker has no KV tiers "
+                            "(--kv-offloading-size, --kv-cache-dir)")
+        if tier_ops is None:
+            self.cache.execute_block_ops(plan.blocks_to_swap_out, plan.blocks_to_swap_in, plan.blocks_to_copy)
+        else:  # the order of pagedserve.contracts.tier_ops
+            self.tiers.save(tier_ops)
+            self.cache.swap_out(plan.blocks_to_swap_out)
+            result.failed_fetch_keys = self.tiers.fetch(tier_ops)
+            self.cache.swap_in(plan.blocks_to_swap_in)
+            self.tiers.load(tier_ops)
+            self.cache.copy(plan.blocks_to_copy)
         if not plan.seqs:
             return result
         with torch.inference_mode():

@@ -141,12 +141,16 @@ def run_worker(config: WorkerConfig, *, adapts_threads: bool = False) -> int:
                  num_weight_bytes=runner.num_draft_weight_bytes, num_layers=len(runner.draft.model.layers))
     budget = plan_memory(runner, device_type="cuda" if device.startswith("cuda") else "cpu",
                          num_ranks=config.world_size, kv_cache_memory_gib=config.kv_cache_memory_gib,
-                         swap_space_gib=config.swap_space_gib)
+                         swap_space_gib=config.swap_space_gib, host_tier_gib=config.host_tier_gib)
     log.info("memory_budget", **budget.log_fields())
     if exceeds_available(budget):
         log.warning("memory_budget_exceeds_available", reason="other processes use the host's memory; "
                     "the KV pool or swap space may be paged out or killed for lack of memory")
     capacity, num_cpu_blocks = budget.num_gpu_blocks, budget.num_cpu_blocks
+    layout = runner.kv_layout() if budget.num_host_blocks or config.kv_cache_dir else None
+    if layout is not None:
+        log.info("kv_tiers", num_host_blocks=budget.num_host_blocks, kv_cache_dir=config.kv_cache_dir,
+                 kv_layout_id=layout.layout_id)
 
     context = zmq.Context.instance()
     sub = context.socket(zmq.SUB)
@@ -160,7 +164,9 @@ def run_worker(config: WorkerConfig, *, adapts_threads: bool = False) -> int:
     stop = threading.Event()
     register = step_pb2.WorkerMessage(register=step_pb2.Register(
         rank=config.rank, world_size=config.world_size, num_gpu_blocks=capacity,
-        num_cpu_blocks=num_cpu_blocks, device=device, pid=os.getpid())).SerializeToString()
+        num_cpu_blocks=num_cpu_blocks, device=device, pid=os.getpid(), num_host_blocks=budget.num_host_blocks,
+        kv_layout_id=layout.layout_id if layout is not None and config.kv_cache_dir else "",
+        num_bytes_per_block=runner.bytes_per_block)).SerializeToString()
 
     def heartbeat() -> None:
         """Registers every second: the scheduler may start later, miss the first, or restart;
@@ -173,7 +179,7 @@ def run_worker(config: WorkerConfig, *, adapts_threads: bool = False) -> int:
     signal.signal(signal.SIGTERM, _raise_stopped)
     signal.signal(signal.SIGINT, _raise_stopped)
     try:
-        return _serve_plans(config, runner, sub, pusher, state, log, cpu_share)
+        return _serve_plans(config, runner, sub, pusher, state, log, cpu_share, layout)
     except WorkerStopped as exc:
         log.info("worker_stopping", reason=str(exc))
         pusher.send(step_pb2.WorkerMessage(error=step_pb2.WorkerError(
@@ -194,12 +200,14 @@ def run_worker(config: WorkerConfig, *, adapts_threads: bool = False) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         stop.set()
+        if runner.tiers is not None and runner.tiers.writer is not None:
+            runner.tiers.writer.flush(timeout=10.0)  # block files queued so far reach the disk
         time.sleep(0.05)
         pusher.close()
         sub.close(0)
 
 
-def _serve_plans(config, runner, sub, pusher, state, log, cpu_share=None) -> int:
+def _serve_plans(config, runner, sub, pusher, state, log, cpu_share=None, layout=None) -> int:
     import torch
 
     last_step_id: int | None = None  # the first plan of an epoch sets the base
@@ -215,10 +223,11 @@ def _serve_plans(config, runner, sub, pusher, state, log, cpu_share=None) -> int
         if kind == "init_cache":
             init = message.init_cache
             if init.epoch != state["epoch"]:
-                sizes = (init.num_gpu_blocks, init.num_cpu_blocks)
-                if runner.cache is None or (runner.cache.num_gpu_blocks, runner.cache.num_cpu_blocks) != sizes:
-                    runner.cache = None  # the old pool goes before the new one is allocated
-                    runner.init_cache(*sizes)
+                sizes = (init.num_gpu_blocks, init.num_cpu_blocks, init.num_host_blocks)
+                num_host = runner.tiers.num_host_blocks if runner.tiers is not None else 0
+                if runner.cache is None or (runner.cache.num_gpu_blocks, runner.cache.num_cpu_blocks, num_host) != sizes:
+                    runner.cache = runner.tiers = None  # the old pool goes before the new one is allocated
+                    runner.init_cache(*sizes, kv_cache_dir=config.kv_cache_dir, layout=layout)
                 state["epoch"] = init.epoch
                 last_step_id = None
                 log.info("kv_cache_ready", epoch=init.epoch, num_gpu_blocks=init.num_gpu_blocks,

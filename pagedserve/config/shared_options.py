@@ -7,6 +7,7 @@ addresses by which the processes find each other.
     --block-size              scheduler, worker
     --plan-address, --result-address    scheduler (binds), worker (connects)
     --metrics-host            frontend, scheduler
+    --kv-cache-dir            scheduler (indexes the block files), worker (writes and reads them)
     --speculative-model, --speculative-quantization    worker (serve checks them against the
                               scheduler's --speculative-method and passes them to every rank)
 
@@ -84,3 +85,9 @@ def speculative_quantization_option() -> Any:
     return option("none", choices=SPECULATIVE_QUANTIZATIONS, serve=True,
                   help="weight-only quantization of the draft model, as --quantization for the target "
                        "(int4: the target itself as a cheap draft)")
+
+
+def kv_cache_dir_option() -> Any:
+    return option(None, metavar="DIR", serve=True,
+                  help="disk tier of the prefix cache: full KV blocks are written here as block files and "
+                       "found again after a restart (a folder per model and KV layout; docs/kv-tiers.md)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from itertools import chain
 
 from pagedserve.internal import step_pb2
+from pagedserve.contracts.tier_ops import TierOps, TierSave
 from pagedserve.contracts.step_plan import SampleSpec, ScheduledSeq, SeqFailure, SeqSample, StepPlan, StepResult
 
 
@@ -113,7 +114,30 @@ def plan_to_proto(plan: StepPlan) -> step_pb2.StepPlan:
     _pairs_to_proto(plan.blocks_to_swap_out, msg.blocks_to_swap_out)
     _pairs_to_proto(plan.blocks_to_swap_in, msg.blocks_to_swap_in)
     _pairs_to_proto(plan.blocks_to_copy, msg.blocks_to_copy)
+    if plan.tier_ops is not None and not plan.tier_ops.is_empty:
+        _tier_ops_to_proto(plan.tier_ops, msg.tier_ops)
     return msg
+
+
+def _tier_ops_to_proto(ops: TierOps, out: step_pb2.TierOps) -> None:
+    out.save_blocks.extend([save.block_id for save in ops.saves])
+    out.save_slots.extend([save.host_slot for save in ops.saves])
+    out.save_to_disk.extend([save.to_disk for save in ops.saves])
+    out.save_keys.extend([save.key for save in ops.saves])
+    out.fetch_keys.extend([key for key, _ in ops.fetches])
+    out.fetch_slots.extend([slot for _, slot in ops.fetches])
+    out.load_slots.extend([slot for slot, _ in ops.loads])
+    out.load_blocks.extend([block for _, block in ops.loads])
+    out.delete_keys.extend(ops.deletes)
+
+
+def _tier_ops_from_proto(msg: step_pb2.TierOps) -> TierOps:
+    return TierOps(
+        saves=[TierSave(block, slot, key, to_disk) for block, slot, to_disk, key
+               in zip(msg.save_blocks, msg.save_slots, msg.save_to_disk, msg.save_keys)],
+        fetches=list(zip(msg.fetch_keys, msg.fetch_slots)),
+        loads=list(zip(msg.load_slots, msg.load_blocks)),
+        deletes=list(msg.delete_keys))
 
 
 def plan_from_proto(msg: step_pb2.StepPlan) -> StepPlan:
@@ -146,6 +170,7 @@ def plan_from_proto(msg: step_pb2.StepPlan) -> StepPlan:
         blocks_to_copy=_pairs_from_proto(msg.blocks_to_copy),
         epoch=msg.epoch,
         drafts_from_worker=msg.drafts_from_worker,
+        tier_ops=_tier_ops_from_proto(msg.tier_ops) if msg.HasField("tier_ops") else None,
     )
 
 
@@ -166,6 +191,7 @@ def result_to_proto(result: StepResult) -> step_pb2.StepResult:
         msg.beam_logprobs.extend(list(chain.from_iterable(sample.beam_logprobs for sample in samples)))
     msg.failed_seq_ids.extend([failure.seq_id for failure in result.failures])
     msg.failure_messages.extend([failure.message for failure in result.failures])
+    msg.failed_fetch_keys.extend(result.failed_fetch_keys)
     return msg
 
 
@@ -192,7 +218,7 @@ def result_from_proto(msg: step_pb2.StepResult) -> StepResult:
         sample.beam_token_ids, sample.beam_logprobs = ids, logprobs
     failures = [SeqFailure(seq_id, message) for seq_id, message in zip(msg.failed_seq_ids, msg.failure_messages)]
     return StepResult(step_id=msg.step_id, samples=samples, forward_seconds=msg.forward_seconds,
-                      epoch=msg.epoch, failures=failures)
+                      epoch=msg.epoch, failures=failures, failed_fetch_keys=list(msg.failed_fetch_keys))
 
 
 def encode_plan(plan: StepPlan) -> bytes:

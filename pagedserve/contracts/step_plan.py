@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedserve.contracts.tier_ops import TierOps
+
 
 @dataclass(slots=True)
 class SampleSpec:
@@ -76,6 +78,7 @@ class StepPlan:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src gpu, dst gpu)
     epoch: int = 0
     drafts_from_worker: bool = False  # the drafts of this step are for the worker's draft model to propose
+    tier_ops: TierOps | None = None  # KV tiers (tier_ops.py): saves first, fetches, loads before the copies
 
     @property
     def num_tokens(self) -> int:
@@ -110,3 +113,4 @@ class StepResult:
     forward_seconds: float = 0.0
     epoch: int = 0
     failures: list[SeqFailure] = field(default_factory=list)
+    failed_fetch_keys: list[bytes] = field(default_factory=list)  # block files no rank could use

@@ -49,7 +49,7 @@ class BlockPair(_message.Message):
     def __init__(self, src: _Optional[_Iterable[int]] = ..., dst: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("epoch", "step_id", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "seq_ids", "start_positions", "num_tokens", "token_ids", "num_blocks", "block_ids", "sample_index", "samples", "num_draft_tokens", "drafts_from_worker", "draft_start_positions", "num_draft_context_tokens", "draft_context_ids")
+    __slots__ = ("epoch", "step_id", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "seq_ids", "start_positions", "num_tokens", "token_ids", "num_blocks", "block_ids", "sample_index", "samples", "num_draft_tokens", "drafts_from_worker", "draft_start_positions", "num_draft_context_tokens", "draft_context_ids", "tier_ops")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_TO_SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class StepPlan(_message.Message):
     DRAFT_START_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_CONTEXT_IDS_FIELD_NUMBER: _ClassVar[int]
+    TIER_OPS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     step_id: int
     blocks_to_swap_out: BlockPair
@@ -86,17 +87,42 @@ class StepPlan(_message.Message):
     draft_start_positions: _containers.RepeatedScalarFieldContainer[int]
     num_draft_context_tokens: _containers.RepeatedScalarFieldContainer[int]
     draft_context_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, epoch: _Optional[int] = ..., step_id: _Optional[int] = ..., blocks_to_swap_out: _Optional[_Union[BlockPair, _Mapping]] = ..., blocks_to_swap_in: _Optional[_Union[BlockPair, _Mapping]] = ..., blocks_to_copy: _Optional[_Union[BlockPair, _Mapping]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., start_positions: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., sample_index: _Optional[_Iterable[int]] = ..., samples: _Optional[_Iterable[_Union[SampleSpec, _Mapping]]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., drafts_from_worker: _Optional[bool] = ..., draft_start_positions: _Optional[_Iterable[int]] = ..., num_draft_context_tokens: _Optional[_Iterable[int]] = ..., draft_context_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    tier_ops: TierOps
+    def __init__(self, epoch: _Optional[int] = ..., step_id: _Optional[int] = ..., blocks_to_swap_out: _Optional[_Union[BlockPair, _Mapping]] = ..., blocks_to_swap_in: _Optional[_Union[BlockPair, _Mapping]] = ..., blocks_to_copy: _Optional[_Union[BlockPair, _Mapping]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., start_positions: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., sample_index: _Optional[_Iterable[int]] = ..., samples: _Optional[_Iterable[_Union[SampleSpec, _Mapping]]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., drafts_from_worker: _Optional[bool] = ..., draft_start_positions: _Optional[_Iterable[int]] = ..., num_draft_context_tokens: _Optional[_Iterable[int]] = ..., draft_context_ids: _Optional[_Iterable[int]] = ..., tier_ops: _Optional[_Union[TierOps, _Mapping]] = ...) -> None: ...
+
+class TierOps(_message.Message):
+    __slots__ = ("save_blocks", "save_slots", "save_to_disk", "save_keys", "fetch_keys", "fetch_slots", "load_slots", "load_blocks", "delete_keys")
+    SAVE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SAVE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SAVE_TO_DISK_FIELD_NUMBER: _ClassVar[int]
+    SAVE_KEYS_FIELD_NUMBER: _ClassVar[int]
+    FETCH_KEYS_FIELD_NUMBER: _ClassVar[int]
+    FETCH_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DELETE_KEYS_FIELD_NUMBER: _ClassVar[int]
+    save_blocks: _containers.RepeatedScalarFieldContainer[int]
+    save_slots: _containers.RepeatedScalarFieldContainer[int]
+    save_to_disk: _containers.RepeatedScalarFieldContainer[bool]
+    save_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    fetch_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    fetch_slots: _containers.RepeatedScalarFieldContainer[int]
+    load_slots: _containers.RepeatedScalarFieldContainer[int]
+    load_blocks: _containers.RepeatedScalarFieldContainer[int]
+    delete_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, save_blocks: _Optional[_Iterable[int]] = ..., save_slots: _Optional[_Iterable[int]] = ..., save_to_disk: _Optional[_Iterable[bool]] = ..., save_keys: _Optional[_Iterable[bytes]] = ..., fetch_keys: _Optional[_Iterable[bytes]] = ..., fetch_slots: _Optional[_Iterable[int]] = ..., load_slots: _Optional[_Iterable[int]] = ..., load_blocks: _Optional[_Iterable[int]] = ..., delete_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class InitCache(_message.Message):
-    __slots__ = ("epoch", "num_gpu_blocks", "num_cpu_blocks")
+    __slots__ = ("epoch", "num_gpu_blocks", "num_cpu_blocks", "num_host_blocks")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NUM_GPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     num_gpu_blocks: int
     num_cpu_blocks: int
-    def __init__(self, epoch: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ...) -> None: ...
+    num_host_blocks: int
+    def __init__(self, epoch: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ...) -> None: ...
 
 class Shutdown(_message.Message):
     __slots__ = ("reason", "pids")
@@ -117,20 +143,26 @@ class SchedulerMessage(_message.Message):
     def __init__(self, init_cache: _Optional[_Union[InitCache, _Mapping]] = ..., step_plan: _Optional[_Union[StepPlan, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("rank", "world_size", "num_gpu_blocks", "num_cpu_blocks", "device", "pid")
+    __slots__ = ("rank", "world_size", "num_gpu_blocks", "num_cpu_blocks", "device", "pid", "num_host_blocks", "kv_layout_id", "num_bytes_per_block")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_GPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     num_gpu_blocks: int
     num_cpu_blocks: int
     device: str
     pid: int
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+    num_host_blocks: int
+    kv_layout_id: str
+    num_bytes_per_block: int
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., kv_layout_id: _Optional[str] = ..., num_bytes_per_block: _Optional[int] = ...) -> None: ...
 
 class Ready(_message.Message):
     __slots__ = ("rank", "epoch")
@@ -141,7 +173,7 @@ class Ready(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("epoch", "step_id", "forward_seconds", "seq_ids", "token_ids", "logprobs", "num_top", "top_token_ids", "top_logprobs", "num_beam", "beam_token_ids", "beam_logprobs", "failed_seq_ids", "failure_messages")
+    __slots__ = ("epoch", "step_id", "forward_seconds", "seq_ids", "token_ids", "logprobs", "num_top", "top_token_ids", "top_logprobs", "num_beam", "beam_token_ids", "beam_logprobs", "failed_seq_ids", "failure_messages", "failed_fetch_keys")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +188,7 @@ class StepResult(_message.Message):
     BEAM_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FAILED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     FAILURE_MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FETCH_KEYS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     step_id: int
     forward_seconds: float
@@ -170,7 +203,8 @@ class StepResult(_message.Message):
     beam_logprobs: _containers.RepeatedScalarFieldContainer[float]
     failed_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     failure_messages: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, epoch: _Optional[int] = ..., step_id: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., num_top: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., num_beam: _Optional[_Iterable[int]] = ..., beam_token_ids: _Optional[_Iterable[int]] = ..., beam_logprobs: _Optional[_Iterable[float]] = ..., failed_seq_ids: _Optional[_Iterable[int]] = ..., failure_messages: _Optional[_Iterable[str]] = ...) -> None: ...
+    failed_fetch_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, epoch: _Optional[int] = ..., step_id: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., num_top: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., num_beam: _Optional[_Iterable[int]] = ..., beam_token_ids: _Optional[_Iterable[int]] = ..., beam_logprobs: _Optional[_Iterable[float]] = ..., failed_seq_ids: _Optional[_Iterable[int]] = ..., failure_messages: _Optional[_Iterable[str]] = ..., failed_fetch_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class WorkerError(_message.Message):
     __slots__ = ("rank", "message", "pid")

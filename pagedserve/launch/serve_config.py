@@ -198,7 +198,8 @@ class ServeConfig:
         return Deployment(tensor_parallel_size=worker.world_size, device=worker.device, dtype=worker.dtype,
                           block_size=worker.block_size, max_model_len=self.scheduler.engine.max_model_len,
                           num_kv_blocks=self.scheduler.engine.num_gpu_blocks,
-                          kv_cache_memory_gib=worker.kv_cache_memory_gib, swap_space_gib=worker.swap_space_gib)
+                          kv_cache_memory_gib=worker.kv_cache_memory_gib, swap_space_gib=worker.swap_space_gib,
+                          kv_offloading_size_gib=worker.kv_offloading_size_gib)
 
     @property
     def scheduler_address(self) -> str:

@@ -44,6 +44,7 @@ class Deployment:
     num_kv_blocks: int | None = None
     kv_cache_memory_gib: float | None = None
     swap_space_gib: float | None = None
+    kv_offloading_size_gib: float | None = None  # the host KV tier per rank (host memory everywhere)
 
     @property
     def device_type(self) -> str:
@@ -121,21 +122,25 @@ def memory_problems(model: ModelInfo, deployment: Deployment, total_bytes: int) 
     is_cpu = deployment.device_type == "cpu"
     weights = weight_bytes(model, deployment) if is_cpu else 0
     swap = int((deployment.swap_space_gib or 0.0) * GIB) * ranks
+    host_tier = int((deployment.kv_offloading_size_gib or 0.0) * GIB) * ranks
+    host_flags = " and ".join(flag for flag, value in (("--swap-space", deployment.swap_space_gib),
+                                                        ("--kv-offloading-size", deployment.kv_offloading_size_gib))
+                              if value is not None)
     pools: dict[str, int] = {}  # the flag that sets the pool -> the pool's bytes on this host
     if is_cpu and deployment.kv_cache_memory_gib is not None:
         pools["--kv-cache-memory"] = int(deployment.kv_cache_memory_gib * GIB) * ranks
     if is_cpu and deployment.num_kv_blocks is not None:
         pools["--num-kv-blocks"] = deployment.num_kv_blocks * block_bytes(model, deployment) * ranks
-    if deployment.swap_space_gib is not None and not pools:
-        pools["--swap-space"] = cpu_kv_pool_bytes(total_bytes, weights, ranks) * ranks if is_cpu else 0
-    elif deployment.swap_space_gib is not None:
-        pools = {f"{flag} with --swap-space": pool for flag, pool in pools.items()}
+    if host_flags and not pools:
+        pools[host_flags] = cpu_kv_pool_bytes(total_bytes, weights, ranks) * ranks if is_cpu else 0
+    elif host_flags:
+        pools = {f"{flag} with {host_flags}": pool for flag, pool in pools.items()}
     problems = []
     for flags, pool in pools.items():
-        if weights + pool + swap < total_bytes:
+        if weights + pool + swap + host_tier < total_bytes:
             continue
         parts = [f"{name} {_gib(size)}" for name, size in (("weights", weights), ("KV pool", pool),
-                                                           ("swap space", swap)) if size]
+                                                           ("swap space", swap), ("host KV tier", host_tier)) if size]
         problems.append(f"{flags} does not fit this host: {' + '.join(parts)} for {ranks} rank(s) "
                         f"is more than its {_gib(total_bytes)} of memory")
     return problems

@@ -34,10 +34,13 @@ log-softmax.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 import random
 
 from pagedserve.contracts.step_plan import SampleSpec, ScheduledSeq, SeqSample, StepPlan, StepResult
+from pagedserve.contracts.tier_ops import block_file_name
 
 _ROOT = 0x5EED
 _MASK = (1 << 48) - 1
@@ -58,7 +61,8 @@ class DigestWorker:
 
     def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int = 0, *,
                  vocab_size: int = 24, first_token_id: int = 0, logit_std: float | None = None,
-                 has_draft_model: bool = False) -> None:
+                 has_draft_model: bool = False, num_host_blocks: int = 0,
+                 disk_folder: str | None = None) -> None:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.first_token_id = first_token_id
@@ -70,23 +74,39 @@ class DigestWorker:
         self.draft_gpu: list[list[int | None]] = [[None] * block_size for _ in range(num_draft_gpu)]
         self.draft_cpu: list[list[int | None]] = [[None] * block_size for _ in range(num_draft_cpu)]
         self.plans: list[StepPlan] = []
+        # KV tiers (pagedserve.contracts.tier_ops): host slots, and block files (JSON of the slot
+        # values) in disk_folder, the layout folder the scheduler indexes; a test may damage them
+        self.host: list[list[int | None] | None] = [None] * num_host_blocks
+        self.disk_folder = disk_folder
 
     @classmethod
     def for_config(cls, config, **options) -> "DigestWorker":
         """A worker whose pools (and draft mode) match a SchedulerConfig's."""
         options.setdefault("has_draft_model", config.speculative_method == "draft")
+        options.setdefault("num_host_blocks", config.num_host_blocks)
+        options.setdefault("disk_folder", config.kv_layout_folder)
         return cls(config.block_size, config.num_gpu_blocks, config.num_cpu_blocks, **options)
 
     def run(self, plan: StepPlan) -> StepResult:
         self.plans.append(plan)
+        tiers = plan.tier_ops
+        if tiers is not None:
+            self._save(plan)
         for gpu_blocks, cpu_blocks in ((self.gpu, self.cpu), (self.draft_gpu, self.draft_cpu)):
             if not gpu_blocks:
                 continue
             for gpu, cpu in plan.blocks_to_swap_out:
                 cpu_blocks[cpu] = list(gpu_blocks[gpu])
+        failed_fetch_keys = self._fetch(plan) if tiers is not None else []
+        for gpu_blocks, cpu_blocks in ((self.gpu, self.cpu), (self.draft_gpu, self.draft_cpu)):
+            if not gpu_blocks:
+                continue
             for cpu, gpu in plan.blocks_to_swap_in:
                 gpu_blocks[gpu] = list(cpu_blocks[cpu])
-            for src, dst in plan.blocks_to_copy:
+        if tiers is not None:
+            self._load(plan)
+        for gpu_blocks in (self.gpu, self.draft_gpu):
+            for src, dst in plan.blocks_to_copy if gpu_blocks else ():
                 gpu_blocks[dst] = list(gpu_blocks[src])
         seq_ids = [seq.seq_id for seq in plan.seqs]
         if len(set(seq_ids)) != len(seq_ids):
@@ -100,7 +120,56 @@ class DigestWorker:
         for seq in seqs:
             if seq.sample is not None:
                 samples += self._verify(seq, written)
-        return StepResult(step_id=plan.step_id, samples=samples, epoch=plan.epoch)
+        return StepResult(step_id=plan.step_id, samples=samples, epoch=plan.epoch,
+                          failed_fetch_keys=failed_fetch_keys)
+
+    # -- KV tiers -----------------------------------------------------------------------------
+    def _save(self, plan: StepPlan) -> None:
+        """Saves read full device blocks (every slot written); deletes follow them."""
+        for save in plan.tier_ops.saves:
+            block = self.gpu[save.block_id]
+            if any(value is None for value in block):
+                raise DigestWorkerError(f"step {plan.step_id} saves device block {save.block_id}, "
+                                        f"which is not full: {block}")
+            if save.host_slot >= 0:
+                self.host[save.host_slot] = list(block)
+            if save.to_disk and self.disk_folder is not None:
+                os.makedirs(self.disk_folder, exist_ok=True)
+                path = self._path(save.key)
+                with open(path + ".tmp", "w") as file:
+                    json.dump(block, file)
+                os.replace(path + ".tmp", path)
+        for key in plan.tier_ops.deletes:
+            if os.path.exists(self._path(key)):
+                os.remove(self._path(key))
+
+    def _path(self, key: bytes) -> str:
+        return os.path.join(self.disk_folder or "", block_file_name(key, 0))
+
+    def _fetch(self, plan: StepPlan) -> list[bytes]:
+        failed = []
+        for key, slot in plan.tier_ops.fetches:
+            try:
+                with open(self._path(key)) as file:
+                    content = json.load(file)
+                if not isinstance(content, list) or len(content) != self.block_size:
+                    raise ValueError("truncated")
+                self.host[slot] = content
+            except (OSError, ValueError):
+                if os.path.exists(self._path(key)):
+                    os.remove(self._path(key))  # a damaged file is removed, as the real worker does
+                self.host[slot] = None
+                failed.append(key)
+        return failed
+
+    def _load(self, plan: StepPlan) -> None:
+        for slot, block in plan.tier_ops.loads:
+            content = self.host[slot]
+            if content is None:
+                raise DigestWorkerError(f"step {plan.step_id} loads host slot {slot}, which holds nothing")
+            self.gpu[block] = list(content)
+            if self.draft_gpu:
+                self.draft_gpu[block] = [None] * self.block_size  # the tiers keep the target's KV only
 
     # -- draft mode ---------------------------------------------------------------------------
     def _propose_drafts(self, plan: StepPlan, draft_written: dict[tuple[int, int], int]) -> list[ScheduledSeq]:

@@ -10,12 +10,15 @@ from dataclasses import dataclass
 
 from pagedserve.config.flags import internal, option
 from pagedserve.scheduler.core.errors import SchedulerConfigError
-from pagedserve.config.shared_options import block_size_option
+from pagedserve.config.shared_options import block_size_option, kv_cache_dir_option
+from pagedserve.contracts.tier_ops import layout_dir
 
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 DEFAULT_MAX_WAITING_TOKENS = 1 << 20
+GIB = 1 << 30
+BLOCK_FILE_OVERHEAD_BYTES = 1024  # a block file's header, at most (worker/kv_tiers/block_file.py)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -71,6 +74,17 @@ class SchedulerConfig:
     speculative_disable_batch_size: int = option(
         4, metavar="N", serve=True,
         help="no speculation in a step when more sequences than this are running")
+    # KV tiers (scheduler/kv/tiers): the host tier's size comes from the workers (--kv-offloading-size),
+    # the disk tier's folder from the workers' layout (worker/kv_tiers/layout.py).
+    kv_cache_dir: str | None = kv_cache_dir_option()
+    kv_cache_disk_size_gib: float = option(
+        16.0, flag="--kv-cache-disk-size", metavar="GIB", serve=True,
+        help="disk tier budget of --kv-cache-dir (block files of every rank); the least recently used go first")
+    num_host_blocks: int = internal(0)  # host tier slots every rank has, known when they register
+    kv_layout_id: str = internal("")  # the workers' KV layout, known when they register
+    num_kv_block_bytes: int = internal(0)  # one block's KV on one rank
+    num_kv_ranks: int = internal(1)
+    tier_load_tokens_per_block: float = internal(1.0)  # step budget a block loaded from the host tier costs
     swap_seconds_per_block: float = internal(3.3e-5)
     recompute_seconds_per_token: float = internal(5.4e-5)
     # The step loop (engine.py) and its admission control:
@@ -116,6 +130,15 @@ class SchedulerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise SchedulerConfigError(name, "must be a finite number >= 0")
+        _require_int("num_host_blocks", self.num_host_blocks, minimum=0)
+        _require_int("num_kv_block_bytes", self.num_kv_block_bytes, minimum=0)
+        _require_int("num_kv_ranks", self.num_kv_ranks, minimum=1)
+        for name in ("kv_cache_disk_size_gib", "tier_load_tokens_per_block"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise SchedulerConfigError(name, "must be a finite number >= 0")
+        if self.kv_cache_dir is not None and not self.kv_cache_dir:
+            raise SchedulerConfigError("kv_cache_dir", "must name a folder when given")
         _require_int("max_waiting_requests", self.max_waiting_requests, minimum=1)
         _require_int("max_waiting_tokens", self.max_waiting_tokens, minimum=1)
         if isinstance(self.startup_timeout, bool) or not isinstance(self.startup_timeout, (int, float)) \
@@ -140,6 +163,23 @@ class SchedulerConfig:
     @property
     def is_priority_policy(self) -> bool:
         return self.scheduling_policy == "priority"
+
+    @property
+    def kv_layout_folder(self) -> str | None:
+        """The disk tier's folder for the workers' layout; None without a disk tier."""
+        if self.kv_cache_dir is None or not self.kv_layout_id:
+            return None
+        return layout_dir(self.kv_cache_dir, self.kv_layout_id)
+
+    @property
+    def max_disk_blocks(self) -> int:
+        """Blocks the disk budget holds, every rank's file counted."""
+        per_block = (self.num_kv_block_bytes + BLOCK_FILE_OVERHEAD_BYTES) * self.num_kv_ranks
+        return int(self.kv_cache_disk_size_gib * GIB) // per_block if self.num_kv_block_bytes else 0
+
+    @property
+    def has_kv_tiers(self) -> bool:
+        return self.num_host_blocks > 0 or (self.kv_layout_folder is not None and self.max_disk_blocks > 0)
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold num_tokens KV slots."""

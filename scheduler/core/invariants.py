@@ -7,6 +7,8 @@
                  every table covers exactly its computed tokens
                  at least the last token is uncomputed between steps (it is computed and sampled next)
     per step     running sequences fit max_num_seqs
+    KV tiers     host slots: each free or holding one key, pinned only while a fetch is pending;
+                 disk index within its budget; no device block saved twice in one step's plan
 """
 
 from __future__ import annotations
@@ -95,3 +97,18 @@ def check_scheduler_invariants(scheduler: Scheduler) -> None:
     check_pool(manager.cpu_pool, cpu_refs, "cpu")
     if manager.cpu_pool.num_cached:
         raise InvariantError("the CPU pool caches blocks")
+    if manager.tiers is not None:
+        check_tiers(manager.tiers)
+
+
+def check_tiers(tiers) -> None:
+    host, disk = tiers.host, tiers.disk
+    if host is not None:
+        try:
+            host.check()
+        except ValueError as exc:
+            raise InvariantError(str(exc)) from None
+        if host._pinned != set(host._pending.values()):
+            raise InvariantError("host tier: slots stay pinned after their step's operations were taken")
+    if disk is not None and len(disk) > disk.max_num_blocks:
+        raise InvariantError(f"disk tier: {len(disk)} blocks over its budget of {disk.max_num_blocks}")

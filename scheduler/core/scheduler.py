@@ -18,7 +18,7 @@ from pagedserve.scheduler.core.invariants import check_scheduler_invariants
 from pagedserve.scheduler.core.output_processor import OutputProcessor
 from pagedserve.scheduler.core.request_intake import build_group
 from pagedserve.scheduler.core.config import SchedulerConfig
-from pagedserve.scheduler.stats import PoolStats, SchedulerStats
+from pagedserve.scheduler.stats import PoolStats, SchedulerStats, TierTotals
 from pagedserve.scheduler.core.sequence import GroupStatus, Sequence, SequenceGroup
 from pagedserve.scheduler.speculation.acceptance import SpecDecodeStats
 from pagedserve.scheduler.core.step_builder import ScheduledStep, StepBuilder
@@ -143,6 +143,8 @@ class Scheduler:
         if result.step_id != step.plan.step_id:
             raise StepOrderError(f"result of step {result.step_id} given for step {step.plan.step_id}")
         self._in_flight = None
+        if self.block_manager.tiers is not None:
+            self.block_manager.tiers.complete(step.plan, result)
         return self.pop_pending_outputs() + self._outputs.process(step, result)
 
     def reset(self) -> None:
@@ -151,6 +153,8 @@ class Scheduler:
         plan epoch increases."""
         self.block_manager.gpu_pool.reset()
         self.block_manager.cpu_pool.reset()
+        if self.block_manager.tiers is not None:
+            self.block_manager.tiers.reset()
         groups = sorted(self.running + self.swapped + self.waiting, key=_queue_key)
         for group in groups:
             for seq in group.seqs:
@@ -198,7 +202,8 @@ class Scheduler:
             num_spec_drafts=self.spec_stats.num_drafts, num_spec_draft_tokens=self.spec_stats.num_draft_tokens,
             num_spec_accepted_tokens=self.spec_stats.num_accepted_tokens,
             num_spec_accepted_per_position=tuple(self.spec_stats.num_accepted_per_position),
-            num_spec_unspeculated_requests=self.spec_stats.num_beam_search_requests)
+            num_spec_unspeculated_requests=self.spec_stats.num_beam_search_requests,
+            tiers=TierTotals.of(self.block_manager.tiers))
 
     def check_invariants(self) -> None:
         """Raises InvariantError when block accounting or queues are inconsistent."""

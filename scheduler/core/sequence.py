@@ -123,6 +123,7 @@ class SequenceGroup:
     beam: BeamSearchState | None = None  # beam search requests only
     num_cached_prompt_tokens: int = 0
     is_admitted_once: bool = False
+    has_waited_for_disk: bool = False  # its admission waited a step for KV tier fetches (kv_tiers.py)
     num_completions_done: int = 0
     is_sample_spec_static: bool = False  # no penalties and no min_tokens window: specs never change
     num_prompt_tokens: int = 0

@@ -14,7 +14,10 @@ Order of service, first come first served inside each pass (under --scheduling-p
        itself), until they fit (preemption.py).
     2. swapped groups, oldest first, swapped back in while they fit (not after a preemption).
     3. waiting groups, oldest first, admitted while they fit (not while any group is swapped or
-       after a preemption); the first that does not fit stops admission.
+       after a preemption); the first that does not fit stops admission. A prompt's cached
+       prefix continues from the device pool into the KV tiers (scheduler/kv/tiers): host hits
+       are loaded into fresh blocks (each costs tier_load_tokens_per_block of the budget); keys
+       only on disk are fetched and the group waits one step (admission stops there).
 
     budget:  max_num_batched_tokens  [ decodes ][ prefill chunks ........ ][ unused ]
              max_num_seqs            one slot per scheduled sequence
@@ -104,11 +107,13 @@ class StepBuilder:
         for _, seq in self.emitted:
             if not seq.num_draft_tokens:  # drafting sequences register after verification
                 register(seq)
-        if not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in):
+        tiers = self.block_manager.tiers
+        tier_ops = tiers.take_ops(self.block_manager.gpu_pool) if tiers is not None else None
+        if not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or tier_ops):
             return None
         plan = StepPlan(step_id=step_id, seqs=self.scheduled, blocks_to_swap_out=self.blocks_to_swap_out,
                         blocks_to_swap_in=self.blocks_to_swap_in, blocks_to_copy=self.blocks_to_copy,
-                        epoch=epoch, drafts_from_worker=self.drafts_from_worker)
+                        epoch=epoch, drafts_from_worker=self.drafts_from_worker, tier_ops=tier_ops)
         return ScheduledStep(plan=plan, sampled=self.sampled, groups=self.groups,
                              num_prefill_tokens=self.num_prefill_tokens,
                              num_decode_tokens=self.num_decode_tokens, num_preemptions=self.num_preemptions,
@@ -233,7 +238,23 @@ class StepBuilder:
         leader = group.seqs[0]
         limit = min(group.prefill_target(leader), len(leader.token_ids) - 1)
         num_queries, cached_blocks = prefix_cache.find_prefix(leader, limit)
+        tiers = manager.tiers
+        lookup = None
+        if tiers is not None and len(cached_blocks) < num_queries:
+            lookup = tiers.find(prefix_cache.keys_of(leader, num_queries)[len(cached_blocks):num_queries])
+            if lookup.disk and not group.has_waited_for_disk and tiers.fetch(lookup.disk):
+                group.has_waited_for_disk = True  # once per admission: a tiny host tier cannot loop
+                return False  # waits a step for its blocks to come from disk (kv_tiers.py)
         manager.adopt_prefix(leader, cached_blocks)
+        num_tier_hits = 0
+        if lookup is not None and lookup.host:
+            num_loads = min(tiers.num_affordable_loads(len(lookup.host), self.num_tokens_left),
+                            manager.gpu_pool.num_available)
+            hits = lookup.host[:num_loads]
+            tiers.pin(hits)
+            manager.adopt_tier_hits(leader, hits)
+            self.num_tokens_left -= tiers.load_cost(len(hits))
+            num_tier_hits = len(hits)
         manager.fork_if_ready(group)
         chunks = plan_chunks(group, self.num_tokens_left, self.num_seqs_left)
         num_needed = manager.count_blocks_needed(
@@ -241,12 +262,15 @@ class StepBuilder:
         if not chunks or num_needed > manager.gpu_pool.num_available:
             manager.drop_kv(group)
             return False
-        prefix_cache.record(num_queries, len(cached_blocks))
+        num_hits = len(cached_blocks) + num_tier_hits  # every tier's hits count as cached
+        prefix_cache.record(num_queries, num_hits)
+        if tiers is not None:
+            tiers.stats.hits["device"] += len(cached_blocks)
+        group.has_waited_for_disk = False
         if not group.is_admitted_once:
             group.is_admitted_once = True
             # a continuation's leader may hit blocks past the prompt: those are not prompt tokens
-            group.num_cached_prompt_tokens = min(len(cached_blocks) * manager.block_size,
-                                                 group.num_prompt_tokens)
+            group.num_cached_prompt_tokens = min(num_hits * manager.block_size, group.num_prompt_tokens)
         self.scheduler.waiting.remove(group)
         self._start_running(group)
         self._emit(group, chunks)

@@ -24,6 +24,7 @@ from collections.abc import Iterable
 
 from pagedserve.scheduler.kv.block_pool import BlockPool
 from pagedserve.scheduler.kv.prefix_cache import PrefixCache
+from pagedserve.scheduler.kv.tiers.kv_tiers import KvTiers
 from pagedserve.scheduler.core.config import SchedulerConfig
 from pagedserve.scheduler.core.sequence import Sequence, SequenceGroup
 
@@ -34,6 +35,14 @@ class BlockManager:
         self.gpu_pool = BlockPool(config.num_gpu_blocks, enable_caching=config.enable_prefix_caching)
         self.cpu_pool = BlockPool(config.num_cpu_blocks, enable_caching=False)
         self.prefix_cache = PrefixCache(self.gpu_pool, config.block_size)
+        self.tiers: KvTiers | None = None
+        if config.enable_prefix_caching and config.has_kv_tiers:
+            self.tiers = KvTiers(num_host_blocks=config.num_host_blocks, disk_folder=config.kv_layout_folder,
+                                 max_disk_blocks=config.max_disk_blocks, world_size=config.num_kv_ranks,
+                                 num_block_bytes=config.num_kv_block_bytes * config.num_kv_ranks,
+                                 load_tokens_per_block=config.tier_load_tokens_per_block)
+            self.gpu_pool.on_evict = self.tiers.on_device_evict
+            self.prefix_cache.on_registered = self.tiers.on_registered
 
     # -- sizing -----------------------------------------------------------------------------
     def count_blocks_needed(self, chunks: Iterable[tuple[Sequence, int]], pool: BlockPool) -> int:
@@ -119,6 +128,19 @@ class BlockManager:
         seq.num_computed_tokens = len(blocks) * self.block_size
         seq.num_registered_blocks = len(blocks)
         seq.num_draft_computed = 0
+
+    def adopt_tier_hits(self, seq: Sequence, hits: list[tuple[bytes, int]]) -> None:
+        """Extends seq's cached prefix with blocks from the host tier: each gets a device block,
+        registered under its key and filled by a load before the step's forward. The caller
+        pinned the hits' slots (no eviction of this step may reuse them) and checked room."""
+        pool, tiers = self.gpu_pool, self.tiers
+        for key, slot in hits:
+            block = pool.allocate()
+            pool.register(block, key)
+            tiers.load(slot, block, key)
+            seq.block_table.append(block)
+        seq.num_computed_tokens += len(hits) * self.block_size
+        seq.num_registered_blocks += len(hits)
 
     def truncate(self, seq: Sequence) -> None:
         """Releases the GPU blocks past seq's computed tokens (slots of rejected speculative

@@ -12,12 +12,14 @@ Every block is in exactly one state:
 
 allocate() takes a free block first and evicts the least recently released cached block only
 when the free list is empty. A key is a chained prefix hash (prefix_cache.py); the pool keeps the
-key -> block map of registered full blocks, so eviction also forgets the key.
+key -> block map of registered full blocks, so eviction also forgets the key; `on_evict`, when
+set, hears of each evicted keyed block first (the KV tiers keep its KV: scheduler/kv/tiers).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 from pagedserve.scheduler.core.errors import NoFreeBlocks
 
@@ -32,6 +34,7 @@ class BlockPool:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._block_of_key: dict[bytes, int] = {}
         self.num_used = 0
+        self.on_evict: Callable[[int, bytes], None] | None = None  # (block, key) before it is reused
 
     # -- counts -----------------------------------------------------------------------------
     @property
@@ -58,6 +61,8 @@ class BlockPool:
             self.block_keys[block] = None
             if key is not None and self._block_of_key.get(key) == block:
                 del self._block_of_key[key]
+                if self.on_evict is not None:
+                    self.on_evict(block, key)
         else:
             raise NoFreeBlocks(f"all {self.num_blocks} blocks are referenced")
         self.ref_counts[block] = 1
@@ -115,4 +120,6 @@ class BlockPool:
 
     def reset(self) -> None:
         """Forgets every block (workers restarted, KV lost)."""
+        on_evict = self.on_evict
         self.__init__(self.num_blocks, enable_caching=self.is_caching_enabled)
+        self.on_evict = on_evict

@@ -30,6 +30,7 @@ class PrefixCache:
         self.block_size = block_size
         self.num_queries = 0  # full prompt blocks looked up
         self.num_hits = 0  # of those, blocks reused
+        self.on_registered = None  # (block, key) of each newly registered block (the KV tiers)
 
     @property
     def is_enabled(self) -> bool:
@@ -78,5 +79,7 @@ class PrefixCache:
         keys = self.keys_of(seq, num_full)
         register = self.pool.register
         table = seq.block_table
+        on_registered = self.on_registered
         for index in range(start, num_full):
-            register(table[index], keys[index])
+            if register(table[index], keys[index]) and on_registered is not None:
+                on_registered(table[index], keys[index])

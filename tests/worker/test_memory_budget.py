@@ -108,3 +108,16 @@ def test_a_draft_model_counts_its_weights_and_its_kv_in_every_block(checkpoint_d
     assert budgets[1].log_fields()["num_draft_bytes_per_block"] == target_bytes // 2
     default = paired.profile_num_blocks()  # the CPU default: the host's share after both models' weights
     assert default * paired.bytes_per_block <= alone.profile_num_blocks() * target_bytes
+
+
+def test_the_host_kv_tier_is_host_memory_and_counted():
+    runner = FakeRunner(num_weight_bytes=GIB, default_pool_bytes=GIB)
+    budget = plan_memory(runner, device_type="cpu", num_ranks=2, kv_cache_memory_gib=None, swap_space_gib=None,
+                         total_bytes=24 * GIB, host_tier_gib=0.5)
+    assert budget.num_host_blocks == GIB // 2 // BLOCK_BYTES
+    assert budget.num_host_tier_bytes == GIB // 2
+    assert budget.num_headroom_bytes == 24 * GIB - 2 * (GIB + GIB + GIB // 2)
+    assert budget.log_fields()["num_host_tier_bytes"] == GIB // 2
+    with pytest.raises(MemoryBudgetError, match="host KV tier 20.00 GiB"):
+        plan_memory(runner, device_type="cuda", num_ranks=1, kv_cache_memory_gib=None, swap_space_gib=0,
+                    total_bytes=16 * GIB, host_tier_gib=20.0)
