@@ -30,7 +30,9 @@ from datetime import timedelta
 
 import zmq
 
-from pagedserve.security.zmq_curve import CurveKeys, check_internal_transport, curve_keys_from_env, secure_client
+from pagedserve.security.zmq_curve import (
+    CurveKeys, check_internal_transport, curve_keys_from_env, require_client_secret, secure_client,
+)
 from pagedserve.internal import step_pb2
 from pagedserve.log import configure_logging
 from pagedserve.contracts.plan_codec import encode_result, plan_from_proto
@@ -106,6 +108,7 @@ def run_worker(config: WorkerConfig, *, adapts_threads: bool = False) -> int:
 
     log = configure_logging("worker").bind(rank=config.rank)
     curve = curve_keys_from_env()  # the scheduler's CURVE link (pagedserve.security.zmq_curve), when set
+    require_client_secret(curve)  # before the model loads: a missing key fails in a second, not a load
     if check_internal_transport((config.plan_address, config.result_address), curve,
                                 is_insecure_allowed=config.allow_insecure_internal_transport):
         log.warning("internal_zmq_unauthenticated", plan_address=config.plan_address,
