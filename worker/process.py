@@ -1,7 +1,7 @@
 """The worker process: subscribes to step plans, runs them on its model shard, answers (rank 0).
 
     SUB  <- SchedulerMessage: InitCache (allocate KV blocks for an epoch), StepPlan,
-                              Shutdown (for this process's pid, or for every worker)
+                              Shutdown (for this process's instance id, or for every worker)
     PUSH -> WorkerMessage:    Register (every second from a thread, for as long as it lives: the
                               heartbeat), Ready, StepResult (rank 0 only),
                               WorkerError (then the process exits)
@@ -23,6 +23,7 @@ WorkerError and exits 1, since the group cannot be repaired; SIGTERM/SIGINT make
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import threading
 import time
@@ -43,6 +44,12 @@ from pagedserve.worker.layers.tensor_parallel import CollectiveError
 from pagedserve.worker.config import WorkerConfig
 
 HEARTBEAT_SECONDS = 1.0
+
+
+def new_instance_id() -> int:
+    """This process's identity towards the scheduler: random, 64 bits, never 0 (an unset field).
+    Not the pid, which repeats across containers (scheduler/worker_link.py)."""
+    return secrets.randbits(64) or 1
 
 
 class StepGap(RuntimeError):
@@ -109,6 +116,7 @@ def run_worker(config: WorkerConfig, *, adapts_threads: bool = False) -> int:
     log = configure_logging("worker").bind(rank=config.rank)
     curve = curve_keys_from_env()  # the scheduler's CURVE link (pagedserve.security.zmq_curve), when set
     require_client_secret(curve)  # before the model loads: a missing key fails in a second, not a load
+    instance_id = new_instance_id()
     if check_internal_transport((config.plan_address, config.result_address), curve,
                                 is_insecure_allowed=config.allow_insecure_internal_transport):
         log.warning("internal_zmq_unauthenticated", plan_address=config.plan_address,
@@ -159,11 +167,11 @@ def run_worker(config: WorkerConfig, *, adapts_threads: bool = False) -> int:
         secure_client(sub, curve)
     sub.connect(config.plan_address)
     pusher = _Pusher(context, config.result_address, curve)
-    state = {"epoch": 0}
+    state = {"epoch": 0, "instance_id": instance_id}
     stop = threading.Event()
     register = step_pb2.WorkerMessage(register=step_pb2.Register(
         rank=config.rank, world_size=config.world_size, num_gpu_blocks=capacity,
-        num_cpu_blocks=num_cpu_blocks, device=device, pid=os.getpid())).SerializeToString()
+        num_cpu_blocks=num_cpu_blocks, device=device, pid=os.getpid(), instance_id=instance_id)).SerializeToString()
 
     def heartbeat() -> None:
         """Registers every second: the scheduler may start later, miss the first, or restart;
@@ -180,18 +188,18 @@ def run_worker(config: WorkerConfig, *, adapts_threads: bool = False) -> int:
     except WorkerStopped as exc:
         log.info("worker_stopping", reason=str(exc))
         pusher.send(step_pb2.WorkerMessage(error=step_pb2.WorkerError(
-            rank=config.rank, message=str(exc), pid=os.getpid())))
+            rank=config.rank, message=str(exc), pid=os.getpid(), instance_id=instance_id)))
         return 0
     except CollectiveError as exc:
         log.error("tensor_parallel_group_broken", error=str(exc))
         pusher.send(step_pb2.WorkerMessage(error=step_pb2.WorkerError(
-            rank=config.rank, pid=os.getpid(),
+            rank=config.rank, pid=os.getpid(), instance_id=instance_id,
             message=f"its tensor-parallel group broke (another rank died or stalled): {exc}")))
         return 1
     except Exception as exc:  # reported to the scheduler, then the process exits non-zero
         log.exception("worker_failed")
         pusher.send(step_pb2.WorkerMessage(error=step_pb2.WorkerError(
-            rank=config.rank, message=f"{type(exc).__name__}: {exc}", pid=os.getpid())))
+            rank=config.rank, message=f"{type(exc).__name__}: {exc}", pid=os.getpid(), instance_id=instance_id)))
         return 1
     finally:  # bounded (the socket linger): a second signal must not cut it short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -211,7 +219,7 @@ def _serve_plans(config, runner, sub, pusher, state, log, cpu_share=None) -> int
         message.ParseFromString(sub.recv())
         kind = message.WhichOneof("kind")
         if kind == "shutdown":
-            if message.shutdown.pids and os.getpid() not in message.shutdown.pids:
+            if message.shutdown.instance_ids and state["instance_id"] not in message.shutdown.instance_ids:
                 continue  # meant for the processes this one replaces
             log.info("shutdown", reason=message.shutdown.reason)
             return 0
