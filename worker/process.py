@@ -13,7 +13,8 @@ the rank from its repeated registration, and its InitCache starts a new epoch (t
 kept when the pool size is unchanged: the new block tables start empty).
 
 Tensor parallelism: the ranks of one replica form a torch.distributed process group (NCCL on CUDA,
-gloo on CPU) at --dist-init-address, with --dist-timeout bounding every collective. Every rank
+gloo on CPU) at --dist-init-address (rank 0 listens on its host only: rendezvous.py), with
+--dist-timeout bounding every collective. Every rank
 executes every plan on its shard; rank 0 alone samples and answers. A rank whose collective fails
 (a peer died: gloo sees the connection close at once; a peer stalled: the timeout) reports a
 WorkerError and exits 1, since the group cannot be repaired; SIGTERM/SIGINT make a rank report
@@ -27,7 +28,6 @@ import secrets
 import signal
 import threading
 import time
-from datetime import timedelta
 
 import zmq
 
@@ -40,6 +40,7 @@ from pagedserve.contracts.plan_codec import encode_result, plan_from_proto
 from pagedserve.worker import resident_memory
 from pagedserve.worker.cpu_share import CpuShare
 from pagedserve.worker.memory_budget import exceeds_available, plan_memory
+from pagedserve.worker.rendezvous import init_process_group
 from pagedserve.worker.layers.tensor_parallel import CollectiveError
 from pagedserve.worker.config import WorkerConfig
 
@@ -88,18 +89,18 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def init_distributed(config: WorkerConfig, device: str) -> None:
+def init_distributed(config: WorkerConfig, device: str):
+    """Joins the replica's process group (rendezvous.py: rank 0 listens on the address's host
+    only); returns what must stay referenced while it lives (rank 0's listening socket)."""
     import torch
-    import torch.distributed as dist
 
     if config.world_size == 1:
-        return
+        return None
     if device.startswith("cuda"):
         torch.cuda.set_device(config.rank % torch.cuda.device_count())
     backend = "nccl" if device.startswith("cuda") else "gloo"
-    dist.init_process_group(backend, init_method=config.dist_init_address, rank=config.rank,
-                            world_size=config.world_size,
-                            timeout=timedelta(seconds=config.dist_timeout_s))
+    return init_process_group(config.dist_init_address, config.rank, config.world_size,
+                              config.dist_timeout_s, backend)
 
 
 def _raise_stopped(signum, frame) -> None:
@@ -130,7 +131,7 @@ def run_worker(config: WorkerConfig, *, adapts_threads: bool = False) -> int:
         torch.set_num_threads(1)  # while the model loads beside the frontend and the scheduler (cpu_share.py)
     if device.startswith("cuda") and config.world_size > 1:
         device = f"cuda:{config.rank % max(1, torch.cuda.device_count())}"
-    init_distributed(config, device)
+    rendezvous = init_distributed(config, device)  # noqa: F841 (rank 0's listener lives with the group)
     runner = ModelRunner(config.model_path, device=device, dtype=config.dtype,
                          block_size=config.block_size, rank=config.rank,
                          world_size=config.world_size, quantization=config.quantization,
