@@ -13,7 +13,7 @@ from pagedserve.config.flags import nested, option, require
 from pagedserve.scheduler.core.config import SchedulerConfig
 from pagedserve.scheduler.undelivered_output import DEFAULT_MAX_UNDELIVERED_BYTES
 from pagedserve.config.shared_options import (
-    DEFAULT_HOST, DEFAULT_SCHEDULER_PORT, allow_insecure_internal_transport_option, metrics_host_option, model_option, plan_address_option, result_address_option,
+    DEFAULT_HOST, DEFAULT_METRICS_HOST, DEFAULT_SCHEDULER_PORT, allow_insecure_internal_transport_option, metrics_host_option, model_option, plan_address_option, result_address_option,
     shutdown_timeout_option, tensor_parallel_size_option,
 )
 
@@ -40,7 +40,7 @@ class SchedulerServerConfig:
 
     @property
     def resolved_metrics_host(self) -> str:
-        return self.metrics_host or self.host
+        return self.metrics_host or DEFAULT_METRICS_HOST
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port"):
