@@ -14,6 +14,7 @@ from pagedserve.worker.rendezvous import RendezvousAddressError, parse_rendezvou
 
 RANK = """
 import sys
+from pathlib import Path
 import torch, torch.distributed as dist
 from pagedserve.worker.config import WorkerConfig
 from pagedserve.worker.process import init_distributed
