@@ -29,9 +29,11 @@ that share of the requests is done: serve restarts it, the scheduler replays its
 restarted workers and the frontend resubmits them to a restarted scheduler, so the run must still
 end with no failed request and a whole pool. The streams open on a killed frontend end (gRPC
 UNAVAILABLE, HTTP a cut connection): they are counted apart ("cut by the frontend kill"), not as
-failures, and the scheduler must have aborted their requests (the pool is whole at the end). A request refused before its first token (UNAVAILABLE while a replica
-recovers, RESOURCE_EXHAUSTED when the queue is full) is retried after a pause, as a client with a
-retry policy would; the count of such retries is reported beside the outcomes.
+failures, and the scheduler must have aborted their requests (the pool is whole at the end).
+A request refused before its first token (UNAVAILABLE while a replica or the frontend recovers,
+RESOURCE_EXHAUSTED when the queue is full; over HTTP 503, 429 or a refused connection) is retried
+after a pause, as a client with a retry policy would; the count of such retries is reported
+beside the outcomes.
 """
 
 from __future__ import annotations

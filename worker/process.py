@@ -14,11 +14,10 @@ kept when the pool size is unchanged: the new block tables start empty).
 
 Tensor parallelism: the ranks of one replica form a torch.distributed process group (NCCL on CUDA,
 gloo on CPU) at --dist-init-address (rank 0 listens on its host only: rendezvous.py), with
---dist-timeout bounding every collective. Every rank
-executes every plan on its shard; rank 0 alone samples and answers. A rank whose collective fails
-(a peer died: gloo sees the connection close at once; a peer stalled: the timeout) reports a
-WorkerError and exits 1, since the group cannot be repaired; SIGTERM/SIGINT make a rank report
-"stopped" and exit 0. Either way the scheduler marks the replica unready at once.
+--dist-timeout bounding every collective. Every rank executes every plan on its shard; rank 0
+alone samples and answers. A rank whose collective fails (a peer died: gloo sees the connection
+close at once; a peer stalled: the timeout) reports a WorkerError and exits 1, since the group
+cannot be repaired; SIGTERM/SIGINT make a rank report "stopped" and exit 0. Either way the scheduler marks the replica unready at once.
 """
 
 from __future__ import annotations
