@@ -16,7 +16,7 @@ from pagedserve.frontend.upstream.router import ROUTING_POLICIES
 from pagedserve.frontend.generation.stream_watchdog import DEFAULT_STREAM_WRITE_TIMEOUT_S
 from pagedserve.frontend.grpc.transport import TransportConfig
 from pagedserve.config.shared_options import (
-    DEFAULT_HOST, DEFAULT_PORT, DEFAULT_SCHEDULER_PORT, metrics_host_option, model_option, shutdown_timeout_option,
+    DEFAULT_HOST, DEFAULT_METRICS_HOST, DEFAULT_PORT, DEFAULT_SCHEDULER_PORT, metrics_host_option, model_option, shutdown_timeout_option,
 )
 
 DEFAULT_MAX_CONCURRENT_RPCS = 512
@@ -66,7 +66,7 @@ class FrontendConfig:
 
     @property
     def resolved_metrics_host(self) -> str:
-        return self.metrics_host or self.host
+        return self.metrics_host or DEFAULT_METRICS_HOST
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port"):

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from pagedserve.security.metrics_endpoint import serve_metrics
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -49,9 +51,11 @@ class FrontendMetrics:
             for label in FINISH_LABELS:
                 self.requests.labels(finish_reason=label, protocol=protocol)
 
-    def serve(self, port: int, host: str = "0.0.0.0") -> int:
-        """Starts the /metrics HTTP endpoint in a daemon thread; returns the bound port (0 picks one)."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, port: int, host: str | None = None) -> int:
+        """Starts the /metrics HTTP endpoint in a daemon thread (host None: loopback; behind the
+        scrape token when one is set: pagedserve.security.metrics_endpoint); returns the bound
+        port (0 picks one)."""
+        server = serve_metrics(self.registry, port, host)
         self._http_server = server
         return server.server_port
 

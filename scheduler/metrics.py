@@ -4,7 +4,9 @@ gauges are true within a second of any change."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from pagedserve.security.metrics_endpoint import serve_metrics
 
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -74,8 +76,10 @@ class SchedulerMetrics:
         self._last = {"swap": 0, "recompute": 0, "queries": 0, "hits": 0, "drafts": 0, "draft_tokens": 0,
                       "accepted": 0}
 
-    def serve(self, port: int, host: str = "127.0.0.1") -> None:
-        start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, port: int, host: str | None = None) -> None:
+        """/metrics on host:port (host None: loopback), behind the scrape token when one is set
+        (pagedserve.security.metrics_endpoint)."""
+        serve_metrics(self.registry, port, host)
 
     def update(self, stats, step_seconds: float | None, queue_seconds: list[float] = ()) -> None:
         self.requests_running.set(stats.num_running)

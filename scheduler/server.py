@@ -6,6 +6,9 @@ per step. A stream that closes before its request finished aborts the request in
 engine, which frees its blocks before the next step: a client that cancels, a deadline that
 passes (the frontend forwards it as the Submit deadline), and a frontend that dies (its TCP
 connection closes; server keepalive pings find one whose host vanished) all end that way.
+A frontend that keeps the stream open but stops reading it is bounded too: past
+--max-undelivered-bytes of unread output the request is aborted and its stream ends with
+RESOURCE_EXHAUSTED (scheduler/undelivered_output.py).
 
 A Submit that carries continuations is a request resubmitted by a frontend after the scheduler
 that ran it was lost: each completion goes on from the tokens the client already has
@@ -45,8 +48,9 @@ from pagedserve.scheduler.engine import Engine, EngineUnavailable
 from pagedserve.scheduler.metrics import SchedulerMetrics
 from pagedserve.scheduler.core.config import SchedulerConfig
 from pagedserve.scheduler.server_config import SchedulerServerConfig
+from pagedserve.scheduler.undelivered_output import DEFAULT_MAX_UNDELIVERED_BYTES, OutputOverflow, UndeliveredOutput
 from pagedserve.scheduler.worker_link import WorkerLink
-from pagedserve.contracts.scheduler_codec import output_to_proto, request_from_proto
+from pagedserve.contracts.scheduler_codec import request_from_proto
 from pagedserve.security.zmq_curve import check_internal_transport, curve_keys_from_env
 
 DRAIN_POLL_S = 0.05
@@ -57,6 +61,8 @@ _REJECT_REASON = {grpc.StatusCode.INVALID_ARGUMENT: "invalid", grpc.StatusCode.R
 
 
 def _status_for(exc: Exception) -> grpc.StatusCode:
+    if isinstance(exc, OutputOverflow):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(exc, (InvalidParameter, ValueError)):
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(exc, QueueFull):
@@ -103,8 +109,10 @@ def _close_reason(context) -> str:
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, engine: Engine, model: ModelInfo, tensor_parallel_size: int,
-                 metrics: SchedulerMetrics | None = None) -> None:
+                 metrics: SchedulerMetrics | None = None,
+                 max_undelivered_bytes: int = DEFAULT_MAX_UNDELIVERED_BYTES) -> None:
         self.engine = engine
+        self.max_undelivered_bytes = max_undelivered_bytes
         self.model = model
         self.tensor_parallel_size = tensor_parallel_size
         self.metrics = metrics or SchedulerMetrics()
@@ -133,12 +141,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             self.metrics.requests_rejected.labels(reason="draining").inc()
             log.info("request_rejected", code="UNAVAILABLE", error="draining")
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is draining; retry on another replica")
-        outputs: asyncio.Queue = asyncio.Queue()
-        sink = outputs.put_nowait  # called on this event loop (see loop_dispatch)
+        def on_overflow() -> None:
+            self.engine.abort(request.request_id)
+            log.warning("request_aborted", reason="undelivered_output_cap", max_bytes=self.max_undelivered_bytes)
+
+        outputs = UndeliveredOutput(self.max_undelivered_bytes, on_overflow)
         internal = request_from_proto(request, self.model.eos_token_ids)
         try:
             check_submitted(internal, self.model.vocab_size)
-            self.engine.submit(internal, sink)
+            self.engine.submit(internal, outputs.put)  # called on this event loop (see loop_dispatch)
         except Exception as exc:
             await self._refuse(context, log, exc)
         log.info("request_submitted", prompt_tokens=len(internal.prompt_token_ids),
@@ -152,17 +163,17 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 item = await outputs.get()
                 if isinstance(item, Exception):
                     is_finished = True
-                    if not is_started:  # refused by the scheduler core, or no workers
+                    if not is_started and not isinstance(item, OutputOverflow):  # refused, or no workers
                         await self._refuse(context, log, item)
                     log.warning("request_failed", error=str(item))
                     await context.abort(_status_for(item), str(item))
                 is_started = True
-                output: RequestOutput = item
+                output: RequestOutput = item.output
                 is_finished = output.is_finished
                 for delta in output.deltas:
                     if delta.finish_reason is not None:
                         finish_reasons[delta.index] = delta.finish_reason.value
-                yield output_to_proto(output)
+                yield item.message
             log.info("request_finished", finish_reasons=[finish_reasons[i] for i in sorted(finish_reasons)])
         finally:
             self.num_open_streams -= 1
@@ -274,7 +285,8 @@ async def _serve(config: SchedulerServerConfig, engine_config: SchedulerConfig, 
         log.warning("internal_port_unauthenticated",
                     hint=f"set {INTERNAL_TOKEN_ENV} or {INTERNAL_TOKEN_FILE_ENV} (serve sets one for its children)")
     server = grpc.aio.server(options=INTERNAL_SERVER_OPTIONS, interceptors=interceptors)
-    servicer = SchedulerServicer(engine, model, config.tensor_parallel_size, metrics)
+    servicer = SchedulerServicer(engine, model, config.tensor_parallel_size, metrics,
+                                 max_undelivered_bytes=config.max_undelivered_bytes)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     bound = server.add_insecure_port(f"{config.host}:{config.port}")
     await server.start()

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 from pagedserve.config.flags import nested, option, require
 from pagedserve.scheduler.core.config import SchedulerConfig
+from pagedserve.scheduler.undelivered_output import DEFAULT_MAX_UNDELIVERED_BYTES
 from pagedserve.config.shared_options import (
-    DEFAULT_HOST, DEFAULT_SCHEDULER_PORT, allow_insecure_internal_transport_option, metrics_host_option, model_option, plan_address_option, result_address_option,
+    DEFAULT_HOST, DEFAULT_METRICS_HOST, DEFAULT_SCHEDULER_PORT, allow_insecure_internal_transport_option, metrics_host_option, model_option, plan_address_option, result_address_option,
     shutdown_timeout_option, tensor_parallel_size_option,
 )
 
@@ -31,11 +32,15 @@ class SchedulerServerConfig:
     heartbeat_timeout: float = option(10.0, metavar="SECONDS",
                                       help="a worker rank not heard from this long is lost")
     shutdown_timeout: float = shutdown_timeout_option()
+    max_undelivered_bytes: int = option(
+        DEFAULT_MAX_UNDELIVERED_BYTES, metavar="BYTES", serve=True,
+        help="output of one request its frontend has not read yet (encoded), beyond which the request is "
+             "aborted (its blocks freed) and its internal stream ends with RESOURCE_EXHAUSTED")
     engine: SchedulerConfig = nested(SchedulerConfig, title="scheduling")
 
     @property
     def resolved_metrics_host(self) -> str:
-        return self.metrics_host or self.host
+        return self.metrics_host or DEFAULT_METRICS_HOST
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port"):
@@ -45,3 +50,4 @@ class SchedulerServerConfig:
         require(math.isfinite(self.heartbeat_timeout) and self.heartbeat_timeout > 0, "heartbeat_timeout",
                 "must be > 0")
         require(self.shutdown_timeout >= 0, "shutdown_timeout", "must be >= 0")
+        require(self.max_undelivered_bytes >= 1, "max_undelivered_bytes", "must be >= 1")

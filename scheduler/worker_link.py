@@ -21,12 +21,18 @@ The tensor-parallel ranks are one replica: a step is one plan published to all, 
 answers. The replica is lost (WorkerLost) when any rank reports an error (a failed collective
 means a peer died or stalled), stops sending messages for heartbeat_timeout (checked on a clock
 while a step is awaited, so a dead rank cannot leave the loop waiting for rank 0 forever), or
-registers again under a new pid. `forget_ranks` then publishes a Shutdown naming the pids of the
-replica's processes, so the survivors, whose process group is broken, exit, while a rank already
-started to replace the lost one (it may be subscribed by then) stays; the dismissed pids are
-ignored for DISMISSED_SECONDS (longer than a rank takes to leave a collective whose peer died,
-and short enough that a pid the system reuses later is not refused). The replica is ready again
-once every rank has registered anew (a new epoch).
+registers again under a new instance id. `forget_ranks` then publishes a Shutdown naming the
+instance ids of the replica's processes, so the survivors, whose process group is broken, exit,
+while a rank already started to replace the lost one (it may be subscribed by then) stays; the
+dismissed instances are ignored for DISMISSED_SECONDS (longer than a rank takes to leave a
+collective whose peer died). The replica is ready again once every rank has registered anew (a
+new epoch).
+
+Who a rank is: the random 64-bit instance id each worker process draws at start and sends in
+every Register and WorkerError, never its pid. Pids repeat across containers (every rank in its
+own pod may be pid 1, and a replacement is pid 1 again): keyed by pid, a replacement looked like
+the old rank's heartbeat, obeyed the Shutdown meant for the rank it replaced, and was refused as
+dismissed. The pid is still logged, to find the process on its host.
 """
 
 from __future__ import annotations
@@ -60,7 +66,8 @@ class RankState:
     num_gpu_blocks: int
     num_cpu_blocks: int
     device: str
-    pid: int
+    pid: int  # for log lines: pids repeat across containers
+    instance_id: int  # who the process is (see the module docstring)
     last_seen: float
     ready_epoch: int = -1
     num_host_blocks: int = 0  # host KV tier slots
@@ -85,7 +92,7 @@ class WorkerLink:
     heartbeat_timeout: float = 10.0
     ranks: dict[int, RankState] = field(default_factory=dict)
     epoch: int = field(default_factory=lambda: time.time_ns() // 1_000_000)  # see the module docstring
-    dismissed_pids: dict[int, float] = field(default_factory=dict)  # told to exit -> when
+    dismissed_instances: dict[int, float] = field(default_factory=dict)  # instance id told to exit -> when
     num_dropped: int = 0  # worker messages dropped: unparsable, empty, or not expected
 
     def __post_init__(self) -> None:
@@ -146,10 +153,11 @@ class WorkerLink:
         rank = {"ready": lambda: message.ready.rank, "error": lambda: message.error.rank,
                 "step_result": lambda: 0}[kind]()
         state = self.ranks.get(rank)
-        if kind == "error" and (state is None or message.error.pid not in (0, state.pid)):
+        if kind == "error" and (state is None or message.error.instance_id not in (0, state.instance_id)):
             # a rank of a replica already given up on, reporting late
             get_logger(component="worker_link").info(
-                "late_worker_error", rank=rank, pid=message.error.pid, message=message.error.message)
+                "late_worker_error", rank=rank, pid=message.error.pid,
+                instance_id=f"{message.error.instance_id:016x}", message=message.error.message)
             return None
         if state is not None:
             state.last_seen = now
@@ -171,17 +179,18 @@ class WorkerLink:
             self._drop("unexpected_rank", rank=reg.rank, world_size=reg.world_size, pid=reg.pid,
                        expected_world_size=self.world_size)
             return
-        if now - self.dismissed_pids.get(reg.pid, -math.inf) < DISMISSED_SECONDS:
+        if now - self.dismissed_instances.get(reg.instance_id, -math.inf) < DISMISSED_SECONDS:
             return  # told to exit, not yet gone
         known = self.ranks.get(reg.rank)
-        if known is not None and known.pid == reg.pid:
+        if known is not None and known.instance_id == reg.instance_id:
             known.last_seen = now  # the registration repeated every second: a heartbeat
             return
         if known is not None and known.ready_epoch == self.epoch:
-            raise WorkerLost(f"worker rank {reg.rank} registered again as pid {reg.pid}: "
-                             f"its serving process (pid {known.pid}) is gone")
+            raise WorkerLost(f"worker rank {reg.rank} registered again as instance "
+                             f"{reg.instance_id:016x} (pid {reg.pid}): its serving process "
+                             f"(instance {known.instance_id:016x}, pid {known.pid}) is gone")
         self.ranks[reg.rank] = RankState(reg.rank, reg.num_gpu_blocks, reg.num_cpu_blocks,
-                                         reg.device, reg.pid, now, num_host_blocks=reg.num_host_blocks,
+                                         reg.device, reg.pid, reg.instance_id, now, num_host_blocks=reg.num_host_blocks,
                                          kv_layout_id=reg.kv_layout_id, num_bytes_per_block=reg.num_bytes_per_block)
 
     def last_heard(self) -> str:
@@ -269,20 +278,22 @@ class WorkerLink:
                 return
             self._note(message)
 
-    def shutdown_workers(self, reason: str, pids: list[int] | None = None) -> None:
-        """Tells the worker processes `pids` to exit; every worker when pids is None."""
-        message = step_pb2.SchedulerMessage(shutdown=step_pb2.Shutdown(reason=reason, pids=pids or []))
+    def shutdown_workers(self, reason: str, instance_ids: list[int] | None = None) -> None:
+        """Tells the worker processes `instance_ids` to exit; every worker when it is None."""
+        message = step_pb2.SchedulerMessage(shutdown=step_pb2.Shutdown(
+            reason=reason, instance_ids=instance_ids or []))
         self._pub.send(message.SerializeToString())
 
     def forget_ranks(self, reason: str = "the scheduler gave up on this replica's ranks") -> None:
-        """Tells the processes of the lost replica to exit (by pid: a rank that replaces one of
-        them stays) and waits for fresh registrations."""
-        pids = sorted(state.pid for state in self.ranks.values())
+        """Tells the processes of the lost replica to exit (by instance id: a rank that replaces
+        one of them stays) and waits for fresh registrations."""
+        instance_ids = sorted(state.instance_id for state in self.ranks.values())
         now = time.monotonic()
-        self.dismissed_pids = {pid: at for pid, at in self.dismissed_pids.items() if now - at < DISMISSED_SECONDS}
-        if pids:
-            self.shutdown_workers(reason, pids)
-            self.dismissed_pids.update(dict.fromkeys(pids, now))
+        self.dismissed_instances = {instance: at for instance, at in self.dismissed_instances.items()
+                                    if now - at < DISMISSED_SECONDS}
+        if instance_ids:
+            self.shutdown_workers(reason, instance_ids)
+            self.dismissed_instances.update(dict.fromkeys(instance_ids, now))
         self.ranks.clear()
 
     def close(self) -> None:

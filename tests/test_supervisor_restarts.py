@@ -6,6 +6,7 @@ test sets, so each rule is checked in a second or two:
     any exit before it ever served     serve ends with 1
     a worker crash after it served     every rank started again after the back-off, one restart spent
     a scheduler crash                  the scheduler alone started again
+    a frontend crash                   the frontend alone started again
 """
 
 from __future__ import annotations
@@ -177,6 +178,34 @@ def test_with_no_worker_restart_left_the_replica_stays_down_and_serve_ends_1():
         assert running.stop() == 1
 
 
-def test_a_frontend_exit_ends_serve():
-    running = Running(FakeConfig(frontend_args=["frontend", "--exit", "3", "--after", "0.5"]), ready=True)
+def test_a_frontend_crash_restarts_the_frontend_alone_after_the_back_off():
+    running = Running(FakeConfig(), ready=True)
+    try:
+        _wait_served(running)
+        scheduler, worker, frontend = (running.pid(name) for name in ("scheduler", "worker-0", "frontend"))
+        killed_at = time.monotonic()
+        os.kill(frontend, signal.SIGKILL)
+        assert running.wait_for(lambda: running.pid("frontend") != frontend)
+        assert time.monotonic() - killed_at >= DELAY_S  # the back-off
+        assert (running.pid("scheduler"), running.pid("worker-0")) == (scheduler, worker)
+        assert running.supervisor._budgets["frontend"].num_used == 1
+        assert running.supervisor._budgets["scheduler"].num_used == 0
+        assert running.code is None
+    finally:
+        assert running.stop() == 0  # the crash was recovered
+
+
+def test_with_no_frontend_restart_left_serve_ends_with_1():
+    running = Running(FakeConfig(max_restarts=1), ready=True)
+    _wait_served(running)
+    first = running.pid("frontend")
+    os.kill(first, signal.SIGKILL)
+    assert running.wait_for(lambda: running.pid("frontend") != first)
+    _wait_served(running)
+    os.kill(running.pid("frontend"), signal.SIGKILL)
+    assert running.wait_code() == 1
+
+
+def test_a_frontend_exit_before_the_replica_served_ends_serve():
+    running = Running(FakeConfig(frontend_args=["frontend", "--exit", "3", "--after", "0.5"]))
     assert running.wait_code() == 1

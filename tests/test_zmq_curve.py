@@ -3,6 +3,7 @@ files (secret mounts), the key-file generator, and the refusal of tcp:// without
 
 from __future__ import annotations
 
+import os
 import stat
 import subprocess
 import sys
@@ -70,3 +71,21 @@ def test_tcp_needs_keys_or_the_opt_out_and_ipc_does_not():
                                     is_insecure_allowed=False) is True
     with pytest.raises(CurveKeyError, match="tcp://127.0.0.1:50062"):
         check_internal_transport(("ipc:///run/p/plans", tcp[1]), None, is_insecure_allowed=False)
+
+
+def test_a_worker_without_its_secret_key_fails_before_loading_its_model(tmp_path):
+    from tests.e2e.conftest import build_checkpoint
+
+    model = build_checkpoint(tmp_path / "model", "llama", hidden_size=64, num_layers=2, num_heads=4,
+                             num_kv_heads=2, intermediate_size=128, max_position_embeddings=256)
+    keys = new_curve_env()
+    env = {name: value for name, value in os.environ.items()
+           if not any(name.startswith(key) for key in CURVE_ENVS)}
+    env.update({SERVER_PUBLIC_ENV: keys[SERVER_PUBLIC_ENV], CLIENT_PUBLIC_ENV: keys[CLIENT_PUBLIC_ENV]})
+    done = subprocess.run([sys.executable, "-m", "pagedserve.cli", "worker", "--model", str(model),
+                           "--device", "cpu", "--rank", "0", "--plan-address", "tcp://127.0.0.1:9",
+                           "--result-address", "tcp://127.0.0.1:9"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 2, done.stderr
+    assert CLIENT_SECRET_ENV in done.stderr
+    assert "model_loaded" not in done.stdout + done.stderr  # it failed before the load, not after

@@ -1,7 +1,7 @@
 """The worker process: subscribes to step plans, runs them on its model shard, answers (rank 0).
 
     SUB  <- SchedulerMessage: InitCache (allocate KV blocks for an epoch), StepPlan,
-                              Shutdown (for this process's pid, or for every worker)
+                              Shutdown (for this process's instance id, or for every worker)
     PUSH -> WorkerMessage:    Register (every second from a thread, for as long as it lives: the
                               heartbeat), Ready, StepResult (rank 0 only),
                               WorkerError (then the process exits)
@@ -13,34 +13,43 @@ the rank from its repeated registration, and its InitCache starts a new epoch (t
 kept when the pool size is unchanged: the new block tables start empty).
 
 Tensor parallelism: the ranks of one replica form a torch.distributed process group (NCCL on CUDA,
-gloo on CPU) at --dist-init-address, with --dist-timeout bounding every collective. Every rank
-executes every plan on its shard; rank 0 alone samples and answers. A rank whose collective fails
-(a peer died: gloo sees the connection close at once; a peer stalled: the timeout) reports a
-WorkerError and exits 1, since the group cannot be repaired; SIGTERM/SIGINT make a rank report
-"stopped" and exit 0. Either way the scheduler marks the replica unready at once.
+gloo on CPU) at --dist-init-address (rank 0 listens on its host only: rendezvous.py), with
+--dist-timeout bounding every collective. Every rank executes every plan on its shard; rank 0
+alone samples and answers. A rank whose collective fails (a peer died: gloo sees the connection
+close at once; a peer stalled: the timeout) reports a WorkerError and exits 1, since the group
+cannot be repaired; SIGTERM/SIGINT make a rank report "stopped" and exit 0. Either way the scheduler marks the replica unready at once.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import threading
 import time
-from datetime import timedelta
 
 import zmq
 
-from pagedserve.security.zmq_curve import CurveKeys, check_internal_transport, curve_keys_from_env, secure_client
+from pagedserve.security.zmq_curve import (
+    CurveKeys, check_internal_transport, curve_keys_from_env, require_client_secret, secure_client,
+)
 from pagedserve.internal import step_pb2
 from pagedserve.log import configure_logging
 from pagedserve.contracts.plan_codec import encode_result, plan_from_proto
 from pagedserve.worker import resident_memory
 from pagedserve.worker.cpu_share import CpuShare
 from pagedserve.worker.memory_budget import exceeds_available, plan_memory
+from pagedserve.worker.rendezvous import init_process_group
 from pagedserve.worker.layers.tensor_parallel import CollectiveError
 from pagedserve.worker.config import WorkerConfig
 
 HEARTBEAT_SECONDS = 1.0
+
+
+def new_instance_id() -> int:
+    """This process's identity towards the scheduler: random, 64 bits, never 0 (an unset field).
+    Not the pid, which repeats across containers (scheduler/worker_link.py)."""
+    return secrets.randbits(64) or 1
 
 
 class StepGap(RuntimeError):
@@ -79,18 +88,18 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def init_distributed(config: WorkerConfig, device: str) -> None:
+def init_distributed(config: WorkerConfig, device: str):
+    """Joins the replica's process group (rendezvous.py: rank 0 listens on the address's host
+    only); returns what must stay referenced while it lives (rank 0's listening socket)."""
     import torch
-    import torch.distributed as dist
 
     if config.world_size == 1:
-        return
+        return None
     if device.startswith("cuda"):
         torch.cuda.set_device(config.rank % torch.cuda.device_count())
     backend = "nccl" if device.startswith("cuda") else "gloo"
-    dist.init_process_group(backend, init_method=config.dist_init_address, rank=config.rank,
-                            world_size=config.world_size,
-                            timeout=timedelta(seconds=config.dist_timeout_s))
+    return init_process_group(config.dist_init_address, config.rank, config.world_size,
+                              config.dist_timeout_s, backend)
 
 
 def _raise_stopped(signum, frame) -> None:
@@ -106,6 +115,8 @@ def run_worker(config: WorkerConfig, *, adapts_threads: bool = False) -> int:
 
     log = configure_logging("worker").bind(rank=config.rank)
     curve = curve_keys_from_env()  # the scheduler's CURVE link (pagedserve.security.zmq_curve), when set
+    require_client_secret(curve)  # before the model loads: a missing key fails in a second, not a load
+    instance_id = new_instance_id()
     if check_internal_transport((config.plan_address, config.result_address), curve,
                                 is_insecure_allowed=config.allow_insecure_internal_transport):
         log.warning("internal_zmq_unauthenticated", plan_address=config.plan_address,
@@ -119,7 +130,7 @@ def run_worker(config: WorkerConfig, *, adapts_threads: bool = False) -> int:
         torch.set_num_threads(1)  # while the model loads beside the frontend and the scheduler (cpu_share.py)
     if device.startswith("cuda") and config.world_size > 1:
         device = f"cuda:{config.rank % max(1, torch.cuda.device_count())}"
-    init_distributed(config, device)
+    rendezvous = init_distributed(config, device)  # noqa: F841 (rank 0's listener lives with the group)
     runner = ModelRunner(config.model_path, device=device, dtype=config.dtype,
                          block_size=config.block_size, rank=config.rank,
                          world_size=config.world_size, quantization=config.quantization,
@@ -160,11 +171,12 @@ def run_worker(config: WorkerConfig, *, adapts_threads: bool = False) -> int:
         secure_client(sub, curve)
     sub.connect(config.plan_address)
     pusher = _Pusher(context, config.result_address, curve)
-    state = {"epoch": 0}
+    state = {"epoch": 0, "instance_id": instance_id}
     stop = threading.Event()
     register = step_pb2.WorkerMessage(register=step_pb2.Register(
         rank=config.rank, world_size=config.world_size, num_gpu_blocks=capacity,
-        num_cpu_blocks=num_cpu_blocks, device=device, pid=os.getpid(), num_host_blocks=budget.num_host_blocks,
+        num_cpu_blocks=num_cpu_blocks, device=device, pid=os.getpid(), instance_id=instance_id,
+        num_host_blocks=budget.num_host_blocks,
         kv_layout_id=layout.layout_id if layout is not None and config.kv_cache_dir else "",
         num_bytes_per_block=runner.bytes_per_block)).SerializeToString()
 
@@ -183,18 +195,18 @@ def run_worker(config: WorkerConfig, *, adapts_threads: bool = False) -> int:
     except WorkerStopped as exc:
         log.info("worker_stopping", reason=str(exc))
         pusher.send(step_pb2.WorkerMessage(error=step_pb2.WorkerError(
-            rank=config.rank, message=str(exc), pid=os.getpid())))
+            rank=config.rank, message=str(exc), pid=os.getpid(), instance_id=instance_id)))
         return 0
     except CollectiveError as exc:
         log.error("tensor_parallel_group_broken", error=str(exc))
         pusher.send(step_pb2.WorkerMessage(error=step_pb2.WorkerError(
-            rank=config.rank, pid=os.getpid(),
+            rank=config.rank, pid=os.getpid(), instance_id=instance_id,
             message=f"its tensor-parallel group broke (another rank died or stalled): {exc}")))
         return 1
     except Exception as exc:  # reported to the scheduler, then the process exits non-zero
         log.exception("worker_failed")
         pusher.send(step_pb2.WorkerMessage(error=step_pb2.WorkerError(
-            rank=config.rank, message=f"{type(exc).__name__}: {exc}", pid=os.getpid())))
+            rank=config.rank, message=f"{type(exc).__name__}: {exc}", pid=os.getpid(), instance_id=instance_id)))
         return 1
     finally:  # bounded (the socket linger): a second signal must not cut it short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -216,7 +228,7 @@ def _serve_plans(config, runner, sub, pusher, state, log, cpu_share=None, layout
         message.ParseFromString(sub.recv())
         kind = message.WhichOneof("kind")
         if kind == "shutdown":
-            if message.shutdown.pids and os.getpid() not in message.shutdown.pids:
+            if message.shutdown.instance_ids and state["instance_id"] not in message.shutdown.instance_ids:
                 continue  # meant for the processes this one replaces
             log.info("shutdown", reason=message.shutdown.reason)
             return 0

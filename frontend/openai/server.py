@@ -30,6 +30,7 @@ from pagedserve.checkpoints.resolve import served_model_name
 from pagedserve.frontend.generation.admission import Admission
 from pagedserve.frontend.tokenization.chat_template import ChatTemplate
 from pagedserve.frontend.openai.app import build_app
+from pagedserve.frontend.openai.connection_abort import expose_transport
 from pagedserve.frontend.openai.config import HttpConfig
 from pagedserve.frontend.metrics import FrontendMetrics
 from pagedserve.frontend.openai.serving import ConcurrencyLimit, OpenAIServing
@@ -74,7 +75,7 @@ def start_http_server(admission: Admission, metrics: FrontendMetrics, config: Ht
     app = build_app(admission, serving, executor, api_key=config.resolved_api_key(),
                     max_request_bytes=config.max_request_bytes)
     uvicorn_config = uvicorn.Config(
-        app, log_config=None, access_log=False, lifespan="off", server_header=False,
+        expose_transport(app), log_config=None, access_log=False, lifespan="off", server_header=False,
         timeout_graceful_shutdown=max(1, int(grace_s)),
         ssl_certfile=transport.tls_cert_file, ssl_keyfile=transport.tls_key_file,
         ssl_ca_certs=transport.tls_client_ca_file,

@@ -12,7 +12,8 @@
 
 A client that stops reading stalls the response's writes (uvicorn waits for the socket to drain):
 WatchedStreamingResponse gives each write --stream-write-timeout, past which it aborts the run
-(blocks freed in the scheduler) and ends the response unfinished, so the connection is closed.
+(blocks freed in the scheduler) and aborts the connection: closed at once, its unsent bytes
+dropped (connection_abort.py; a plain close would wait for a client that never reads).
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ import json
 from collections.abc import AsyncIterator, Callable
 
 from starlette.responses import StreamingResponse
-from starlette.types import Send
+from starlette.types import Receive, Scope, Send
 
 from pagedserve.frontend.generation.completion_state import CompletionUpdate
 from pagedserve.frontend.generation.updates import GenerationUpdate
+from pagedserve.frontend.openai.connection_abort import abort_connection
 from pagedserve.frontend.openai.generation_run import GenerationRun
 from pagedserve.frontend.openai.bodies import (
     ResponseHeader, TokenTexts, chat_logprobs, completion_logprobs, finish_reason, total_usage, usage_body,
@@ -140,13 +142,18 @@ async def sse_frames(first: tuple[int, GenerationUpdate] | None, run: Generation
 
 class WatchedStreamingResponse(StreamingResponse):
     """A StreamingResponse whose every body write must complete within write_timeout_s; past it
-    on_timeout() is called and the response ends unfinished (uvicorn then closes the connection)."""
+    on_timeout() is called, the connection is aborted and the response ends unfinished."""
 
     def __init__(self, content: AsyncIterator[bytes], *, write_timeout_s: float, on_timeout: Callable[[], None],
                  **options) -> None:
         super().__init__(content, **options)
         self._write_timeout_s = write_timeout_s
         self._on_timeout = on_timeout
+        self._scope: Scope = {}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._scope = scope  # holds the connection's transport (connection_abort.expose_transport)
+        await super().__call__(scope, receive, send)
 
     async def stream_response(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
@@ -156,6 +163,7 @@ class WatchedStreamingResponse(StreamingResponse):
                                        self._write_timeout_s)
             except TimeoutError:
                 self._on_timeout()
+                abort_connection(self._scope)  # not left half-open on a client that never reads
                 await self.body_iterator.aclose()
                 return
         await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -25,6 +25,7 @@ from pagedserve.checkpoints.demo import DEMO_NAME
 from pagedserve.checkpoints.smollm2 import SMOLLM2_NAME
 
 DEFAULT_HOST = "127.0.0.1"
+DEFAULT_METRICS_HOST = "127.0.0.1"  # /metrics stays on loopback unless --metrics-host says otherwise
 DEFAULT_PORT = 50051  # the frontend's public port
 DEFAULT_SCHEDULER_PORT = 50052
 DEFAULT_PLAN_ADDRESS = "tcp://127.0.0.1:50061"  # ZeroMQ PUB of the scheduler: step plans
@@ -66,8 +67,9 @@ def result_address_option() -> Any:
 
 def metrics_host_option() -> Any:
     return option(None, metavar="HOST", serve=True,
-                  help="address of the Prometheus /metrics port, e.g. a private interface while the API "
-                       "is public (default: the process's --host)")
+                  help="address of the Prometheus /metrics port (default: 127.0.0.1, whatever --host is); "
+                       "a private interface, or 0.0.0.0 in a container, to let Prometheus scrape from another "
+                       "host (then set PAGEDSERVE_METRICS_TOKEN: scrapes must send it as a bearer token)")
 
 
 def allow_insecure_internal_transport_option() -> Any:

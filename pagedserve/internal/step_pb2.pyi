@@ -125,12 +125,12 @@ class InitCache(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ...) -> None: ...
 
 class Shutdown(_message.Message):
-    __slots__ = ("reason", "pids")
+    __slots__ = ("reason", "instance_ids")
     REASON_FIELD_NUMBER: _ClassVar[int]
-    PIDS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_IDS_FIELD_NUMBER: _ClassVar[int]
     reason: str
-    pids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, reason: _Optional[str] = ..., pids: _Optional[_Iterable[int]] = ...) -> None: ...
+    instance_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, reason: _Optional[str] = ..., instance_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SchedulerMessage(_message.Message):
     __slots__ = ("init_cache", "step_plan", "shutdown")
@@ -143,7 +143,7 @@ class SchedulerMessage(_message.Message):
     def __init__(self, init_cache: _Optional[_Union[InitCache, _Mapping]] = ..., step_plan: _Optional[_Union[StepPlan, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("rank", "world_size", "num_gpu_blocks", "num_cpu_blocks", "device", "pid", "num_host_blocks", "kv_layout_id", "num_bytes_per_block")
+    __slots__ = ("rank", "world_size", "num_gpu_blocks", "num_cpu_blocks", "device", "pid", "num_host_blocks", "kv_layout_id", "num_bytes_per_block", "instance_id")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_GPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,7 @@ class Register(_message.Message):
     NUM_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     num_gpu_blocks: int
@@ -162,7 +163,8 @@ class Register(_message.Message):
     num_host_blocks: int
     kv_layout_id: str
     num_bytes_per_block: int
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., kv_layout_id: _Optional[str] = ..., num_bytes_per_block: _Optional[int] = ...) -> None: ...
+    instance_id: int
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., kv_layout_id: _Optional[str] = ..., num_bytes_per_block: _Optional[int] = ..., instance_id: _Optional[int] = ...) -> None: ...
 
 class Ready(_message.Message):
     __slots__ = ("rank", "epoch")
@@ -207,14 +209,16 @@ class StepResult(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., step_id: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., num_top: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., num_beam: _Optional[_Iterable[int]] = ..., beam_token_ids: _Optional[_Iterable[int]] = ..., beam_logprobs: _Optional[_Iterable[float]] = ..., failed_seq_ids: _Optional[_Iterable[int]] = ..., failure_messages: _Optional[_Iterable[str]] = ..., failed_fetch_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class WorkerError(_message.Message):
-    __slots__ = ("rank", "message", "pid")
+    __slots__ = ("rank", "message", "pid", "instance_id")
     RANK_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     rank: int
     message: str
     pid: int
-    def __init__(self, rank: _Optional[int] = ..., message: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+    instance_id: int
+    def __init__(self, rank: _Optional[int] = ..., message: _Optional[str] = ..., pid: _Optional[int] = ..., instance_id: _Optional[int] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
     __slots__ = ("register", "ready", "step_result", "error")

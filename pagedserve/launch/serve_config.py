@@ -87,6 +87,10 @@ class ServeOptions:
         DEFAULT_MAX_RESTARTS, metavar="N", serve=True,
         help="restart the scheduler this many times in a row when it dies, on the same ports "
              "(0: a dead scheduler stops serve)")
+    max_frontend_restarts: int = option(
+        DEFAULT_MAX_RESTARTS, metavar="N", serve=True,
+        help="restart the frontend this many times in a row when it dies, on the same ports, after "
+             "the same back-off (its open streams end with UNAVAILABLE; 0: a dead frontend stops serve)")
     restart_reset_after_s: float = option(
         DEFAULT_RESET_AFTER_S, flag="--restart-reset-after", metavar="SECONDS", serve=True,
         help="the restart budgets and back-off start over once the replica has been ready this long")
@@ -106,6 +110,7 @@ class ServeOptions:
     def __post_init__(self) -> None:
         require(self.max_worker_restarts >= 0, "max_worker_restarts", "must be >= 0")
         require(self.max_scheduler_restarts >= 0, "max_scheduler_restarts", "must be >= 0")
+        require(self.max_frontend_restarts >= 0, "max_frontend_restarts", "must be >= 0")
         require(self.restart_reset_after_s >= 0, "restart_reset_after_s", "must be >= 0")
         require(self.data_parallel_size >= 1, "data_parallel_size", "must be >= 1")
         require(self.replica_index is None or 0 <= self.replica_index < self.data_parallel_size,
@@ -207,9 +212,10 @@ class ServeConfig:
         return f"127.0.0.1:{self.scheduler.port}"
 
     def restart_policy(self, group: str) -> RestartPolicy:
-        """How the "workers" or the "scheduler" are started again after a crash."""
+        """How the "workers", the "scheduler" or the "frontend" are started again after a crash."""
         max_restarts = {"workers": self.options.max_worker_restarts,
-                        "scheduler": self.options.max_scheduler_restarts}[group]
+                        "scheduler": self.options.max_scheduler_restarts,
+                        "frontend": self.options.max_frontend_restarts}[group]
         return RestartPolicy(max_restarts=max_restarts, reset_after_s=self.options.restart_reset_after_s)
 
     @property

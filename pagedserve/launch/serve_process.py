@@ -126,10 +126,13 @@ class ServeProcess:
                 roles[role] = pid
         return roles
 
-    def metrics(self, process: str = "frontend") -> str:
-        """The Prometheus text exposition of the frontend or the scheduler."""
+    def metrics(self, process: str = "frontend", token: str | None = None) -> str:
+        """The Prometheus text exposition of the frontend or the scheduler (token: the scrape
+        token, PAGEDSERVE_METRICS_TOKEN, when the tree has one)."""
         port = self.metrics_port if process == "frontend" else self.scheduler_metrics_port
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers=headers)
+        with urllib.request.urlopen(request, timeout=10) as response:
             return response.read().decode()
 
     def health(self, service: str = READY_SERVICE) -> int:

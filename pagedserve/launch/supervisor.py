@@ -18,21 +18,23 @@ A child that exits on its own (serve polls the scheduler's readiness to tell wha
 
     exit code 2 before the replica served    a configuration error: serve stops, exit 2
     anything before the replica first served serve stops, exit 1 (restarting would not help)
-    the frontend                             serve stops, exit 1
+    the frontend                             started again on the same ports; the streams it was
+                                             serving ended with UNAVAILABLE (their connections
+                                             closed) and the scheduler aborted their requests
     a worker rank                            the other ranks are stopped (their process group is
                                              broken) and every rank is started again
     the scheduler                            started again on the same ports; the workers outlive
                                              it and register with the new one
 
 Restarts follow pagedserve.launch.restart_policy: back-off 1 s, 2 s, 4 s … up to 30 s, at most
---max-worker-restarts (workers) or --max-scheduler-restarts in a row, both refilled once the
-replica has been ready for --restart-reset-after seconds. While the workers restart the scheduler
+--max-worker-restarts (workers), --max-scheduler-restarts or --max-frontend-restarts in a row,
+each refilled once the replica has been ready for --restart-reset-after seconds. While the workers restart the scheduler
 holds the requests in flight (health NOT_SERVING meanwhile), resets its block pool when the new
 ranks register, and computes each request again from the tokens it already holds, so streams
 continue where they were; an idle replica's crash costs one restart like a busy one's. With no
 worker restart left the scheduler fails the in-flight requests with UNAVAILABLE and reports not
 ready, and frontend and scheduler keep answering until `serve` is stopped, which then exits 1; with
-no scheduler restart left serve stops (exit 1). Children also get SIGTERM from the kernel if
+no scheduler or frontend restart left serve stops (exit 1). Children also get SIGTERM from the kernel if
 `serve` itself dies (pagedserve.launch.parent_death), so nothing is orphaned.
 
 Which children start with which flags is decided by serve_config.py.
@@ -62,6 +64,7 @@ CONFIG_ERROR_EXIT = 2  # what `pagedserve` exits with on a usage or configuratio
 CONFIG_ERROR_GRACE_S = 2.0  # how long an early crash waits for another child's configuration error
 POLL_SECONDS = 0.2
 PROBE_SECONDS = 0.5
+RESTART_GROUPS = ("workers", "scheduler", "frontend")  # each with its own RestartBudget
 
 
 class Supervisor:
@@ -74,9 +77,8 @@ class Supervisor:
         self._is_replica_lost = False  # a rank exited: the others are being stopped
         self._has_served = False  # the replica was ready at least once
         self._seen_ready: dict[str, bool] = {}  # per child: the replica was ready since it started
-        self._budgets = {"workers": RestartBudget(config.restart_policy("workers")),
-                         "scheduler": RestartBudget(config.restart_policy("scheduler"))}
-        self._due: dict[str, float] = {}  # "workers" / "scheduler" -> when to start it again
+        self._budgets = {group: RestartBudget(config.restart_policy(group)) for group in RESTART_GROUPS}
+        self._due: dict[str, float] = {}  # a group of RESTART_GROUPS -> when to start it again
         self._probe = probe or ReplicaProbe(config.scheduler_address)
         self._next_probe = 0.0
         self._drain_timeout = config.shutdown_timeout + STOP_TIMEOUT_SECONDS
@@ -223,7 +225,7 @@ class Supervisor:
             self._log.error("child_exited", **event,
                             consequence="a configuration error (its message is above): serve stops")
             return CONFIG_ERROR_EXIT
-        if name == "frontend" or name.startswith("replica-"):  # a replica restarts its own children
+        if name.startswith("replica-"):  # a replica restarts its own children
             self._log.error("child_exited", **event, consequence="serve stops")
             return 1
         if not self._has_served:
@@ -236,14 +238,14 @@ class Supervisor:
                             consequence="serve stops: the replica never became ready, restarts are "
                                         "for a replica that was serving")
             return 1
-        group = "workers" if is_worker else "scheduler"
+        group = "workers" if is_worker else name  # or "scheduler", "frontend"
         budget = self._budgets[group]
         delay = budget.take(time.monotonic())
         if is_worker:
             self._is_replica_lost = True
         if delay is None:
             if not is_worker:
-                self._log.error("child_exited", **event, consequence="no scheduler restart left: serve stops")
+                self._log.error("child_exited", **event, consequence=f"no {group} restart left: serve stops")
                 return 1
             self._log.error("child_exited", **event,
                             consequence="no worker restart left: the replica is not ready until serve "
@@ -265,6 +267,8 @@ class Supervisor:
             del self._due[group]
             if group == "workers":
                 self._spawn_workers()
+            elif group == "frontend":
+                self._spawn("frontend", self.config.frontend_args)
             else:
                 self._spawn("scheduler", self.config.scheduler_args)
 

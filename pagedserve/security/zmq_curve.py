@@ -166,10 +166,17 @@ class CurveServer:
         self._authenticator.stop()
 
 
+def require_client_secret(keys: CurveKeys | None) -> None:
+    """Raises CurveKeyError when keys are set but the worker's secret key is not: checked at a
+    worker's start, before its model loads, so a missing secret mount costs no load."""
+    if keys is not None and keys.client_secret is None:
+        raise CurveKeyError(f"a worker needs {CLIENT_SECRET_ENV} (or {CLIENT_SECRET_ENV}_FILE): "
+                            f"{SERVER_PUBLIC_ENV} is set, so the link to the scheduler is CURVE")
+
+
 def secure_client(socket: zmq.Socket, keys: CurveKeys) -> None:
     """A worker's socket as a CURVE client of the scheduler (before connect)."""
-    if keys.client_secret is None:
-        raise CurveKeyError(f"a worker needs {CLIENT_SECRET_ENV}")
+    require_client_secret(keys)
     socket.curve_secretkey = keys.client_secret
     socket.curve_publickey = keys.client_public
     socket.curve_serverkey = keys.server_public

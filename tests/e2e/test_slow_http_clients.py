@@ -1,13 +1,16 @@
 """Slow readers of the OpenAI HTTP API against a real `serve`: a client that starts an SSE stream
 and stops reading (a raw socket with a small receive buffer, so the server's writes stall) is cut
 by --stream-write-timeout like a gRPC stream, and the output left unread is bounded by
---max-undelivered-messages; either way its request is aborted and its blocks freed."""
+--max-undelivered-messages; either way its request is aborted and its blocks freed. A client that
+never reads again does not keep its connection: the frontend closes its socket at once."""
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
+from pathlib import Path
 
 import pytest
 
@@ -43,6 +46,26 @@ def _read_rest(sock: socket.socket, timeout: float = 60.0) -> bytes:
     while chunk := sock.recv(1 << 16):
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _server_socket_inode(http_port: int, client_port: int) -> int | None:
+    """The inode of the server's end of the connection from client_port (/proc/net/tcp), if any."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local_port, remote_port = (int(address.split(":")[1], 16) for address in fields[1:3])
+        if (local_port, remote_port) == (http_port, client_port) and fields[9] != "0":
+            return int(fields[9])
+    return None
+
+
+def _holds_socket(pid: int, inode: int) -> bool:
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            if os.readlink(fd) == f"socket:[{inode}]":
+                return True
+        except OSError:
+            pass
+    return False
 
 
 @pytest.fixture
@@ -90,3 +113,20 @@ def test_output_left_unread_beyond_the_cap_aborts_the_request(server):
     assert error["type"] == "rate_limit_error" and "--max-undelivered-messages" in error["message"]
     assert rest.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")  # the last chunk, then the chunked body's end
     assert server.log_events_named("stream_write_timeout") == 0
+
+
+@pytest.mark.parametrize("server", [["--stream-write-timeout", str(WRITE_TIMEOUT_S)]], indirect=True)
+def test_the_connection_of_a_client_that_never_reads_again_is_closed_after_the_write_timeout(server):
+    """uvicorn's own close waits for the unsent bytes to drain, which they never do here: the
+    frontend would hold the socket as long as the client keeps it open."""
+    sock = _start_unread_stream(server.http_port)
+    try:
+        frontend = server.child_pids()["frontend"]
+        inode = _server_socket_inode(server.http_port, sock.getsockname()[1])
+        assert inode is not None and _holds_socket(frontend, inode)
+        assert wait_for(lambda: server.log_events_named("stream_write_timeout") == 1, timeout=WRITE_TIMEOUT_S + 60), \
+            server.logs()[-3000:]
+        assert wait_for(lambda: not _holds_socket(frontend, inode), timeout=30)  # and the client reads nothing
+        assert_pool_whole(server)
+    finally:
+        sock.close()

@@ -1,6 +1,7 @@
 """The scheduler's ZeroMQ link against worker sockets driven by the test: a rank that replaces a
-lost one is not told to exit, processes told to exit are ignored afterwards, and epochs do not
-repeat across scheduler restarts."""
+lost one is not told to exit, processes told to exit are ignored afterwards, ranks are told apart
+by instance id even when their pids are equal (containers), and epochs do not repeat across
+scheduler restarts."""
 
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ from pagedserve.launch.serve_config import free_port
 class FakeRank:
     """One worker rank's sockets: SUB for the scheduler's messages, PUSH for its own."""
 
-    def __init__(self, link: WorkerLink, rank: int, pid: int) -> None:
+    def __init__(self, link: WorkerLink, rank: int, pid: int, instance_id: int | None = None) -> None:
         self.rank = rank
         self.pid = pid
+        self.instance_id = pid * 1000 + 7 if instance_id is None else instance_id
+        self.world_size = link.world_size
         context = zmq.Context.instance()
         self.sub = context.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -31,8 +34,8 @@ class FakeRank:
 
     def register(self) -> None:
         self.push.send(step_pb2.WorkerMessage(register=step_pb2.Register(
-            rank=self.rank, world_size=1, num_gpu_blocks=32, num_cpu_blocks=0, device="cpu",
-            pid=self.pid)).SerializeToString())
+            rank=self.rank, world_size=self.world_size, num_gpu_blocks=32, num_cpu_blocks=0, device="cpu",
+            pid=self.pid, instance_id=self.instance_id)).SerializeToString())
 
     def received(self, timeout: float = 0.5) -> list[step_pb2.SchedulerMessage]:
         messages = []
@@ -55,27 +58,29 @@ class FakeRank:
         self.push.close(0)
 
 
-def _link() -> WorkerLink:
-    return WorkerLink(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", world_size=1)
+def _link(world_size: int = 1) -> WorkerLink:
+    return WorkerLink(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", world_size=world_size)
 
 
-def _register_until_known(link: WorkerLink, rank: FakeRank, timeout: float = 5.0) -> None:
+def _register_until_known(link: WorkerLink, *ranks: FakeRank, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while not link.all_registered():
         assert time.monotonic() < deadline, "the registration did not arrive"
-        rank.register()
+        for rank in ranks:
+            rank.register()
         link.poll_registration(0.1)
 
 
-def _init(link: WorkerLink, rank: FakeRank) -> None:
-    """Runs init_cache while the fake rank answers from a thread of its own."""
+def _init(link: WorkerLink, *ranks: FakeRank) -> None:
+    """Runs init_cache while the fake ranks answer from a thread of their own."""
     import threading
 
     stop = threading.Event()
 
     def answer() -> None:
         while not stop.is_set():
-            rank.answer_init(link)
+            for rank in ranks:
+                rank.answer_init(link)
 
     thread = threading.Thread(target=answer, daemon=True)
     thread.start()
@@ -100,14 +105,14 @@ def test_a_replacement_rank_is_not_told_to_exit(link):
     new = FakeRank(link, 0, pid=1002)
     time.sleep(0.2)  # the new SUB is subscribed, as a restarted worker is before it registers
     new.register()
-    with pytest.raises(WorkerLost, match="registered again as pid 1002"):
+    with pytest.raises(WorkerLost, match="registered again as instance .* \\(pid 1002\\)"):
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
             link.drain()
             time.sleep(0.01)
     link.forget_ranks()
     (shutdown,) = [m.shutdown for m in new.received() if m.WhichOneof("kind") == "shutdown"]
-    assert list(shutdown.pids) == [1001]  # the new rank (1002) ignores it; the old one would exit
+    assert list(shutdown.instance_ids) == [old.instance_id]  # the new rank ignores it; the old one would exit
 
     old.register()  # the dismissed process, not yet gone, is not taken back
     link.drain()
@@ -124,11 +129,11 @@ def test_a_late_error_of_a_replaced_process_is_ignored(link):
     rank = FakeRank(link, 0, pid=2002)
     _register_until_known(link, rank)
     rank.push.send(step_pb2.WorkerMessage(error=step_pb2.WorkerError(
-        rank=0, message="stopped by SIGTERM", pid=2001)).SerializeToString())
+        rank=0, message="stopped by SIGTERM", pid=2002, instance_id=rank.instance_id + 1)).SerializeToString())
     time.sleep(0.1)
-    link.drain()  # no WorkerLost: pid 2001 is not the rank registered now
+    link.drain()  # no WorkerLost: that instance is not the rank registered now, whatever its pid
     rank.push.send(step_pb2.WorkerMessage(error=step_pb2.WorkerError(
-        rank=0, message="boom", pid=2002)).SerializeToString())
+        rank=0, message="boom", pid=2002, instance_id=rank.instance_id)).SerializeToString())
     time.sleep(0.1)
     with pytest.raises(WorkerLost, match="boom"):
         link.drain()
@@ -149,19 +154,47 @@ def test_epochs_do_not_repeat_across_scheduler_restarts():
     second.close()
 
 
-def test_a_pid_dismissed_long_ago_may_register_again(link):
-    """Pids are reused: a process dismissed minutes ago is no reason to refuse a new one."""
-    link.dismissed_pids = {4001: time.monotonic() - 1000.0, 4002: time.monotonic()}
+def test_an_instance_dismissed_long_ago_is_forgotten(link):
+    """The dismissed instances are kept DISMISSED_SECONDS, not for ever."""
     recent = FakeRank(link, 0, pid=4002)
+    reused = FakeRank(link, 0, pid=4001)
+    link.dismissed_instances = {reused.instance_id: time.monotonic() - 1000.0, recent.instance_id: time.monotonic()}
     recent.register()
     time.sleep(0.1)
     link.drain()
     assert not link.ranks
-    reused = FakeRank(link, 0, pid=4001)
     _register_until_known(link, reused)
     assert link.ranks[0].pid == 4001
     for rank in (recent, reused):
         rank.close()
+
+
+def test_ranks_with_equal_pids_are_told_apart_by_instance_id():
+    """Ranks in separate containers are often all pid 1, and so is the rank that replaces one."""
+    link = _link(world_size=2)
+    try:
+        rank0, rank1 = FakeRank(link, 0, pid=1, instance_id=0xA0), FakeRank(link, 1, pid=1, instance_id=0xB1)
+        _register_until_known(link, rank0, rank1)
+        _init(link, rank0, rank1)
+        assert {state.instance_id for state in link.ranks.values()} == {0xA0, 0xB1}
+        replacement = FakeRank(link, 0, pid=1, instance_id=0xC2)  # rank 0's new pod, pid 1 again
+        time.sleep(0.2)  # subscribed, as a restarted worker is before it registers
+        replacement.register()
+        with pytest.raises(WorkerLost, match="registered again as instance 00000000000000c2"):
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:  # keyed by pid this was rank 0's heartbeat
+                link.drain()
+                time.sleep(0.01)
+        link.forget_ranks()
+        (shutdown,) = [m.shutdown for m in replacement.received() if m.WhichOneof("kind") == "shutdown"]
+        assert sorted(shutdown.instance_ids) == [0xA0, 0xB1]  # not the replacement, though its pid is 1 too
+        rank1_again = FakeRank(link, 1, pid=1, instance_id=0xD3)
+        _register_until_known(link, replacement, rank1_again)  # not refused as dismissed
+        assert {rank: state.instance_id for rank, state in link.ranks.items()} == {0: 0xC2, 1: 0xD3}
+        for rank in (rank0, rank1, replacement, rank1_again):
+            rank.close()
+    finally:
+        link.close()
 
 
 def test_garbage_and_unexpected_worker_messages_are_dropped_and_the_step_still_completes(link):
@@ -201,7 +234,7 @@ def test_with_curve_keys_only_the_workers_key_gets_through(monkeypatch):
     link = _link()
     try:
         rank = FakeRank.__new__(FakeRank)
-        rank.rank, rank.pid = 0, 7001
+        rank.rank, rank.pid, rank.instance_id, rank.world_size = 0, 7001, 7001, 1
         context = zmq.Context.instance()
         rank.sub, rank.push = context.socket(zmq.SUB), context.socket(zmq.PUSH)
         for socket in (rank.sub, rank.push):
@@ -214,7 +247,7 @@ def test_with_curve_keys_only_the_workers_key_gets_through(monkeypatch):
         plain = FakeRank(link, 0, pid=6001)  # no CURVE at all
         other_public, other_secret = zmq.curve_keypair()
         forged = FakeRank.__new__(FakeRank)
-        forged.rank, forged.pid = 0, 6002
+        forged.rank, forged.pid, forged.instance_id, forged.world_size = 0, 6002, 6002, 1
         forged.sub, forged.push = context.socket(zmq.SUB), context.socket(zmq.PUSH)
         for socket in (forged.sub, forged.push):
             socket.setsockopt(zmq.LINGER, 0)
