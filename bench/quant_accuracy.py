@@ -53,6 +53,7 @@ DATA = Path(__file__).resolve().parent / "data"
 VARIANTS = {  # name -> ModelRunner options
     "int8": {"quantization": "int8"},
     "int4 g128": {"quantization": "int4", "quantization_group_size": 128},
+    "int4 g64": {"quantization": "int4", "quantization_group_size": 64},
     "int4 g32": {"quantization": "int4", "quantization_group_size": 32},
     "kv fp8_e4m3": {"kv_cache_dtype": "fp8_e4m3"},
     "kv fp8_e5m2": {"kv_cache_dtype": "fp8_e5m2"},

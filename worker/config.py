@@ -54,7 +54,7 @@ class WorkerConfig:
                                     "weights quantized and loads any other checkpoint as none; int8 per output "
                                     "channel; int4 per group")
     quantization_group_size: int | None = option(
-        None, metavar="G", serve=True, help="int4 group size along the input dimension (default 128; 32 for GGUF)")
+        None, metavar="G", serve=True, help="int4 group size along the input dimension (default 32)")
     kv_cache_dtype: str = option("auto", choices=KV_CACHE_DTYPES, serve=True,
                                  help="KV cache element type (auto: the model's dtype); fp8 holds 2-4x the "
                                       "blocks in the same memory")

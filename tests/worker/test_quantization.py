@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedserve.kernels.linear.block_quant import BlockQuantWeight
 from pagedserve.kernels.linear.packed_weights import Int4Weight, Int8Weight
 from pagedserve.worker.layers.parallel import ColumnParallelLinear, RowParallelLinear
 from pagedserve.worker.quantization.quantizers import (
@@ -52,7 +53,7 @@ def test_config_validates():
     assert not QuantizationConfig().is_enabled
     assert not QuantizationConfig("auto").is_enabled and QuantizationConfig("auto").keeps_checkpoint_quantization
     assert not QuantizationConfig("none").keeps_checkpoint_quantization
-    assert QuantizationConfig("int4").int4_group_size == 128
+    assert QuantizationConfig("int4").int4_group_size == 32
     assert QuantizationConfig("int4", 32).int4_group_size == 32
     with pytest.raises(QuantizationError, match="one of auto, none, int8, int4"):
         QuantizationConfig("fp4")
@@ -90,17 +91,15 @@ def test_quantized_layer_counts_its_packed_bytes_and_forwards():
     assert layer.packed.qweight is params["weight_qweight"]
 
 
-def test_prequantized_q4_keeps_codes_and_q8_becomes_per_channel_int8():
+def test_prequantized_blocks_are_kept_exactly():
     dense = _dense(48, 96, seed=1)
-    for make in (q4_1, q4_0):
+    for make, bits in ((q4_1, 4), (q4_0, 4), (q8_0, 8)):
         weight = make(dense)
         packed = weight.to_packed()
-        assert isinstance(packed, Int4Weight) and packed.group_size == 32
-        assert _relative_error(packed.dequantize(), weight.dequantize()) < 5e-3  # scales rounded to bfloat16
+        assert isinstance(packed, BlockQuantWeight) and packed.bits == bits
+        assert packed.scales.dtype == torch.float16
+        assert torch.equal(packed.dequantize(), weight.dequantize())  # float16 scales and mins, exactly
         assert _relative_error(weight.dequantize(), dense) < 0.1
-    packed = q8_0(dense).to_packed()
-    assert isinstance(packed, Int8Weight)
-    assert _relative_error(packed.dequantize(), dense) < 0.01
 
 
 def test_prequantized_weight_validates_and_slices_on_groups():
@@ -136,9 +135,9 @@ def test_load_prequantized_slices_and_fuses_for_the_rank():
     model = _TwoLayerShard()
     assert load_prequantized(model, tensors) == set(full)
     expected_qk = torch.cat([tensors["q.weight"].dequantize()[32:64], tensors["k.weight"].dequantize()[16:32]])
-    assert _relative_error(model.qk.packed.dequantize(), expected_qk) < 5e-3
+    assert torch.equal(model.qk.packed.dequantize(), expected_qk)
     expected_down = tensors["down.weight"].dequantize()[:, 64:]
-    assert _relative_error(model.down.packed.dequantize(), expected_down) < 5e-3
+    assert torch.equal(model.down.packed.dequantize(), expected_down)
     assert model.qk.weight is None and model.down.weight is None
 
 
@@ -154,3 +153,15 @@ def test_quantize_int4_of_a_prequantized_grid_is_lossless():
     """Weights already on a 4-bit grid (per group of 32) come back exactly from our own quantizer."""
     weight = q4_1(_dense(32, 64, 7)).to_packed().dequantize()
     assert _relative_error(quantize_int4(weight, 32).dequantize(), weight) < 5e-3
+
+
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_int4_codes_are_chosen_for_the_stored_zero(group_size):
+    """Groups far from zero (bfloat16 then rounds the zero coarsely): every weight stays within half
+    a step of its stored value, so the codes were chosen against the stored (scale, zero)."""
+    generator = torch.Generator().manual_seed(3)
+    dense = 5.0 + 0.1 * torch.rand(64, 256, generator=generator)  # [N, K]
+    packed = quantize_int4(dense, group_size)
+    steps = packed.scales_and_zeros[..., 0].to(torch.float32).t().repeat_interleave(group_size, dim=1)  # [N, K]
+    error = (packed.dequantize() - dense).abs()
+    assert bool((error <= steps / 2 * (1 + 1e-3)).all()), float((error / steps).max())
