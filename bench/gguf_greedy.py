@@ -17,6 +17,7 @@ from pathlib import Path
 
 from machine_info import machine
 from output import print_table, save_report, timestamp
+from perf_tables import save_kept
 from pagedserve.worker.model_runner import ModelRunner
 from runner_driver import blocks_needed, generate
 
@@ -74,7 +75,8 @@ def main() -> None:
     print(f"identical: {same} of {len(rows)}; decode wall time none {dense_seconds:.1f} s, auto {kept_seconds:.1f} s")
     report = {"machine": machine("torch"), "gguf": str(gguf), "dtype": args.dtype, "new_tokens": args.new_tokens,
               "num_identical": same, "rows": rows, "seconds": {"none": dense_seconds, "auto": kept_seconds}}
-    for path in save_report(f"gguf_greedy-{timestamp()}", report):
+    report["date"] = timestamp()
+    for path in save_report(f"gguf_greedy-{report['date']}", report) + save_kept("gguf_greedy", report):
         print(f"wrote {path}")
 
 

@@ -122,7 +122,15 @@ def generic_section(kind: str, cpu: str, reports: list[dict]) -> list[str]:
     return [f"### {kind}: {cpu}", "", f"The latest of {_dates(reports)}.", "", *_table(header, body), ""]
 
 
-SECTIONS = {"limits": limits_section, "real_model": real_model_section}
+def gguf_greedy_section(cpu: str, reports: list[dict]) -> list[str]:
+    rows = [[report["date"], Path(report["gguf"]).name, report["dtype"], str(report["new_tokens"]),
+             f"{report['num_identical']} of {len(report['rows'])}"] for report in reports]
+    return [f"### GGUF greedy answers, blocks kept (--quantization auto) against dequantized (none): {cpu}", "",
+            f"bench/gguf_greedy.py on bench/quant_accuracy.py's chat prompts; {_dates(reports)}; every run.", "",
+            *_table(["run", "file", "dtype", "tokens per prompt", "identical continuations"], rows), ""]
+
+
+SECTIONS = {"limits": limits_section, "real_model": real_model_section, "gguf_greedy": gguf_greedy_section}
 
 
 def render(kept: dict[str, dict[str, list[dict]]]) -> str:

@@ -44,6 +44,7 @@ import torch
 
 from machine_info import machine
 from output import print_table, save_report, timestamp
+from perf_tables import save_kept
 from pagedserve.testing.kv_scales import calibrate_kv_scales
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.testing.prompt_scoring import sequence_logits
@@ -220,7 +221,8 @@ def main() -> None:
     report = {"machine": machine("torch", "transformers"), "model": str(args.model), "window": args.window,
               "num_corpus_tokens": sum(map(len, windows)), "num_prompts": len(prompts),
               "new_tokens": args.new_tokens, "rows": rows}
-    for path in save_report(f"quant_accuracy-{timestamp()}", report):
+    report["date"] = timestamp()
+    for path in save_report(f"quant_accuracy-{report['date']}", report) + save_kept("quant_accuracy", report):
         print(f"wrote {path}")
 
 
