@@ -13,8 +13,9 @@ The scales and minimums are the file's float16 values, never rounded to another 
 gguf package's values bit for bit.
 
     block_quant_linear_native   1..MAX_ROWS rows: float32 activations against the codes, group
-                                sums scaled by d in float32 (the kernel's comment); differs from
-                                the reference only in the order of float32 sums
+                                sums scaled by d in float32 (the kernel's comment); bfloat16
+                                activations as they are, by BF16 dot products on the codes (exact
+                                products); differs from the reference only in the order of float32 sums
     block_quant_linear_dequant  more rows: the weight dequantized exactly to float32 and, for a
                                 float32 x, one float32 matmul; for a bfloat16 x, the weight
                                 rounded to bfloat16 as the dequantized file served in bfloat16 has it
@@ -120,14 +121,26 @@ def supports(x: torch.Tensor, weight: BlockQuantWeight):
 
 def block_quant_linear_native(x: torch.Tensor, weight: BlockQuantWeight, bias: torch.Tensor | None = None,
                               lib=None) -> torch.Tensor:
-    """x [M, K] -> [M, N] in x's dtype (callers check supports first)."""
-    x32 = x.to(torch.float32).contiguous()
+    """x [M, K] -> [M, N] in x's dtype (callers check supports first). bfloat16 x goes to the BF16
+    dot-product variant where the CPU has it, anything else to the float32 kernel."""
+    lib = lib or native_lib.load()
     y = torch.empty(x.shape[0], weight.out_features, dtype=torch.float32)
-    (lib or native_lib.load()).block_quant_rows(
-        x32.data_ptr(), weight.qs.data_ptr(), weight.scales.data_ptr(),
+    if x.dtype == torch.bfloat16 and _has_bf16(lib):
+        kernel, x_in = lib.block_quant_rows_bf16, x.contiguous()
+    else:
+        kernel, x_in = lib.block_quant_rows, x.to(torch.float32).contiguous()
+    kernel(
+        x_in.data_ptr(), weight.qs.data_ptr(), weight.scales.data_ptr(),
         weight.mins.data_ptr() if weight.mins is not None else None, y.data_ptr(), x.shape[0],
         weight.out_features, weight.in_features, weight.bits)
     return _finish(y, bias, x.dtype)
+
+
+def _has_bf16(lib) -> bool:
+    available = getattr(lib, "_pagedserve_block_quant_rows_bf16", None)
+    if available is None:
+        available = lib._pagedserve_block_quant_rows_bf16 = bool(lib.block_quant_rows_bf16_available())
+    return available
 
 
 def block_quant_linear_dequant(x: torch.Tensor, weight: BlockQuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

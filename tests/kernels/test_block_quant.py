@@ -81,3 +81,20 @@ def test_weights_that_are_not_the_files_float16_are_refused():
         BlockQuantWeight.from_codes(codes, scales, torch.zeros(16, 2), 4)
     with pytest.raises(ValueError, match="mins"):
         BlockQuantWeight(torch.zeros(16, 32, dtype=torch.uint8), torch.zeros(16, 2, dtype=torch.float16), None, 4)
+
+
+@pytest.mark.parametrize("tensor_type", TYPES)
+@pytest.mark.parametrize("num_rows", [1, 4, 7, 32])
+def test_bfloat16_rows_match_the_exact_product_before_rounding(tensor_type, num_rows):
+    """The BF16 dot-product variant on bfloat16 activations, its float32 output read before the final
+    rounding: the exact product of those activations up to the order of float32 sums."""
+    weight, _ = _gguf_weight(tensor_type, 96, 320, seed=20 + num_rows)
+    lib = block_quant.supports(torch.empty(num_rows, 320), weight)
+    if lib is None or not block_quant._has_bf16(lib):
+        pytest.fail("the native bfloat16 block kernel is unavailable on this CPU (it needs AVX-512 BF16)")
+    x = torch.randn(num_rows, 320, generator=torch.Generator().manual_seed(num_rows)).bfloat16()
+    y = torch.empty(num_rows, 96)
+    lib.block_quant_rows_bf16(x.data_ptr(), weight.qs.data_ptr(), weight.scales.data_ptr(),
+                              weight.mins.data_ptr() if weight.mins is not None else None, y.data_ptr(), num_rows,
+                              96, 320, weight.bits)
+    assert _relative_to_exact(y, x.float(), weight) < 1e-6
