@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from machine_info import machine
 from output import print_table, save_report, timestamp
+from perf_tables import save_kept
 from roofline import measure_read_bandwidth
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down [out, in]
@@ -97,7 +98,8 @@ def main() -> None:
               "load_average_start": load_start, "load_average_end": os.getloadavg(), "rows": results}
     print_table(results, title=f"{report['machine']['cpu']}, {args.threads} threads, read bandwidth {read_gbps:.1f} GB/s, "
                                f"load average {load_start[0]:.2f}: 120 SmolLM2 projections per pass")
-    for path in save_report(f"block_quant_rows-{timestamp()}", report):
+    report["date"] = timestamp()
+    for path in save_report(f"block_quant_rows-{report['date']}", report) + save_kept("block_quant_rows", report):
         print(f"wrote {path}")
 
 

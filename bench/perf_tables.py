@@ -118,8 +118,12 @@ def generic_section(kind: str, cpu: str, reports: list[dict]) -> list[str]:
     if not rows:
         return []
     header = list(rows[0])
-    body = [[_fmt(row[name], 4) if isinstance(row[name], float) else str(row[name]) for name in header] for row in rows]
-    return [f"### {kind}: {cpu}", "", f"The latest of {_dates(reports)}.", "", *_table(header, body), ""]
+    body = [[_fmt(row[name], 4 if abs(row[name]) < 1 else 2) if isinstance(row[name], float) else str(row[name])
+             for name in header] for row in rows]
+    notes = "; ".join(str(latest[key]) if key == "note" else f"{key} {latest[key]}"
+                      for key in ("threads", "note") if latest.get(key) is not None)
+    return [f"### {kind}: {cpu}", "", f"bench/{kind}.py, the latest of {_dates(reports)}" + (f" ({notes})" if notes else "")
+            + ".", "", *_table(header, body), ""]
 
 
 def gguf_greedy_section(cpu: str, reports: list[dict]) -> list[str]:
