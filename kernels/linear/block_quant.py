@@ -13,13 +13,16 @@ The scales and minimums are the file's float16 values, never rounded to another 
 gguf package's values bit for bit.
 
     block_quant_linear_native   1..MAX_ROWS rows: float32 activations against the codes, group
-                                sums scaled by d in float32 (the kernel's comment); bfloat16
-                                activations as they are, by BF16 dot products on the codes (exact
-                                products); differs from the reference only in the order of float32 sums
+                                sums scaled by d in float32 (the kernel's comment): differs from
+                                the reference only in the order of float32 sums; bfloat16
+                                activations against the weights decoded to bfloat16 (the file
+                                dequantized to bfloat16, as `none` and the prefill path have them)
+                                by BF16 dot products
     block_quant_linear_dequant  more rows: the weight dequantized exactly to float32 and, for a
                                 float32 x, one float32 matmul; for a bfloat16 x, the weight
                                 rounded to bfloat16 as the dequantized file served in bfloat16 has it
-    block_quant_linear_ref      the reference (the oracle in tests): exact float32 weight, float32 matmul
+    block_quant_linear_ref      the reference (the oracle in tests): the exact float32 weight (for a
+                                bfloat16 x rounded to bfloat16), one float32 matmul
 """
 
 from __future__ import annotations
@@ -122,7 +125,7 @@ def supports(x: torch.Tensor, weight: BlockQuantWeight):
 def block_quant_linear_native(x: torch.Tensor, weight: BlockQuantWeight, bias: torch.Tensor | None = None,
                               lib=None) -> torch.Tensor:
     """x [M, K] -> [M, N] in x's dtype (callers check supports first). bfloat16 x goes to the BF16
-    dot-product variant where the CPU has it, anything else to the float32 kernel."""
+    variant where the CPU has it (weights rounded to bfloat16), anything else to the float32 kernel."""
     lib = lib or native_lib.load()
     y = torch.empty(x.shape[0], weight.out_features, dtype=torch.float32)
     if x.dtype == torch.bfloat16 and _has_bf16(lib):
@@ -150,7 +153,12 @@ def block_quant_linear_dequant(x: torch.Tensor, weight: BlockQuantWeight, bias: 
 
 
 def block_quant_linear_ref(x: torch.Tensor, weight: BlockQuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    y = F.linear(x.to(torch.float32), weight.dequantize(torch.float32))  # [M, N]
+    """x @ W^T in float32, W the exact float32 weights, or for a bfloat16 x the weights rounded to
+    bfloat16 (the file dequantized to bfloat16)."""
+    dense = weight.dequantize(torch.float32)
+    if x.dtype == torch.bfloat16:
+        dense = dense.to(torch.bfloat16).to(torch.float32)
+    y = F.linear(x.to(torch.float32), dense)  # [M, N]
     return _finish(y, bias, x.dtype)
 
 

@@ -13,9 +13,8 @@
  * here they are not rounded at all): per group, the 32 products q * x are summed in float32
  * (two 16-lane FMAs on the codes widened to float), scaled by d into 16 running lanes, and the
  * minimums add m * sum(x of the group) at the end, so the result differs from the reference
- * only in the order of float32 sums. bfloat16 activations (block_quant_rows_bf16, AVX-512 BF16) take
- * the codes as bfloat16, exact for 8-bit integers, one BF16 dot product per group (exact products,
- * float32 sums): the same result up to the order of sums. The weight is read once per call (rows split over the
+ * only in the order of float32 sums. bfloat16 activations (block_quant_rows_bf16, AVX-512 BF16)
+ * multiply the weights decoded to bfloat16 (see there). The weight is read once per call (rows split over the
  * threads in contiguous runs); the activation rows are taken ROW_CHUNK at a time against each
  * weight row (the row, at most a few KiB, stays in L1 between chunks). */
 #include <immintrin.h>
@@ -125,86 +124,85 @@ void block_quant_rows(const float *x, const uint8_t *qs, const uint16_t *d, cons
 int32_t block_quant_rows_available(void) { return 1; }
 
 #if defined(__AVX512BF16__)
-/* bfloat16 activations: the codes become bfloat16 (exact: integers of at most 8 bits) and each group
- * is one BF16 dot-product instruction (products exact, sums in float32), then scaled by d */
-static inline __attribute__((always_inline)) void row_chunk_bf16(const int R, const int bits, const uint16_t *x,
-                                                                  const uint8_t *row, const uint16_t *d, int64_t r0,
-                                                                  int64_t K, float *sums) {
-    /* bfloat16 bits of 0..15, lanes 0..15 of a vpermw table */
-    const __m512i table = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x4170, 0x4160, 0x4150,
-                                           0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080,
-                                           0x4040, 0x4000, 0x3f80, 0x0000);
-    __m512 acc[ROW_CHUNK];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+/* bfloat16 activations: WEIGHT_ROWS weight rows at a time are decoded into bfloat16 (q * d + m in
+ * float32 as gguf does, then rounded to nearest even: the weights of the file dequantized to
+ * bfloat16, what --quantization none serves in bfloat16 and what the prefill path multiplies),
+ * held in L1, and multiplied as linear_rows.c does: BF16 dot products, float32 sums, X_ROWS
+ * activation rows per pass over the decoded rows (4 x 4 accumulators stay in registers). */
+#define WEIGHT_ROWS 4
+#define X_ROWS 4
+
+static inline void decode_row_bf16(const int bits, const uint8_t *row, const uint16_t *d, const uint16_t *m,
+                                   uint16_t *out, int64_t K) {
     const int64_t num_groups = K / GROUP;
+    const __m128i mask = _mm_set1_epi8(0x0f);
     for (int64_t g = 0; g < num_groups; g++) {
-        __m512bh w;
+        __m512 lo, hi;
         if (bits == 4) {
             __m128i packed = _mm_loadu_si128((const __m128i *)(row + g * (GROUP / 2)));
-            __m128i mask = _mm_set1_epi8(0x0f);
-            __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), mask), _mm_and_si128(packed, mask));
-            w = (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(codes), table);
+            lo = widen_u8(_mm_and_si128(packed, mask));
+            hi = widen_u8(_mm_and_si128(_mm_srli_epi16(packed, 4), mask));
         } else {
-            __m512 lo = widen_i8(_mm_loadu_si128((const __m128i *)(row + g * GROUP)));
-            __m512 hi = widen_i8(_mm_loadu_si128((const __m128i *)(row + g * GROUP + 16)));
-            w = _mm512_cvtne2ps_pbh(hi, lo);
+            lo = widen_i8(_mm_loadu_si128((const __m128i *)(row + g * GROUP)));
+            hi = widen_i8(_mm_loadu_si128((const __m128i *)(row + g * GROUP + 16)));
         }
         __m512 scale = _mm512_set1_ps(_cvtsh_ss(d[g]));
-        for (int r = 0; r < R; r++) {
-            __m512bh xg = (__m512bh)_mm512_loadu_si512((const void *)(x + (r0 + r) * K + g * GROUP));
-            __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), w, xg);
-            acc[r] = _mm512_fmadd_ps(t, scale, acc[r]);
+        if (m) { /* q * d is exact in float32: one rounding, as gguf's d * q + m */
+            __m512 offset = _mm512_set1_ps(_cvtsh_ss(m[g]));
+            lo = _mm512_fmadd_ps(lo, scale, offset);
+            hi = _mm512_fmadd_ps(hi, scale, offset);
+        } else {
+            lo = _mm512_mul_ps(lo, scale);
+            hi = _mm512_mul_ps(hi, scale);
         }
-    }
-    for (int r = 0; r < R; r++) sums[r] = _mm512_reduce_add_ps(acc[r]);
-}
-
-static inline __attribute__((always_inline)) void one_row_bf16(const int bits, const uint16_t *x, const uint8_t *qs,
-                                                                const uint16_t *d, const uint16_t *m,
-                                                                const float *group_sums, float *y, int64_t n,
-                                                                int64_t M, int64_t N, int64_t K) {
-    const int64_t num_groups = K / GROUP;
-    const uint8_t *row = qs + n * (bits == 4 ? K / 2 : K);
-    const uint16_t *dn = d + n * num_groups;
-    float sums[ROW_CHUNK];
-    for (int64_t r0 = 0; r0 < M; r0 += ROW_CHUNK) {
-        switch (M - r0 < ROW_CHUNK ? M - r0 : ROW_CHUNK) {
-        case 1: row_chunk_bf16(1, bits, x, row, dn, r0, K, sums); break;
-        case 2: row_chunk_bf16(2, bits, x, row, dn, r0, K, sums); break;
-        case 3: row_chunk_bf16(3, bits, x, row, dn, r0, K, sums); break;
-        default: row_chunk_bf16(4, bits, x, row, dn, r0, K, sums); break;
-        }
-        for (int64_t r = r0; r < M && r < r0 + ROW_CHUNK; r++) {
-            float sum = sums[r - r0];
-            if (m) sum += min_terms(m + n * num_groups, group_sums + r * num_groups, num_groups);
-            y[r * N + n] = sum;
-        }
+        _mm512_storeu_si512((void *)(out + g * GROUP), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
 }
 
-/* block_quant_rows with x bfloat16 [M, K] (the sums of the minimums' groups in float32) */
+static inline __attribute__((always_inline)) void dot_rows_bf16(const int MX, const uint16_t *x, const uint16_t *w,
+                                                                 float *y, int64_t m0, int64_t n0, int64_t nr,
+                                                                 int64_t N, int64_t K) {
+    __m512 acc[X_ROWS][WEIGHT_ROWS];
+    for (int r = 0; r < MX; r++)
+        for (int c = 0; c < WEIGHT_ROWS; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += GROUP) {
+        __m512bh xv[X_ROWS];
+        for (int r = 0; r < MX; r++) xv[r] = (__m512bh)_mm512_loadu_si512((const void *)(x + (m0 + r) * K + k));
+        for (int64_t c = 0; c < nr; c++) {
+            __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(w + c * K + k));
+            for (int r = 0; r < MX; r++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], wv, xv[r]);
+        }
+    }
+    for (int r = 0; r < MX; r++)
+        for (int64_t c = 0; c < nr; c++) y[(m0 + r) * N + n0 + c] = _mm512_reduce_add_ps(acc[r][c]);
+}
+
+/* block_quant_rows with x bfloat16 [M, K] against the weights rounded to bfloat16 (above) */
 void block_quant_rows_bf16(const uint16_t *x, const uint8_t *qs, const uint16_t *d, const uint16_t *m, float *y,
                            int64_t M, int64_t N, int64_t K, int32_t bits) {
-    const int64_t num_groups = K / GROUP;
-    float *sums = NULL;
-    if (m) {
-        sums = (float *)malloc(sizeof(float) * M * num_groups);
-        if (!sums) return;
-        for (int64_t r = 0; r < M; r++)
-            for (int64_t g = 0; g < num_groups; g++) {
-                float s = 0.0f;
-                for (int j = 0; j < GROUP; j++) s += bf16_to_f32(x[r * K + g * GROUP + j]);
-                sums[r * num_groups + g] = s;
+    const int64_t num_groups = K / GROUP, row_bytes = bits == 4 ? K / 2 : K;
+    const int64_t num_blocks = (N + WEIGHT_ROWS - 1) / WEIGHT_ROWS;
+#pragma omp parallel if (N * K >= PARALLEL_MIN_ELEMENTS)
+    {
+        uint16_t *decoded = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * WEIGHT_ROWS * K);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < num_blocks; b++) {
+            if (!decoded) continue;
+            int64_t n0 = b * WEIGHT_ROWS, nr = N - n0 < WEIGHT_ROWS ? N - n0 : WEIGHT_ROWS;
+            for (int64_t c = 0; c < nr; c++)
+                decode_row_bf16(bits, qs + (n0 + c) * row_bytes, d + (n0 + c) * num_groups,
+                                m ? m + (n0 + c) * num_groups : NULL, decoded + c * K, K);
+            for (int64_t m0 = 0; m0 < M; m0 += X_ROWS) {
+                switch (M - m0 < X_ROWS ? M - m0 : X_ROWS) {
+                case 1: dot_rows_bf16(1, x, decoded, y, m0, n0, nr, N, K); break;
+                case 2: dot_rows_bf16(2, x, decoded, y, m0, n0, nr, N, K); break;
+                case 3: dot_rows_bf16(3, x, decoded, y, m0, n0, nr, N, K); break;
+                default: dot_rows_bf16(4, x, decoded, y, m0, n0, nr, N, K); break;
+                }
             }
+        }
+        free(decoded);
     }
-    if (bits == 4) {
-#pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_ELEMENTS)
-        for (int64_t n = 0; n < N; n++) one_row_bf16(4, x, qs, d, m, sums, y, n, M, N, K);
-    } else {
-#pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_ELEMENTS)
-        for (int64_t n = 0; n < N; n++) one_row_bf16(8, x, qs, d, m, sums, y, n, M, N, K);
-    }
-    free(sums);
 }
 
 int32_t block_quant_rows_bf16_available(void) { return 1; }
