@@ -95,10 +95,93 @@ static inline __attribute__((always_inline)) void one_row(const int bits, const 
     }
 }
 
+/* from DECODE_MIN_ROWS activation rows on, 4 weight rows at a time are decoded to float32 (exact:
+ * q * d + m as gguf computes it) in L1 and multiplied 4 x 4 by FMAs, so the per-group scaling is
+ * paid once per weight row rather than once per activation row */
+#define DECODE_MIN_ROWS 4
+#define DECODE_ROWS 4
+
+static inline void decode_row_f32(const int bits, const uint8_t *row, const uint16_t *d, const uint16_t *m,
+                                  float *out, int64_t K) {
+    const int64_t num_groups = K / GROUP;
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    for (int64_t g = 0; g < num_groups; g++) {
+        __m512 lo, hi;
+        if (bits == 4) {
+            __m128i packed = _mm_loadu_si128((const __m128i *)(row + g * (GROUP / 2)));
+            lo = widen_u8(_mm_and_si128(packed, mask));
+            hi = widen_u8(_mm_and_si128(_mm_srli_epi16(packed, 4), mask));
+        } else {
+            lo = widen_i8(_mm_loadu_si128((const __m128i *)(row + g * GROUP)));
+            hi = widen_i8(_mm_loadu_si128((const __m128i *)(row + g * GROUP + 16)));
+        }
+        __m512 scale = _mm512_set1_ps(_cvtsh_ss(d[g]));
+        if (m) { /* q * d is exact in float32: one rounding, as gguf's d * q + m */
+            __m512 offset = _mm512_set1_ps(_cvtsh_ss(m[g]));
+            lo = _mm512_fmadd_ps(lo, scale, offset);
+            hi = _mm512_fmadd_ps(hi, scale, offset);
+        } else {
+            lo = _mm512_mul_ps(lo, scale);
+            hi = _mm512_mul_ps(hi, scale);
+        }
+        _mm512_storeu_ps(out + g * GROUP, lo);
+        _mm512_storeu_ps(out + g * GROUP + 16, hi);
+    }
+}
+
+static inline __attribute__((always_inline)) void dot_rows_f32(const int MX, const float *x, const float *w, float *y,
+                                                                int64_t m0, int64_t n0, int64_t nr, int64_t N,
+                                                                int64_t K) {
+    __m512 acc[DECODE_ROWS][DECODE_ROWS];
+    for (int r = 0; r < MX; r++)
+        for (int c = 0; c < DECODE_ROWS; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        __m512 xv[DECODE_ROWS];
+        for (int r = 0; r < MX; r++) xv[r] = _mm512_loadu_ps(x + (m0 + r) * K + k);
+        for (int64_t c = 0; c < nr; c++) {
+            __m512 wv = _mm512_loadu_ps(w + c * K + k);
+            for (int r = 0; r < MX; r++) acc[r][c] = _mm512_fmadd_ps(wv, xv[r], acc[r][c]);
+        }
+    }
+    for (int r = 0; r < MX; r++)
+        for (int64_t c = 0; c < nr; c++) y[(m0 + r) * N + n0 + c] = _mm512_reduce_add_ps(acc[r][c]);
+}
+
+static void decoded_rows_f32(const float *x, const uint8_t *qs, const uint16_t *d, const uint16_t *m, float *y,
+                             int64_t M, int64_t N, int64_t K, int32_t bits) {
+    const int64_t num_groups = K / GROUP, row_bytes = bits == 4 ? K / 2 : K;
+    const int64_t num_blocks = (N + DECODE_ROWS - 1) / DECODE_ROWS;
+#pragma omp parallel if (N * K >= PARALLEL_MIN_ELEMENTS)
+    {
+        float *decoded = (float *)aligned_alloc(64, sizeof(float) * DECODE_ROWS * K);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < num_blocks; b++) {
+            if (!decoded) continue;
+            int64_t n0 = b * DECODE_ROWS, nr = N - n0 < DECODE_ROWS ? N - n0 : DECODE_ROWS;
+            for (int64_t c = 0; c < nr; c++)
+                decode_row_f32(bits, qs + (n0 + c) * row_bytes, d + (n0 + c) * num_groups,
+                               m ? m + (n0 + c) * num_groups : NULL, decoded + c * K, K);
+            for (int64_t m0 = 0; m0 < M; m0 += DECODE_ROWS) {
+                switch (M - m0 < DECODE_ROWS ? M - m0 : DECODE_ROWS) {
+                case 1: dot_rows_f32(1, x, decoded, y, m0, n0, nr, N, K); break;
+                case 2: dot_rows_f32(2, x, decoded, y, m0, n0, nr, N, K); break;
+                case 3: dot_rows_f32(3, x, decoded, y, m0, n0, nr, N, K); break;
+                default: dot_rows_f32(4, x, decoded, y, m0, n0, nr, N, K); break;
+                }
+            }
+        }
+        free(decoded);
+    }
+}
+
 /* x float32 [M, K]; qs, d [N, K / 32] float16 bits, m [N, K / 32] float16 bits or NULL (8 bits);
  * y float32 [M, N]; bits 4 or 8; K a multiple of 32; 1 <= M <= BLOCK_QUANT_MAX_ROWS */
 void block_quant_rows(const float *x, const uint8_t *qs, const uint16_t *d, const uint16_t *m, float *y, int64_t M,
                       int64_t N, int64_t K, int32_t bits) {
+    if (M >= DECODE_MIN_ROWS) {
+        decoded_rows_f32(x, qs, d, m, y, M, N, K, bits);
+        return;
+    }
     const int64_t num_groups = K / GROUP;
     float *sums = NULL; /* the activations' group sums, for the minimums */
     if (m) {
