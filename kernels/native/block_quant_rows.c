@@ -10,13 +10,13 @@
  *     8 bits   qs int8 [N, K]                                  w = q * d
  *
  * x float32 [M, K], y float32 [M, N]. Activations stay float32 (llama.cpp quantizes them to int8;
- * here they are not rounded at all): per group, the 32 products q * x are summed in float32
- * (two 16-lane FMAs on the codes widened to float), scaled by d into 16 running lanes, and the
- * minimums add m * sum(x of the group) at the end, so the result differs from the reference
- * only in the order of float32 sums. bfloat16 activations (block_quant_rows_bf16, AVX-512 BF16)
- * multiply the weights decoded to bfloat16 (see there). The weight is read once per call (rows split over the
- * threads in contiguous runs); the activation rows are taken ROW_CHUNK at a time against each
- * weight row (the row, at most a few KiB, stays in L1 between chunks). */
+ * here they are not rounded at all). At 1-3 rows, per group the 32 products q * x are summed in
+ * float32 (two 16-lane FMAs on the codes widened to float), scaled by d into 16 running lanes, and
+ * the minimums add m * sum(x of the group) at the end; from DECODE_MIN_ROWS rows, weight rows are
+ * decoded exactly to float32 in L1 and multiplied by FMAs (decoded_rows_f32). Either way the result
+ * differs from the reference only in the order of float32 sums. bfloat16 activations
+ * (block_quant_rows_bf16, AVX-512 BF16) multiply the weights decoded to bfloat16 (see there). The
+ * weight is read once per call, its rows split over the threads in contiguous runs. */
 #include <immintrin.h>
 #include <stdlib.h>
 
