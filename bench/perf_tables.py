@@ -86,7 +86,9 @@ def limits_section(cpu: str, reports: list[dict]) -> list[str]:
 
 
 def real_model_section(cpu: str, reports: list[dict]) -> list[str]:
-    flags = sorted({" ".join(report.get("serve_args", [])) or "default flags" for report in reports})
+    configs = sorted({f"{dtype}, {system}: {config}" for report in reports for dtype, entry in report["dtypes"].items()
+                      for system, config in entry.get("configs", {}).items()})
+    extra = sorted({" ".join(report.get("serve_args", [])) for report in reports} - {""})
     values: dict[tuple, list[float]] = defaultdict(list)
     shares: dict[tuple, list[float]] = defaultdict(list)
     for report in reports:
@@ -107,9 +109,11 @@ def real_model_section(cpu: str, reports: list[dict]) -> list[str]:
             row.append(_fmt(value) + (f" ({100 * share:.0f} %)" if share is not None else ""))
         rows.append(row)
     return [f"### SmolLM2-135M-Instruct output tokens/s: {cpu}", "",
-            f"bench/real_model.py, pagedserve with {' / '.join(flags)}; {_dates(reports)}; medians, in brackets the "
-            "share of this CPU's limit (1 stream: read bandwidth / weight bytes per token; 32 streams: GEMM peak "
-            "at 32 rows / FLOPs per token).", "", *_table(["dtype", "streams", *systems], rows), ""]
+            f"bench/real_model.py; {_dates(reports)}; medians, in brackets the share of this CPU's limit (1 stream: "
+            "read bandwidth / weight bytes per token; 32 streams: GEMM peak at 32 rows / FLOPs per token).", "",
+            *_table(["dtype", "streams", *systems], rows), "",
+            *(f"- {config}" for config in configs),
+            *(f"- extra serve flags: {' / '.join(extra)}" for _ in extra[:1]), ""]
 
 
 def generic_section(kind: str, cpu: str, reports: list[dict]) -> list[str]:

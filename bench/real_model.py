@@ -306,6 +306,7 @@ def main() -> None:
     paths = save_report(f"real_model-{stamp}", report)
     kept = {key: value for key, value in report.items() if key != "dtypes"}  # the figures, not every trace
     kept["dtypes"] = {dtype: {"token_limits": entry["token_limits"], "weight_bytes_per_token": entry["weight_bytes_per_token"],
+                              "configs": {system: run["config"] for system, run in entry["systems"].items()},
                               "systems": {system: {str(streams): {"tokens_per_second": run[streams]["tokens_per_second"]}
                                                    for streams in streams_list}
                                           for system, run in entry["systems"].items()}}

@@ -26,6 +26,7 @@ def _limits(date: str, cpu: str, read: float, gemm32: float) -> dict:
 def _real_model(date: str, cpu: str, ours: float, theirs: float) -> dict:
     return {"date": date, "machine": {"cpu": cpu}, "load_average_start": [2.0, 1.0, 1.0], "serve_args": [],
             "dtypes": {"bfloat16": {"token_limits": {"1": 100.0},
+                                    "configs": {"pagedserve": "serve --model m --dtype bfloat16"},
                                     "systems": {"pagedserve": {"1": {"tokens_per_second": ours}},
                                                 "llama.cpp": {"1": {"tokens_per_second": theirs}}}}}}
 
@@ -46,7 +47,7 @@ def test_tables_name_the_cpu_and_dates_and_take_medians(tmp_path):
     assert "| GEMM bfloat16, 32 rows (GFLOP/s) | 200.0 |" in page
     assert "| read bandwidth (GB/s) | 50.0 |" in page  # CPU B on its own
     assert "| bfloat16 | 1 | 50.0 (50 %) | 80.0 (80 %) |" in page  # medians and their share of the limit
-    assert "default flags" in page
+    assert "- bfloat16, pagedserve: serve --model m --dtype bfloat16" in page  # the flags each figure ran with
 
 
 def test_kept_results_are_tracked_and_the_others_ignored():
