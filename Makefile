@@ -7,7 +7,7 @@ SERVE_ARGS ?=
 PYTEST_ARGS ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test venv proto bench bench-online bench-overheads clean
+.PHONY: serve test venv proto bench bench-online bench-overheads bench-limits perf-tables clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,14 @@ bench-online: $(STAMP)
 
 bench-overheads: $(STAMP)
 	$(BIN)/python bench/overheads.py $(BENCH_ARGS)
+
+# This CPU's read bandwidth and GEMM peaks (kept in bench/results/kept/), and the tables made from
+# every kept result (docs/performance-tables.md).
+bench-limits: $(STAMP)
+	$(BIN)/python bench/roofline.py $(BENCH_ARGS)
+
+perf-tables: $(STAMP)
+	$(BIN)/python bench/perf_tables.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -44,6 +44,7 @@ import torch
 
 from lib.machine_info import machine
 from lib.output import print_table, save_report, timestamp
+from perf_tables import save_kept
 from pagedserve.testing.kv_scales import calibrate_kv_scales
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.testing.prompt_scoring import sequence_logits
@@ -53,6 +54,7 @@ DATA = Path(__file__).resolve().parent / "data"
 VARIANTS = {  # name -> ModelRunner options
     "int8": {"quantization": "int8"},
     "int4 g128": {"quantization": "int4", "quantization_group_size": 128},
+    "int4 g64": {"quantization": "int4", "quantization_group_size": 64},
     "int4 g32": {"quantization": "int4", "quantization_group_size": 32},
     "kv fp8_e4m3": {"kv_cache_dtype": "fp8_e4m3"},
     "kv fp8_e5m2": {"kv_cache_dtype": "fp8_e5m2"},
@@ -219,7 +221,8 @@ def main() -> None:
     report = {"machine": machine("torch", "transformers"), "model": str(args.model), "window": args.window,
               "num_corpus_tokens": sum(map(len, windows)), "num_prompts": len(prompts),
               "new_tokens": args.new_tokens, "rows": rows}
-    for path in save_report(f"quant_accuracy-{timestamp()}", report):
+    report["date"] = timestamp()
+    for path in save_report(f"quant_accuracy-{report['date']}", report) + save_kept("quant_accuracy", report):
         print(f"wrote {path}")
 
 

@@ -33,7 +33,11 @@ the worker's own default (the variable is passed to them empty). llama.cpp keeps
 pool's defaults.
 
 Output tokens/s = requested output tokens / wall time from the first submission to the last
-token. The roofline (bench/roofline.py on SmolLM2's shapes, --threads threads) gives the model
+token. Every figure is also given as a share of this CPU's limits, measured at the start of the run
+(bench/roofline.py: read bandwidth and GEMM peaks): 1 stream against read bandwidth / weight bytes
+per token (the GGUF's size for q4_1), 32 streams against the GEMM peak at 32 rows / 2 x parameters
+FLOPs per token; the figures and limits are also kept in bench/results/kept/ (make perf-tables).
+The roofline (bench/roofline.py on SmolLM2's shapes, --threads threads) gives the model
 FLOP utilization of pagedserve's 32-stream decode phase. Targets (issue "Performance on a real
 model"): 32 streams >= 1.5x llama.cpp and >= 1.5x HF, >= 75 % of the roofline in decode-heavy
 steps; 1 stream >= 1.0x llama.cpp. A table goes to stdout, JSON to bench/results/.
@@ -61,7 +65,8 @@ from offline_throughput import decode_phase, step_summary
 from lib.output import RESULTS_DIR, print_table, save_report, timestamp
 from pagedserve.checkpoints.smollm2 import ensure_smollm2
 from pagedserve.launch.serve_process import ServeProcess
-from roofline import measure_matmul
+from perf_tables import save_kept
+from roofline import measure_limits, measure_matmul, token_limits
 from lib.step_recorder import StepRecorder
 from lib.stream_client import run_requests
 from lib.workload import BenchRequest, ModelShape
@@ -200,6 +205,12 @@ def summary_rows(report: dict) -> list[dict]:
                 if ours and row[peer]:
                     ratio = ours / row[peer]
                     row[f"vs {peer}"] = f"{ratio:.2f}x (target {target}x: {'met' if ratio >= target else 'NOT met'})"
+            limit = entry.get("token_limits", {}).get(str(streams))
+            if limit:
+                row["limit tok/s"] = limit
+                row["pagedserve % of limit"] = f"{100 * ours / limit:.0f}%" if ours else ""
+                row["llama.cpp % of limit"] = (f"{100 * row['llama.cpp best'] / limit:.0f}%"
+                                               if row["llama.cpp best"] else "")
             mfu = entry.get("mfu_decode", {}).get(streams)
             if mfu is not None:
                 row["roofline"] = (f"{100 * mfu:.0f}% (target {100 * ROOFLINE_TARGET:.0f}%: "
@@ -249,9 +260,16 @@ def main() -> None:
     for note in notes:
         print(f"note: {note}", flush=True)
     started = time.perf_counter()
+    dense_dtypes = [dtype for dtype in args.dtypes.split(",") if dtype != QUANTIZED]
+    report["limits"] = limits = measure_limits(dense_dtypes or ["bfloat16"])
+    print(f"limits ({args.threads} threads): read {limits['read_gb_per_s']:.1f} GB/s; GEMM at 32 rows "
+          + ", ".join(f"{dtype} {peaks['32']:.0f} GFLOP/s" for dtype, peaks in limits["gemm_gflops"].items()), flush=True)
     for dtype in args.dtypes.split(","):
         roofline = None if dtype == QUANTIZED else measure_matmul(SMOLLM2, getattr(torch, dtype))
-        entry = {"roofline": roofline, "systems": {}, "mfu_decode": {}}
+        weight_bytes = (gguf.stat().st_size if dtype == QUANTIZED
+                        else SMOLLM2.num_params * torch.empty(0, dtype=getattr(torch, dtype)).element_size())
+        entry = {"roofline": roofline, "systems": {}, "mfu_decode": {}, "weight_bytes_per_token": weight_bytes,
+                 "token_limits": token_limits(limits, weight_bytes, 2.0 * SMOLLM2.num_params, dtype)}
         report["dtypes"][dtype] = entry
         for system in systems:
             if system == "hf" and dtype == QUANTIZED:
@@ -273,7 +291,8 @@ def main() -> None:
     report["wall_seconds"] = time.perf_counter() - started
     report["load_average_end"] = os.getloadavg()
     print()
-    print_table(summary_rows(report), title="output tokens/s (pagedserve with its default flags)")
+    print_table(summary_rows(report), title=f"output tokens/s (pagedserve with {' '.join(args.serve_args) or 'its default flags'}); limits: 1 stream = "
+                "read bandwidth / weight bytes per token, 32 streams = GEMM peak at 32 rows / FLOPs per token")
     for dtype, entry in report["dtypes"].items():
         if entry["roofline"] is not None:
             print(f"{dtype}: matmul roofline {entry['roofline']['peak_gflops']:.1f} GFLOP/s ({args.threads} threads)")
@@ -283,7 +302,16 @@ def main() -> None:
             print(f"  {system}: {run['config']}")
     for note in notes:
         print(f"note: {note}")
+    report["date"], report["serve_args"] = stamp, args.serve_args
     paths = save_report(f"real_model-{stamp}", report)
+    kept = {key: value for key, value in report.items() if key != "dtypes"}  # the figures, not every trace
+    kept["dtypes"] = {dtype: {"token_limits": entry["token_limits"], "weight_bytes_per_token": entry["weight_bytes_per_token"],
+                              "configs": {system: run["config"] for system, run in entry["systems"].items()},
+                              "systems": {system: {str(streams): {"tokens_per_second": run[streams]["tokens_per_second"]}
+                                                   for streams in streams_list}
+                                          for system, run in entry["systems"].items()}}
+                      for dtype, entry in report["dtypes"].items()}
+    paths += save_kept("real_model", kept)
     print(f"load average {report['load_average_start'][0]:.2f} at the start, {report['load_average_end'][0]:.2f} "
           f"at the end; wrote {paths[0]} ({report['wall_seconds']:.0f} s)")
 

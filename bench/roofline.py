@@ -1,13 +1,25 @@
-"""This machine's matrix-multiply throughput, the denominator of model FLOP utilization.
+"""This machine's limits: measured read bandwidth and GEMM peak per dtype, the denominators of
+every "share of the limit" figure.
 
-Times torch.nn.functional.linear (what every projection of the model runs) on the benchmark
-model's own weight shapes with many rows, and on a square 2048^3 product, in the dtype and with
-the torch thread count of the run. The peak is the best of these: MFU against it is
-conservative.
+    python bench/roofline.py [--threads N] [--dtypes float32,bfloat16] [--gib 1.0]
+
+    read bandwidth   a STREAM-like read: torch.sum over --gib of float32 (far more than any cache),
+                     best of repeats, in GB/s; decode of few streams reads every weight once per
+                     token, so bandwidth / weight bytes per token is the one-stream tok/s limit
+    GEMM peak        F.linear on [rows, 2048] x [2048, 2048]^T at 1, 32 and 512 rows per dtype
+                     (the weight fits the last-level cache: compute, not memory), best of repeats,
+                     in GFLOP/s; peak at 32 rows / FLOPs per token is the 32-stream tok/s limit
+
+`measure_matmul` times the benchmark model's own shapes (MFU of bench/real_model.py); its peak is
+the best of these. The main program prints the limits and writes them, with the CPU model and the
+load average, to bench/results/ and bench/results/kept/ (docs/performance-tables.md is made from
+the kept ones: `make perf-tables`).
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 import time
 
 import torch
@@ -51,3 +63,72 @@ def measure_matmul(shape: ModelShape, dtype: torch.dtype, *, num_rows: int = 512
         rows.append({"rows": num, "in": inner, "out": outer, "gflops": flops / 1e9})
     return {"dtype": str(dtype).removeprefix("torch."), "num_threads": torch.get_num_threads(),
             "shapes": rows, "peak_gflops": max(row["gflops"] for row in rows)}
+
+
+GEMM_ROWS = (1, 32, 512)
+GEMM_SIZE = 2048
+
+
+def measure_read_bandwidth(gib: float = 1.0, seconds: float = 3.0) -> float:
+    """Best GB/s of torch.sum over `gib` GiB of float32 (one read of every byte), torch's threads."""
+    data = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
+    data.sum()
+    best = float("inf")
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * 4 / best / 1e9
+
+
+def measure_gemm_peaks(dtype: torch.dtype, rows: tuple[int, ...] = GEMM_ROWS, seconds: float = 1.0) -> dict[int, float]:
+    """{rows: best GFLOP/s of F.linear([rows, 2048] x [2048, 2048]^T)} in dtype."""
+    return {num: time_linear(num, GEMM_SIZE, GEMM_SIZE, dtype, seconds) / 1e9 for num in rows}
+
+
+def measure_limits(dtypes: list[str], gib: float = 1.0) -> dict:
+    """{"read_gb_per_s", "gemm_gflops": {dtype: {rows: GFLOP/s}}, "num_threads"}."""
+    return {"num_threads": torch.get_num_threads(), "read_gb_per_s": measure_read_bandwidth(gib),
+            "gemm_gflops": {dtype: {str(num): value for num, value in measure_gemm_peaks(getattr(torch, dtype)).items()}
+                            for dtype in dtypes}}
+
+
+def token_limits(limits: dict, weight_bytes: float, flops_per_token: float, dtype: str) -> dict:
+    """tok/s limits: one stream from bandwidth (every weight read once per token), 32 streams from
+    the GEMM peak at 32 rows (where the dtype has one)."""
+    out = {"1": limits["read_gb_per_s"] * 1e9 / weight_bytes}
+    peak = limits["gemm_gflops"].get(dtype, {}).get("32")
+    if peak is not None:
+        out["32"] = peak * 1e9 / flops_per_token
+    return out
+
+
+def main() -> None:
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from machine_info import machine
+    from output import save_report, timestamp
+    from perf_tables import save_kept
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--gib", type=float, default=1.0, help="GiB read per bandwidth pass")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    load_start = os.getloadavg()
+    limits = measure_limits(args.dtypes.split(","), args.gib)
+    report = {"kind": "limits", "machine": machine("torch"), "date": timestamp(), "load_average_start": load_start,
+              "load_average_end": os.getloadavg(), **limits}
+    print(f"{report['machine']['cpu']}, {args.threads} threads, load average {load_start[0]:.2f}")
+    print(f"read bandwidth: {limits['read_gb_per_s']:.1f} GB/s")
+    for dtype, peaks in limits["gemm_gflops"].items():
+        print(f"GEMM {dtype}: " + ", ".join(f"{rows} rows {value:.1f} GFLOP/s" for rows, value in peaks.items()))
+    for path in save_report(f"limits-{report['date']}", report) + save_kept("limits", report):
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

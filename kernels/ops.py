@@ -23,6 +23,8 @@ dequantize-then-matmul by batch rows (linear/quantized.py), on CUDA the dequanti
 paths (plain torch), and under `reference` the references. Dense bfloat16 CPU weights prepacked
 for oneDNN (`prepack_weight`, linear/onednn.py) take the native few-rows kernel
 (linear/native_rows.py) for a step of few rows and oneDNN above; other dense weights F.linear.
+GGUF blocks kept as the file has them (`block_quant_linear`, linear/block_quant.py) take the native
+block kernel at up to 32 rows on the CPU and an exact dequantize-then-matmul otherwise.
 
 Per-step plans: paged_attention and write_kv_cache take an optional `step_plans` dict, owned by
 the caller and shared by every layer of one step (the worker keeps it on the step's
@@ -55,6 +57,7 @@ from pagedserve.kernels.cache.index_copy import slot_mapping_has_padding, write_
 from pagedserve.kernels.cache.reference import copy_blocks_ref, swap_blocks_ref, write_kv_cache_ref
 from pagedserve.kernels.attention.sdpa import attend_prefills, paged_attention_sdpa, plan_sdpa_attention
 from pagedserve.kernels.attention.native import paged_decode_attention, plan_native_decodes
+from pagedserve.kernels.linear import block_quant
 from pagedserve.kernels.linear.packed_weights import Int8Weight
 from pagedserve.kernels.attention.reference import paged_attention_ref
 from pagedserve.kernels.linear.quantized import int4_linear_dequant, int8_linear_dequant, quantized_linear_by_rows
@@ -66,6 +69,7 @@ from pagedserve.kernels.linear.onednn import can_prepack, prepack_linear_weight,
 # forms the quantized kernels take (the worker's quantizers build them), the KV cache dtype names, and
 # the native decoder layer's structures (worker/models/llama_native.py gathers each layer's tensors).
 from pagedserve.kernels.linear.int4_layout import pack_int4  # noqa: F401
+from pagedserve.kernels.linear.block_quant import GROUP_SIZE as BLOCK_GROUP_SIZE, BlockQuantWeight  # noqa: F401
 from pagedserve.kernels.linear.packed_weights import (  # noqa: F401
     INT4_GROUP_SIZES,
     INT4_ROW_MULTIPLE,
@@ -181,13 +185,26 @@ def swap_blocks(src_cache, dst_cache, block_mapping):
 
 
 def quantized_linear(x, weight, bias=None):
-    """x [M, K] @ a packed int8/int4 weight [N, K] (+ bias) -> [M, N] in x's dtype."""
+    """x [M, K] @ a packed int8/int4 or a GGUF block-quantized weight [N, K] (+ bias) -> [M, N] in x's dtype."""
+    if isinstance(weight, block_quant.BlockQuantWeight):
+        return block_quant_linear(x, weight, bias)
     is_int8 = isinstance(weight, Int8Weight)
     if os.environ.get(KERNELS_ENV) == "reference":
         return (int8_linear_ref if is_int8 else int4_linear_ref)(x, weight, bias)
     if x.device.type == "cpu":
         return quantized_linear_by_rows(x, weight, bias)
     return (int8_linear_dequant if is_int8 else int4_linear_dequant)(x, weight, bias)
+
+
+def block_quant_linear(x, weight, bias=None):
+    """x [M, K] @ GGUF blocks kept as the file has them (kernels/linear/block_quant.py): the native
+    kernel at 1..block_quant.MAX_ROWS rows on the CPU, the exact dequantize-then-matmul otherwise."""
+    if os.environ.get(KERNELS_ENV) == "reference":
+        return block_quant.block_quant_linear_ref(x, weight, bias)
+    lib = block_quant.supports(x, weight)
+    if lib is not None:
+        return block_quant.block_quant_linear_native(x, weight, bias, lib)
+    return block_quant.block_quant_linear_dequant(x, weight, bias)
 
 
 def add_rms_norm(x, residual, weight, eps):

@@ -55,13 +55,13 @@ class WorkerConfig:
              "host memory and loaded back on a prefix hit (default 0, or 0.25 with --kv-cache-dir, where it "
              "stages the blocks read from disk; on a CPU device it is the same RAM as the pool)")
     kv_cache_dir: str | None = kv_cache_dir_option()
-    quantization: str = option("none", choices=QUANTIZATIONS, serve=True,
-                               help="weight-only quantization of the linear layers: none dequantizes a GGUF to "
-                                    "--dtype; auto keeps a GGUF's Q4_0/Q4_1 (int4, groups of 32) and Q8_0 (int8) "
-                                    "weights quantized and loads any other checkpoint as none; int8 per output "
-                                    "channel; int4 per group")
+    quantization: str = option("auto", choices=QUANTIZATIONS, serve=True,
+                               help="weight-only quantization of the linear layers: auto (default) keeps a GGUF's "
+                                    "Q4_0/Q4_1/Q8_0 weights exactly as the file has them (float16 scales and "
+                                    "minimums, native block kernels) and loads any other checkpoint as none; none "
+                                    "dequantizes a GGUF to --dtype; int8 per output channel; int4 per group")
     quantization_group_size: int | None = option(
-        None, metavar="G", serve=True, help="int4 group size along the input dimension (default 128; 32 for GGUF)")
+        None, metavar="G", serve=True, help="int4 group size along the input dimension (default 32)")
     kv_cache_dtype: str = option("auto", choices=KV_CACHE_DTYPES, serve=True,
                                  help="KV cache element type (auto: the model's dtype); fp8 holds 2-4x the "
                                       "blocks in the same memory")

@@ -13,9 +13,11 @@ So the worker spins (GOMP_SPINCOUNT=SPIN_COUNT) and watches the host: about once
 step boundary, it measures how many cores the *other* processes used (busy time in /proc/stat
 minus this process's own CPU time). Above OTHERS_LIMIT cores it drops to one thread (a single
 thread has no siblings to wait for, so it never spins); after CALM_CHECKS checks in a row below
-half that, it goes back to all its threads. It loads its model on one thread and takes the others at
-the first calm check once steps run. The frontend and the scheduler of the same `serve`
-use a few percent of a core, well below the limit.
+half that, it goes back to all its threads. It loads its model on one thread (the load overlaps the
+start of the frontend and the scheduler, whose cores spinning threads would take) and takes all its
+threads the moment it is ready (`ready()`), so the first request after a start decodes at the full
+thread count; only a check that sees real contention lowers it. The frontend and the scheduler of
+the same `serve` use a few percent of a core, well below the limit.
 
 None of this applies when the operator set OMP_WAIT_POLICY or GOMP_SPINCOUNT (not empty): their choice stands
 and the thread count stays fixed.
@@ -68,10 +70,8 @@ class CpuShare:
     """Decides the thread count at step boundaries (see the module docstring).
 
     `after_step()` returns the thread count to switch to, or None to keep the current one. The
-    readers are injectable so the policy can be checked without a loaded host. A worker starts at
-    one thread (`initial_threads`): its load overlaps the start of the frontend and the scheduler,
-    and spinning threads would take their cores; the first calm check after steps begin takes all
-    threads.
+    readers are injectable so the policy can be checked without a loaded host. A worker may start
+    at one thread (`initial_threads`) while it loads; `ready()` then gives it every thread.
     """
 
     def __init__(self, max_threads: int, *, initial_threads: int | None = None, host_busy: Callable[[], float | None] = host_busy_seconds,
@@ -81,12 +81,28 @@ class CpuShare:
         self.threads = max_threads if initial_threads is None else initial_threads
         self._host_busy, self._own_cpu, self._clock = host_busy, own_cpu, clock
         self.check_seconds = check_seconds
-        self._calm = CALM_CHECKS - 1  # starting at one thread: the first calm check takes them all
+        self._calm = 0
+        self.is_ready = False
         self.other_cores = 0.0
         self._baseline = self._sample()
 
     def _sample(self) -> tuple[float, float | None, float]:
         return self._clock(), self._host_busy(), self._own_cpu()
+
+    def ready(self) -> int | None:
+        """The worker is ready to serve: every thread from now on (the count to switch to, None when
+        it has them already). The next check measures from here, so the load's own busy time and
+        the start of the other processes count for nothing. Only the first call counts: a worker
+        that re-registers with a restarted scheduler keeps what its checks chose."""
+        if self.is_ready:
+            return None
+        self.is_ready = True
+        self._baseline = self._sample()
+        self._calm = 0
+        if self.threads == self.max_threads:
+            return None
+        self.threads = self.max_threads
+        return self.max_threads
 
     def after_step(self) -> int | None:
         now = self._clock()

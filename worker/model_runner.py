@@ -66,7 +66,7 @@ class ModelRunner:
     dtype "auto" takes the checkpoint's torch_dtype on CUDA, and on CPU bfloat16 with native bfloat16
     (pagedserve.cpu_features), else float32; max_model_len bounds
     positions (default max_position_embeddings); seed fixes the generator of unseeded sampling;
-    quantization int8|int4 (with quantization_group_size for int4, default 128) quantizes the
+    quantization int8|int4 (with quantization_group_size for int4, default 32) quantizes the
     linear layers' weights after the load, auto keeps a GGUF's Q4_0/Q4_1/Q8_0 linear weights
     quantized as loaded, none dequantizes them (see pagedserve.worker.quantization.quantizers); kv_cache_dtype
     auto|float32|bfloat16|float16|fp8_e4m3|fp8_e5m2 is the KV cache's storage dtype (auto: the

@@ -242,8 +242,10 @@ def _serve_plans(config, runner, sub, pusher, state, log, cpu_share=None, layout
                     runner.init_cache(*sizes, kv_cache_dir=config.kv_cache_dir, layout=layout)
                 state["epoch"] = init.epoch
                 last_step_id = None
+                if cpu_share is not None and (num_threads := cpu_share.ready()) is not None:
+                    torch.set_num_threads(num_threads)  # from the first request on (cpu_share.py)
                 log.info("kv_cache_ready", epoch=init.epoch, num_gpu_blocks=init.num_gpu_blocks,
-                         num_cpu_blocks=init.num_cpu_blocks)
+                         num_cpu_blocks=init.num_cpu_blocks, num_threads=torch.get_num_threads())
             pusher.send(step_pb2.WorkerMessage(ready=step_pb2.Ready(rank=config.rank,
                                                                     epoch=init.epoch)))
             continue

@@ -97,4 +97,4 @@ class Int4Weight:
         return weight.reshape(num_rows, padded)[:, : self.in_features].to(dtype)
 
 
-PackedWeight = Int8Weight | Int4Weight
+PackedWeight = Int8Weight | Int4Weight  # and kernels.linear.block_quant.BlockQuantWeight (GGUF blocks)

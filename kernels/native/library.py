@@ -56,11 +56,16 @@ SIGNATURES = {  # exported function -> argument types, as pagedserve_cpu.h decla
     "linear_rows_bf16": (P, P, P, P, I64, I64, I64),
     "linear_rows_available": (),
     "linear_rows_f32": (P, P, P, P, I64, I64, I64),
+    "block_quant_rows": (P, P, P, P, P, I64, I64, I64, I32),
+    "block_quant_rows_available": (),
+    "block_quant_rows_bf16": (P, P, P, P, P, I64, I64, I64, I32),
+    "block_quant_rows_bf16_available": (),
     "decode_layer": (P, P, P, P, I32, P, P),
     "paged_decode_attention": (P, I64, P, I64, P, P, P, I64, P, P, P, I64, I64, I64, I64, I64, F32, I32, F32, I32,
                                I32),
 }
-RESTYPES = {"linear_rows_available": I32}  # the others return void
+RESTYPES = {"linear_rows_available": I32, "block_quant_rows_available": I32,
+            "block_quant_rows_bf16_available": I32}  # the others return void
 
 
 class NativeBuildError(RuntimeError):

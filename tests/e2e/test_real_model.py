@@ -29,8 +29,7 @@ def test_smollm2_answers_a_chat_question(tmp_path):
     tokenizer = load_tokenizer(resolve_model("smollm2"))  # fetched once and cached, as serve does
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}])
     server = ServeProcess("smollm2", tmp_path / "serve.log", ["--num-kv-blocks", "512"], http_port=True)
-    # the default weights: the GGUF dequantized (--quantization auto keeps its int4, which answers
-    # this question wrongly in bfloat16)
+    # the default weights: the GGUF's Q4_1 blocks kept exactly (--quantization auto)
     try:
         server.wait_ready()
         info = server.stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=10)

@@ -19,10 +19,10 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-SCALARS = ("float", "int32_t", "int64_t", "uint16_t")
+SCALARS = ("float", "int32_t", "int64_t", "uint8_t", "uint16_t")
 POINTER = "pointer"
 CTYPE_OF = {POINTER: ctypes.c_void_p, "float": ctypes.c_float, "int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64,
-            "uint16_t": ctypes.c_uint16, "void": None}
+            "uint8_t": ctypes.c_uint8, "uint16_t": ctypes.c_uint16, "void": None}
 
 
 class HeaderFormatError(ValueError):

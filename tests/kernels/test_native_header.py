@@ -99,8 +99,9 @@ def test_a_wrong_signature_is_named(header):
         "silu_mul: argument 4 is int64_t in the header, c_int in SIGNATURES",
         "decode_layer: returns void in the header, c_float in RESTYPES",
     ]
-    assert signature_mismatches(header, native_lib.SIGNATURES, {}) == [
-        "linear_rows_available: returns int32_t in the header, void in RESTYPES"]
+    assert signature_mismatches(header, native_lib.SIGNATURES, {"linear_rows_available": I32,
+                                                                "block_quant_rows_available": I32}) == [
+        "block_quant_rows_bf16_available: returns int32_t in the header, void in RESTYPES"]
 
 
 def test_a_wrong_structure_is_named(header, layouts):

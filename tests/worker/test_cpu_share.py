@@ -107,15 +107,23 @@ def test_the_worker_spins_briefly_unless_the_operator_chose() -> None:
     assert _waits({"GOMP_SPINCOUNT": "0"}) == ["False", "0", "False"]
 
 
-def test_a_worker_starting_on_one_thread_takes_all_at_the_first_calm_check() -> None:
+def test_a_worker_loading_on_one_thread_takes_all_when_ready_and_only_contention_lowers_it() -> None:
     host = Host()
     share = CpuShare(2, initial_threads=1, host_busy=lambda: host.busy, own_cpu=lambda: host.own,
                      clock=lambda: host.now)
-    host.other_cores = OTHERS_LIMIT + 0.5  # the frontend and the scheduler still starting
-    assert _steps(host, share, 2.5) == [] and share.threads == 1
+    host.other_cores = OTHERS_LIMIT + 0.5  # the frontend and the scheduler starting beside the load
+    host.advance(5.0)
+    assert share.ready() == 2 and share.threads == 2  # ready: the first request gets every thread
     host.other_cores = 0.1
-    assert _steps(host, share, 1.2) == []  # one calm check is not enough after a busy one
+    assert _steps(host, share, 5.0) == []  # the busy start before ready counts for nothing
+    host.other_cores = OTHERS_LIMIT + 0.3
+    assert _steps(host, share, 1.2) == [1]  # real contention lowers it
+    assert share.ready() is None and share.threads == 1  # a second ready (a scheduler restart) keeps it
+    host.other_cores = 0.1
     assert _steps(host, share, CALM_CHECKS + 0.5) == [2]
-    fresh = CpuShare(2, initial_threads=1, host_busy=lambda: host.busy, own_cpu=lambda: host.own,
-                     clock=lambda: host.now)
-    assert _steps(host, fresh, 1.2) == [2]  # calm from the start: all threads at the first check
+
+
+def test_ready_changes_nothing_for_a_worker_that_has_every_thread() -> None:
+    host = Host()
+    share = host.share()
+    assert share.ready() is None and share.threads == 2

@@ -19,7 +19,7 @@ from conftest import make_prompts
 from plan_driver import DrivenSeq, PlanDriver
 
 from pagedserve.testing.tiny_gguf import write_gguf
-from pagedserve.kernels.linear.packed_weights import Int4Weight
+from pagedserve.kernels.linear.block_quant import BlockQuantWeight
 from pagedserve.checkpoints.tiny_checkpoint import build_tiny_checkpoint
 from pagedserve.worker.model_runner import ModelRunner
 
@@ -116,11 +116,12 @@ def test_two_ranks_keep_their_slices_quantized_and_decode_like_one(tmp_path):
     one = ModelRunner(path, device="cpu", dtype="float32", quantization="auto")
     one.load()
     for rank, params in enumerate(ranks):
-        assert "layers.0.mlp.down_proj.weight" not in params and "layers.0.mlp.down_proj.weight_packed" in params
+        assert "layers.0.mlp.down_proj.weight" not in params and "layers.0.mlp.down_proj.weight_qs" in params
         down = one.model.layers[0].mlp.down_proj.packed.dequantize()  # [64, 128]
-        local = params["layers.0.mlp.down_proj.weight_scales_and_zeros"]  # [groups, 64, 2] of this rank's inputs
-        assert local.shape[0] == 2  # 64 inputs in groups of 32
-        packed = Int4Weight(params["layers.0.mlp.down_proj.weight_packed"], local, 32, 64)
+        local = params["layers.0.mlp.down_proj.weight_scales"]  # [64, groups] of this rank's inputs
+        assert local.shape[1] == 2  # 64 inputs in groups of 32
+        packed = BlockQuantWeight(params["layers.0.mlp.down_proj.weight_qs"], local,
+                                  params["layers.0.mlp.down_proj.weight_mins"], 4)
         assert torch.equal(packed.dequantize(), down[:, rank * 64:(rank + 1) * 64])
     generated = [json.loads(open(f"{out_file}.{rank}.json").read()) for rank in range(WORLD_SIZE)]
     assert generated[0] == generated[1]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedserve.kernels.linear.block_quant import BlockQuantWeight
 from pagedserve.kernels.linear.packed_weights import Int4Weight, Int8Weight
 from pagedserve.worker.layers.parallel import ColumnParallelLinear, RowParallelLinear
 from pagedserve.worker.quantization.quantizers import (
@@ -54,7 +55,7 @@ def test_config_validates():
     assert not QuantizationConfig().is_enabled
     assert not QuantizationConfig("auto").is_enabled and QuantizationConfig("auto").keeps_checkpoint_quantization
     assert not QuantizationConfig("none").keeps_checkpoint_quantization
-    assert QuantizationConfig("int4").int4_group_size == 128
+    assert QuantizationConfig("int4").int4_group_size == 32
     assert QuantizationConfig("int4", 32).int4_group_size == 32
     with pytest.raises(QuantizationError, match="one of auto, none, int8, int4"):
         QuantizationConfig("fp4")
@@ -92,17 +93,15 @@ def test_quantized_layer_counts_its_packed_bytes_and_forwards():
     assert layer.packed.qweight is params["weight_qweight"]
 
 
-def test_prequantized_q4_keeps_codes_and_q8_becomes_per_channel_int8():
+def test_prequantized_blocks_are_kept_exactly():
     dense = _dense(48, 96, seed=1)
-    for make in (q4_1, q4_0):
+    for make, bits in ((q4_1, 4), (q4_0, 4), (q8_0, 8)):
         weight = make(dense)
         packed = weight.to_packed()
-        assert isinstance(packed, Int4Weight) and packed.group_size == 32
-        assert _relative_error(packed.dequantize(), weight.dequantize()) < 5e-3  # scales rounded to bfloat16
+        assert isinstance(packed, BlockQuantWeight) and packed.bits == bits
+        assert packed.scales.dtype == torch.float16
+        assert torch.equal(packed.dequantize(), weight.dequantize())  # float16 scales and mins, exactly
         assert _relative_error(weight.dequantize(), dense) < 0.1
-    packed = q8_0(dense).to_packed()
-    assert isinstance(packed, Int8Weight)
-    assert _relative_error(packed.dequantize(), dense) < 0.01
 
 
 def test_prequantized_weight_validates_its_groups():
@@ -117,12 +116,13 @@ def test_prequantized_weight_validates_its_groups():
 
 
 def test_pack_parts_fuses_parts_of_one_format_as_they_are():
-    """q and k of one rank (what the GGUF loader reads for a fused layer): int4 groups kept, rows in order."""
+    """q and k of one rank (what the GGUF loader reads for a fused layer): the file's blocks kept
+    exactly (codes, float16 scales and minimums), rows in order."""
     q, k = q4_1(_dense(32, 128, 2)), q4_1(_dense(16, 128, 3))
     packed = pack_parts([q, k])
-    assert isinstance(packed, Int4Weight) and (packed.out_features, packed.in_features) == (48, 128)
+    assert isinstance(packed, BlockQuantWeight) and (packed.out_features, packed.in_features) == (48, 128)
     expected = torch.cat([q.dequantize(), k.dequantize()])
-    assert _relative_error(packed.dequantize(), expected) < 5e-3
+    assert torch.equal(packed.dequantize(), expected)
 
 
 def test_pack_parts_requantizes_mixed_fused_parts_as_int8():
@@ -139,10 +139,22 @@ def test_a_layer_takes_a_packed_weight_only_of_its_own_shape():
     with pytest.raises(QuantizationError, match=r"does not fit a layer of \[48, 128\]"):
         layer.set_packed_weight(pack_parts([q4_1(_dense(32, 128, 7))]))
     layer.set_packed_weight(pack_parts([q4_1(_dense(32, 128, 8)), q4_1(_dense(16, 128, 9))]))
-    assert layer.weight is None and isinstance(layer.packed, Int4Weight)
+    assert layer.weight is None and isinstance(layer.packed, BlockQuantWeight)
 
 
 def test_quantize_int4_of_a_prequantized_grid_is_lossless():
     """Weights already on a 4-bit grid (per group of 32) come back exactly from our own quantizer."""
     weight = q4_1(_dense(32, 64, 7)).to_packed().dequantize()
     assert _relative_error(quantize_int4(weight, 32).dequantize(), weight) < 5e-3
+
+
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_int4_codes_are_chosen_for_the_stored_zero(group_size):
+    """Groups far from zero (bfloat16 then rounds the zero coarsely): every weight stays within half
+    a step of its stored value, so the codes were chosen against the stored (scale, zero)."""
+    generator = torch.Generator().manual_seed(3)
+    dense = 5.0 + 0.1 * torch.rand(64, 256, generator=generator)  # [N, K]
+    packed = quantize_int4(dense, group_size)
+    steps = packed.scales_and_zeros[..., 0].to(torch.float32).t().repeat_interleave(group_size, dim=1)  # [N, K]
+    error = (packed.dequantize() - dense).abs()
+    assert bool((error <= steps / 2 * (1 + 1e-3)).all()), float((error / steps).max())

@@ -1,15 +1,18 @@
 """Weight-only quantization of linear layers: the options, the quantizers and GGUF's pre-quantized
 weights.
 
-    auto   a GGUF's Q4_0/Q4_1/Q8_0 linear weights stay quantized (int4 groups of 32; int8 per
-           channel), everything else as `none` (pagedserve.worker.loading.gguf_weights)
+    auto   a GGUF's Q4_0/Q4_1/Q8_0 linear weights stay quantized exactly as the file has them
+           (codes with float16 scales and minimums per group of 32: kernels/linear/block_quant.py),
+           everything else as `none` (pagedserve.worker.loading.gguf_weights)
     none   weights in the model dtype (a GGUF's quantized weights dequantized to it)
     int8   symmetric, one scale per output channel:        W[n, k] ~= q[n, k] * s[n],  q in -128..127
-    int4   asymmetric, one (scale, min) per output channel and group of G inputs (default 128):
+    int4   asymmetric, one (scale, min) per output channel and group of G inputs (default 32,
+           chosen by accuracy: docs/quantization-accuracy.md):
                W[n, k] ~= c[n, k] * s[n, g] + m[n, g],   c in 0..15,   g = k // G
 
-Scales are rounded to bfloat16 (the kernels' dtype) before the codes are chosen, so the codes
-are the best ones for the scales actually used. An int4 layer whose input size is not a multiple
+Scales and int4 zeros (the value of code 8) are rounded to bfloat16 (the kernels' dtype) before
+the codes are chosen, so the codes are the best ones for the scales and zeros actually used (a zero
+rounded after the codes were chosen shifts every value of its group). An int4 layer whose input size is not a multiple
 of G (SmolLM2: 576 = 4.5 x 128) gets a shorter last group, stored zero-padded to G; the padding
 never meets a non-zero activation.
 
@@ -30,9 +33,11 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.kernels.ops import (
+    BLOCK_GROUP_SIZE,
     INT4_GROUP_SIZES,
     INT4_ROW_MULTIPLE,
     SCALE_DTYPE,
+    BlockQuantWeight,
     Int4Weight,
     Int8Weight,
     PackedWeight,
@@ -40,7 +45,7 @@ from pagedserve.kernels.ops import (
 )
 
 METHODS = ("auto", "none", "int8", "int4")
-DEFAULT_INT4_GROUP_SIZE = 128
+DEFAULT_INT4_GROUP_SIZE = 32  # the accuracy table in docs/quantization-accuracy.md
 GGUF_GROUP_SIZE = 32  # Q4_0, Q4_1 and Q8_0 blocks
 _TINY_SCALE = 1e-12  # all-zero rows or groups: any positive scale reproduces them exactly
 
@@ -51,7 +56,7 @@ class QuantizationError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class QuantizationConfig:
-    """`method` auto|none|int8|int4; `group_size` for int4 (None: 128), ignored by int8 (per channel)."""
+    """`method` auto|none|int8|int4; `group_size` for int4 (None: DEFAULT_INT4_GROUP_SIZE), ignored by int8 (per channel)."""
 
     method: str = "none"
     group_size: int | None = None
@@ -106,11 +111,17 @@ def quantize_int4(weight: torch.Tensor, group_size: int = DEFAULT_INT4_GROUP_SIZ
     groups = weight.view(num_rows, padded // group_size, group_size)  # [N, groups, G]
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # [N, groups]
     scales = _bf16(((high - low) / 15.0).clamp_min(_TINY_SCALE))  # [N, groups]
-    codes = torch.round((groups - low[..., None]) / scales[..., None]).clamp_(0, 15)  # [N, groups, G]
+    zeros = _bf16(low + 8.0 * scales)  # [N, groups]: the value of code 8, as stored
+    # the rounded zero may sit off-centre: where the grid zero - 8 * step .. zero + 7 * step no longer
+    # reaches each end within half a step, the smallest bfloat16 step that does (rounded up by 2^-7)
+    needed = torch.maximum((high - zeros) / 7.5, (zeros - low) / 8.5)
+    scales = torch.where(scales >= needed, scales, _bf16(needed * (1.0 + 2.0 ** -7)))  # [N, groups]
+    # codes against the stored (scale, zero): w ~= (c - 8) * scale + zero
+    codes = torch.round((groups - zeros[..., None]) / scales[..., None] + 8.0).clamp_(0, 15)  # [N, groups, G]
     codes = codes.view(num_rows, padded)
     if padded != num_cols:
         codes[:, num_cols:] = 0
-    return _int4_from_codes(codes, scales, low, group_size, num_cols)
+    return _int4_from_codes(codes, scales, zeros - 8.0 * scales, group_size, num_cols)
 
 
 def _int4_from_codes(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int,
@@ -157,9 +168,8 @@ class QuantizedWeight:
     in any float dtype. The GGUF loader (pagedserve.worker.loading.gguf_weights) builds one per
     slice of a checkpoint tensor that this rank holds (in the Hugging Face [out, in] orientation)
     and hands a layer's slices to `pagedserve.worker.quantization.linear.pack_parts`, which fuses
-    q/k/v and gate/up and packs them for the kernels: 4-bit groups of 32 go to the int4 kernel as
-    they are (scales rounded to bfloat16); 8-bit weights are requantized to int8 per output channel,
-    the layout of the int8 kernel.
+    q/k/v and gate/up and packs them for the block kernels exactly as they are: codes, float16
+    scales and minimums (`to_packed`).
     """
 
     bits: int
@@ -208,13 +218,13 @@ class QuantizedWeight:
         return QuantizedWeight(first.bits, torch.cat([part.values for part in parts]),
                                torch.cat([part.scales for part in parts]), offsets, first.group_size)
 
-    def to_packed(self) -> PackedWeight:
-        """The kernel form: int4 codes as they are; 8-bit groups requantized per output channel."""
-        if self.bits == 8:
-            return quantize_int8(self.dequantize())
-        if self.group_size not in INT4_GROUP_SIZES:
-            raise QuantizationError(f"4-bit groups of {self.group_size} are not one of the int4 kernel's "
-                                    f"group sizes {INT4_GROUP_SIZES}")
-        offsets = self.offsets if self.offsets is not None else torch.zeros_like(self.scales)
-        return _int4_from_codes(self.values.to(torch.int32), self.scales, offsets, self.group_size,
-                                self.shape[1])
+    def to_packed(self) -> BlockQuantWeight:
+        """The kernel form: the codes with the file's float16 scales and minimums, exactly (Q4_0's
+        minimum -8 d is exact in float16), for the block kernels (kernels/linear/block_quant.py)."""
+        if self.group_size != BLOCK_GROUP_SIZE:
+            raise QuantizationError(f"pre-quantized groups of {self.group_size} inputs: the block kernels "
+                                    f"take groups of {BLOCK_GROUP_SIZE}")
+        try:
+            return BlockQuantWeight.from_codes(self.values, self.scales, self.offsets, self.bits)
+        except ValueError as error:
+            raise QuantizationError(str(error)) from error

@@ -1,0 +1,166 @@
+"""docs/performance-tables.md from the result files kept in git (bench/results/kept/).
+
+    python bench/perf_tables.py [--out docs/performance-tables.md]      (or: make perf-tables)
+
+A kept result is one small JSON per run, named <kind>-<UTC date>-<cpu>.json, holding the CPU
+model (machine.cpu), the load average and the figures (bench/roofline.py and bench/real_model.py
+write them; any bench may, through `save_kept`). Every table here names its CPU and the dates of
+the runs it summarises; a figure over several runs of one CPU is their median (never the best
+run), with the number of runs beside it. Nothing in the page is typed by hand: rerun this after
+adding a result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+KEPT = BENCH / "results" / "kept"
+DEFAULT_OUT = BENCH.parent / "docs" / "performance-tables.md"
+
+
+def cpu_slug(cpu: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", cpu.lower()).strip("-")[:48] or "unknown-cpu"
+
+
+def kept_name(kind: str, report: dict) -> str:
+    return f"{kind}-{report['date']}-{cpu_slug(report['machine']['cpu'])}.json"
+
+
+def save_kept(kind: str, report: dict, folder: Path = KEPT) -> list[Path]:
+    """Writes report (with "date" and "machine") as folder/<kind>-<date>-<cpu>.json; returns [path]."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / kept_name(kind, report)
+    path.write_text(json.dumps({"kind": kind, **report}, indent=2) + "\n")
+    return [path]
+
+
+def load_kept(folder: Path = KEPT) -> dict[str, dict[str, list[dict]]]:
+    """{kind: {cpu: [reports, oldest first]}}."""
+    out: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for path in sorted(folder.glob("*.json")):
+        report = json.loads(path.read_text())
+        kind = report.get("kind") or path.name.split("-", 1)[0]
+        out[kind][report["machine"]["cpu"]].append(report)
+    return out
+
+
+def _median(values: list[float]) -> float | None:
+    values = [value for value in values if value is not None]
+    return statistics.median(values) if values else None
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "" if value is None else f"{value:,.{digits}f}"
+
+
+def _dates(reports: list[dict]) -> str:
+    days = sorted({report["date"][:8] for report in reports})
+    dates = ", ".join(f"{day[:4]}-{day[4:6]}-{day[6:]}" for day in days)
+    loads = [report.get("load_average_start", [None])[0] for report in reports]
+    loads = [load for load in loads if load is not None]
+    load = f"; load average at the start {min(loads):.1f}-{max(loads):.1f}" if loads else ""
+    return f"{len(reports)} run(s) on {dates}{load}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def limits_section(cpu: str, reports: list[dict]) -> list[str]:
+    dtypes = sorted({dtype for report in reports for dtype in report["gemm_gflops"]})
+    rows = [["read bandwidth (GB/s)", _fmt(_median([report["read_gb_per_s"] for report in reports]))]]
+    for dtype in dtypes:
+        for num_rows in ("1", "32", "512"):
+            values = [report["gemm_gflops"].get(dtype, {}).get(num_rows) for report in reports]
+            rows.append([f"GEMM {dtype}, {num_rows} rows (GFLOP/s)", _fmt(_median(values))])
+    threads = sorted({report["num_threads"] for report in reports})
+    return [f"### Limits: {cpu}", "", f"bench/roofline.py, {'/'.join(map(str, threads))} threads; {_dates(reports)}; "
+            "medians.", "", *_table(["limit", "median"], rows), ""]
+
+
+def real_model_section(cpu: str, reports: list[dict]) -> list[str]:
+    configs = sorted({f"{dtype}, {system}: {config}" for report in reports for dtype, entry in report["dtypes"].items()
+                      for system, config in entry.get("configs", {}).items()})
+    extra = sorted({" ".join(report.get("serve_args", [])) for report in reports} - {""})
+    values: dict[tuple, list[float]] = defaultdict(list)
+    shares: dict[tuple, list[float]] = defaultdict(list)
+    for report in reports:
+        for dtype, entry in report["dtypes"].items():
+            for system, runs in entry["systems"].items():
+                for streams, run in runs.items():
+                    values[(dtype, int(streams), system)].append(run["tokens_per_second"])
+                    limit = entry.get("token_limits", {}).get(str(streams))
+                    if limit:
+                        shares[(dtype, int(streams), system)].append(run["tokens_per_second"] / limit)
+    systems = sorted({key[2] for key in values}, key=lambda name: (name != "pagedserve", name))
+    rows = []
+    for dtype, streams in sorted({key[:2] for key in values}):
+        row = [dtype, str(streams)]
+        for system in systems:
+            value = _median(values.get((dtype, streams, system), []))
+            share = _median(shares.get((dtype, streams, system), []))
+            row.append(_fmt(value) + (f" ({100 * share:.0f} %)" if share is not None else ""))
+        rows.append(row)
+    return [f"### SmolLM2-135M-Instruct output tokens/s: {cpu}", "",
+            f"bench/real_model.py; {_dates(reports)}; medians, in brackets the share of this CPU's limit (1 stream: "
+            "read bandwidth / weight bytes per token; 32 streams: GEMM peak at 32 rows / FLOPs per token).", "",
+            *_table(["dtype", "streams", *systems], rows), "",
+            *(f"- {config}" for config in configs),
+            *(f"- extra serve flags: {' / '.join(extra)}" for _ in extra[:1]), ""]
+
+
+def generic_section(kind: str, cpu: str, reports: list[dict]) -> list[str]:
+    latest = reports[-1]
+    rows = latest.get("rows")
+    if not rows:
+        return []
+    header = list(rows[0])
+    body = [[_fmt(row[name], 4 if abs(row[name]) < 1 else 2) if isinstance(row[name], float) else str(row[name])
+             for name in header] for row in rows]
+    notes = "; ".join(str(latest[key]) if key == "note" else f"{key} {latest[key]}"
+                      for key in ("threads", "note") if latest.get(key) is not None)
+    return [f"### {kind}: {cpu}", "", f"bench/{kind}.py, the latest of {_dates(reports)}" + (f" ({notes})" if notes else "")
+            + ".", "", *_table(header, body), ""]
+
+
+def gguf_greedy_section(cpu: str, reports: list[dict]) -> list[str]:
+    rows = [[report["date"], Path(report["gguf"]).name, report["dtype"], str(report["new_tokens"]),
+             f"{report['num_identical']} of {len(report['rows'])}"] for report in reports]
+    return [f"### GGUF greedy answers, blocks kept (--quantization auto) against dequantized (none): {cpu}", "",
+            f"bench/gguf_greedy.py on bench/quant_accuracy.py's chat prompts; {_dates(reports)}; every run.", "",
+            *_table(["run", "file", "dtype", "tokens per prompt", "identical continuations"], rows), ""]
+
+
+SECTIONS = {"limits": limits_section, "real_model": real_model_section, "gguf_greedy": gguf_greedy_section}
+
+
+def render(kept: dict[str, dict[str, list[dict]]]) -> str:
+    lines = ["# Performance tables", "",
+             "Generated by `make perf-tables` (bench/perf_tables.py) from the result files in bench/results/kept/; "
+             "do not edit by hand. What the figures mean and what limits them: docs/cpu-limits.md.", ""]
+    for kind in sorted(kept, key=lambda name: (name not in SECTIONS, list(SECTIONS).index(name) if name in SECTIONS
+                                               else 0, name)):
+        for cpu, reports in sorted(kept[kind].items()):
+            section = SECTIONS.get(kind)
+            lines += section(cpu, reports) if section else generic_section(kind, cpu, reports)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--kept", type=Path, default=KEPT)
+    args = parser.parse_args()
+    args.out.write_text(render(load_kept(args.kept)))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

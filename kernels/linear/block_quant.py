@@ -1,0 +1,168 @@
+"""GGUF's block-quantized linear weights (Q4_0, Q4_1, Q8_0) kept exactly as the file has them, and
+their matmuls: the native kernel at a few rows (kernels/native/block_quant_rows.c), an exact
+dequantize-then-matmul above, and the reference.
+
+    BlockQuantWeight   bits 4: qs uint8 [N, K / 2], two codes 0..15 per byte in ggml's order (byte
+                              j of a group of 32: value j in the low nibble, j + 16 in the high);
+                              scales and mins float16 [N, K / 32];   w = q * d + m
+                              (Q4_0 is the case m = -8 d, exact in float16)
+                       bits 8: qs int8 [N, K], scales float16 [N, K / 32], mins None;  w = q * d
+
+The scales and minimums are the file's float16 values, never rounded to another type, and
+`dequantize()` computes q * d + m in float32 as gguf.quants.dequantize does, so it equals the
+gguf package's values bit for bit.
+
+    block_quant_linear_native   1..MAX_ROWS rows: float32 activations against the codes, group
+                                sums scaled by d in float32 (the kernel's comment): differs from
+                                the reference only in the order of float32 sums; bfloat16
+                                activations against the weights decoded to bfloat16 (the file
+                                dequantized to bfloat16, as `none` and the prefill path have them)
+                                by BF16 dot products
+    block_quant_linear_dequant  more rows: the weight dequantized exactly to float32 and, for a
+                                float32 x, one float32 matmul; for a bfloat16 x, the weight
+                                rounded to bfloat16 as the dequantized file served in bfloat16 has it
+    block_quant_linear_ref      the reference (the oracle in tests): the exact float32 weight (for a
+                                bfloat16 x rounded to bfloat16), one float32 matmul
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.kernels.native import library as native_lib
+
+GROUP_SIZE = 32
+MAX_ROWS = 32  # the C kernel's BLOCK_QUANT_MAX_ROWS
+
+
+@dataclass(frozen=True, slots=True)
+class BlockQuantWeight:
+    qs: torch.Tensor  # bits 4: uint8 [N, K / 2]; bits 8: int8 [N, K]
+    scales: torch.Tensor  # float16 [N, K / 32]
+    mins: torch.Tensor | None  # float16 [N, K / 32] (bits 4) or None (bits 8)
+    bits: int
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise ValueError(f"block-quantized weights have 4 or 8 bits, not {self.bits}")
+        codes_dtype = torch.uint8 if self.bits == 4 else torch.int8
+        if self.qs.dtype != codes_dtype or self.qs.dim() != 2:
+            raise ValueError(f"{self.bits}-bit codes must be a 2-D {codes_dtype} tensor, not {self.qs.dtype} "
+                             f"{tuple(self.qs.shape)}")
+        groups = (self.qs.shape[0], self.in_features // GROUP_SIZE)
+        if self.in_features % GROUP_SIZE or self.scales.dtype != torch.float16 or tuple(self.scales.shape) != groups:
+            raise ValueError(f"scales must be float16 {groups} for codes {tuple(self.qs.shape)}, not "
+                             f"{self.scales.dtype} {tuple(self.scales.shape)}")
+        if (self.mins is None) != (self.bits == 8) or (
+                self.mins is not None and (self.mins.dtype != torch.float16 or self.mins.shape != self.scales.shape)):
+            raise ValueError("4-bit weights need float16 mins shaped like their scales; 8-bit weights have none")
+
+    @property
+    def out_features(self) -> int:
+        return self.qs.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.qs.shape[1] * (2 if self.bits == 4 else 1)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        named = {"qs": self.qs, "scales": self.scales}
+        return named if self.mins is None else {**named, "mins": self.mins}
+
+    def codes(self) -> torch.Tensor:
+        """[N, K] uint8 0..15 (bits 4) or int8 (bits 8), one code per weight in input order."""
+        if self.bits == 8:
+            return self.qs
+        num_rows = self.qs.shape[0]
+        groups = self.qs.view(num_rows, -1, GROUP_SIZE // 2)  # [N, groups, 16]
+        return torch.cat([groups & 15, groups >> 4], dim=-1).view(num_rows, -1)  # low nibbles first
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:  # [N, K]
+        num_rows, num_cols = self.out_features, self.in_features
+        codes = self.codes().to(torch.float32).view(num_rows, -1, GROUP_SIZE)  # [N, groups, 32]
+        weight = codes * self.scales.to(torch.float32)[..., None]
+        if self.mins is not None:
+            weight = weight + self.mins.to(torch.float32)[..., None]
+        return weight.view(num_rows, num_cols).to(dtype)
+
+    @staticmethod
+    def from_codes(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bits: int) -> BlockQuantWeight:
+        """codes [N, K] (0..15 for bits 4, -128..127 for bits 8), float16-valued scales and mins [N, K / 32]."""
+        num_rows = codes.shape[0]
+        if bits == 4:
+            groups = codes.to(torch.uint8).view(num_rows, -1, GROUP_SIZE)  # [N, groups, 32]
+            qs = (groups[..., :GROUP_SIZE // 2] | (groups[..., GROUP_SIZE // 2:] << 4)).view(num_rows, -1)
+        else:
+            qs = codes.to(torch.int8)
+        return BlockQuantWeight(qs.contiguous(), _exact_f16(scales, "scales"),
+                                None if mins is None else _exact_f16(mins, "mins"), bits)
+
+
+def _exact_f16(values: torch.Tensor, name: str) -> torch.Tensor:
+    half = values.to(torch.float16).contiguous()
+    if not torch.equal(half.to(values.dtype), values):
+        raise ValueError(f"block-quantized {name} must be float16 values (a GGUF file's)")
+    return half
+
+
+def supports(x: torch.Tensor, weight: BlockQuantWeight):
+    """The native library when x [M, K] is a CPU tensor with 1 <= M <= MAX_ROWS and the CPU has the
+    kernel (AVX-512), else None."""
+    if not (x.device.type == "cpu" and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and weight.qs.device.type == "cpu"):
+        return None
+    lib = native_lib.load()
+    if lib is None:
+        return None
+    available = getattr(lib, "_pagedserve_block_quant_rows", None)
+    if available is None:
+        available = lib._pagedserve_block_quant_rows = bool(lib.block_quant_rows_available())
+    return lib if available else None
+
+
+def block_quant_linear_native(x: torch.Tensor, weight: BlockQuantWeight, bias: torch.Tensor | None = None,
+                              lib=None) -> torch.Tensor:
+    """x [M, K] -> [M, N] in x's dtype (callers check supports first). bfloat16 x goes to the BF16
+    variant where the CPU has it (weights rounded to bfloat16), anything else to the float32 kernel."""
+    lib = lib or native_lib.load()
+    y = torch.empty(x.shape[0], weight.out_features, dtype=torch.float32)
+    if x.dtype == torch.bfloat16 and _has_bf16(lib):
+        kernel, x_in = lib.block_quant_rows_bf16, x.contiguous()
+    else:
+        kernel, x_in = lib.block_quant_rows, x.to(torch.float32).contiguous()
+    kernel(
+        x_in.data_ptr(), weight.qs.data_ptr(), weight.scales.data_ptr(),
+        weight.mins.data_ptr() if weight.mins is not None else None, y.data_ptr(), x.shape[0],
+        weight.out_features, weight.in_features, weight.bits)
+    return _finish(y, bias, x.dtype)
+
+
+def _has_bf16(lib) -> bool:
+    available = getattr(lib, "_pagedserve_block_quant_rows_bf16", None)
+    if available is None:
+        available = lib._pagedserve_block_quant_rows_bf16 = bool(lib.block_quant_rows_bf16_available())
+    return available
+
+
+def block_quant_linear_dequant(x: torch.Tensor, weight: BlockQuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    compute = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
+    y = F.linear(x.to(compute), weight.dequantize(torch.float32).to(compute))
+    return _finish(y, bias, x.dtype)
+
+
+def block_quant_linear_ref(x: torch.Tensor, weight: BlockQuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T in float32, W the exact float32 weights, or for a bfloat16 x the weights rounded to
+    bfloat16 (the file dequantized to bfloat16)."""
+    dense = weight.dequantize(torch.float32)
+    if x.dtype == torch.bfloat16:
+        dense = dense.to(torch.bfloat16).to(torch.float32)
+    y = F.linear(x.to(torch.float32), dense)  # [M, N]
+    return _finish(y, bias, x.dtype)
+
+
+def _finish(y: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(dtype)

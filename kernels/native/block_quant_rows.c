@@ -1,0 +1,315 @@
+/* y = x @ W^T for GGUF's block-quantized weights kept as the file has them (Q4_0, Q4_1, Q8_0), at
+ * 1 to BLOCK_QUANT_MAX_ROWS rows of x; torch reference: dequantize exactly, then one float32
+ * matmul (kernels/linear/block_quant.py).
+ *
+ * Every group of 32 consecutive inputs of a weight row has a float16 scale d (and, for 4 bits, a
+ * float16 minimum m), both as the file stores them:
+ *
+ *     4 bits   qs uint8 [N, K / 2]: byte j of a group holds value j (low nibble) and value j + 16
+ *              (high nibble), as ggml's block_q4_0/block_q4_1;   w = q * d + m   (Q4_0: m = -8 d)
+ *     8 bits   qs int8 [N, K]                                  w = q * d
+ *
+ * x float32 [M, K], y float32 [M, N]. Activations stay float32 (llama.cpp quantizes them to int8;
+ * here they are not rounded at all). At 1-3 rows, per group the 32 products q * x are summed in
+ * float32 (two 16-lane FMAs on the codes widened to float), scaled by d into 16 running lanes, and
+ * the minimums add m * sum(x of the group) at the end; from DECODE_MIN_ROWS rows, weight rows are
+ * decoded exactly to float32 in L1 and multiplied by FMAs (decoded_rows_f32). Either way the result
+ * differs from the reference only in the order of float32 sums. bfloat16 activations
+ * (block_quant_rows_bf16, AVX-512 BF16) multiply the weights decoded to bfloat16 (see there). The
+ * weight is read once per call, its rows split over the threads in contiguous runs. */
+#include <immintrin.h>
+#include <stdlib.h>
+
+#include "common.h"
+#include "pagedserve_cpu.h"
+
+#define GROUP 32
+#define BLOCK_QUANT_MAX_ROWS 32
+#define ROW_CHUNK 4
+
+#if defined(__AVX512F__) && defined(__F16C__)
+static inline __m512 widen_u8(__m128i bytes) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)); }
+
+static inline __m512 widen_i8(__m128i bytes) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)); }
+
+/* one weight row n against activation rows r0 .. r0 + R - 1 */
+static inline __attribute__((always_inline)) void row_chunk(const int R, const int bits, const float *x,
+                                                             const uint8_t *row, const uint16_t *d, int64_t r0,
+                                                             int64_t K, float *sums) {
+    __m512 acc[ROW_CHUNK];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    const int64_t num_groups = K / GROUP;
+    for (int64_t g = 0; g < num_groups; g++) {
+        __m512 lo, hi;
+        if (bits == 4) {
+            __m128i packed = _mm_loadu_si128((const __m128i *)(row + g * (GROUP / 2)));
+            __m128i mask = _mm_set1_epi8(0x0f);
+            lo = widen_u8(_mm_and_si128(packed, mask));
+            hi = widen_u8(_mm_and_si128(_mm_srli_epi16(packed, 4), mask));
+        } else {
+            lo = widen_i8(_mm_loadu_si128((const __m128i *)(row + g * GROUP)));
+            hi = widen_i8(_mm_loadu_si128((const __m128i *)(row + g * GROUP + 16)));
+        }
+        __m512 scale = _mm512_set1_ps(_cvtsh_ss(d[g]));
+        for (int r = 0; r < R; r++) {
+            const float *xg = x + (r0 + r) * K + g * GROUP;
+            __m512 t = _mm512_mul_ps(lo, _mm512_loadu_ps(xg));
+            t = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xg + 16), t);
+            acc[r] = _mm512_fmadd_ps(t, scale, acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) sums[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+/* sum over groups of m[g] * group_sums[g] (the 4-bit minimums against the activations' group sums) */
+static inline float min_terms(const uint16_t *m, const float *group_sums, int64_t num_groups) {
+    __m512 acc = _mm512_setzero_ps();
+    int64_t g = 0;
+    for (; g + 16 <= num_groups; g += 16)
+        acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + g))),
+                              _mm512_loadu_ps(group_sums + g), acc);
+    float sum = _mm512_reduce_add_ps(acc);
+    for (; g < num_groups; g++) sum += _cvtsh_ss(m[g]) * group_sums[g];
+    return sum;
+}
+
+static inline __attribute__((always_inline)) void one_row(const int bits, const float *x, const uint8_t *qs,
+                                                           const uint16_t *d, const uint16_t *m,
+                                                           const float *group_sums, float *y, int64_t n, int64_t M,
+                                                           int64_t N, int64_t K) {
+    const int64_t num_groups = K / GROUP;
+    const uint8_t *row = qs + n * (bits == 4 ? K / 2 : K);
+    const uint16_t *dn = d + n * num_groups;
+    float sums[ROW_CHUNK];
+    for (int64_t r0 = 0; r0 < M; r0 += ROW_CHUNK) {
+        switch (M - r0 < ROW_CHUNK ? M - r0 : ROW_CHUNK) {
+        case 1: row_chunk(1, bits, x, row, dn, r0, K, sums); break;
+        case 2: row_chunk(2, bits, x, row, dn, r0, K, sums); break;
+        case 3: row_chunk(3, bits, x, row, dn, r0, K, sums); break;
+        default: row_chunk(4, bits, x, row, dn, r0, K, sums); break;
+        }
+        for (int64_t r = r0; r < M && r < r0 + ROW_CHUNK; r++) {
+            float sum = sums[r - r0];
+            if (m) sum += min_terms(m + n * num_groups, group_sums + r * num_groups, num_groups);
+            y[r * N + n] = sum;
+        }
+    }
+}
+
+/* from DECODE_MIN_ROWS activation rows on, 4 weight rows at a time are decoded to float32 (exact:
+ * q * d + m as gguf computes it) in L1 and multiplied 4 x 4 by FMAs, so the per-group scaling is
+ * paid once per weight row rather than once per activation row */
+#define DECODE_MIN_ROWS 4
+#define DECODE_ROWS 4
+
+static inline void decode_row_f32(const int bits, const uint8_t *row, const uint16_t *d, const uint16_t *m,
+                                  float *out, int64_t K) {
+    const int64_t num_groups = K / GROUP;
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    for (int64_t g = 0; g < num_groups; g++) {
+        __m512 lo, hi;
+        if (bits == 4) {
+            __m128i packed = _mm_loadu_si128((const __m128i *)(row + g * (GROUP / 2)));
+            lo = widen_u8(_mm_and_si128(packed, mask));
+            hi = widen_u8(_mm_and_si128(_mm_srli_epi16(packed, 4), mask));
+        } else {
+            lo = widen_i8(_mm_loadu_si128((const __m128i *)(row + g * GROUP)));
+            hi = widen_i8(_mm_loadu_si128((const __m128i *)(row + g * GROUP + 16)));
+        }
+        __m512 scale = _mm512_set1_ps(_cvtsh_ss(d[g]));
+        if (m) { /* q * d is exact in float32: one rounding, as gguf's d * q + m */
+            __m512 offset = _mm512_set1_ps(_cvtsh_ss(m[g]));
+            lo = _mm512_fmadd_ps(lo, scale, offset);
+            hi = _mm512_fmadd_ps(hi, scale, offset);
+        } else {
+            lo = _mm512_mul_ps(lo, scale);
+            hi = _mm512_mul_ps(hi, scale);
+        }
+        _mm512_storeu_ps(out + g * GROUP, lo);
+        _mm512_storeu_ps(out + g * GROUP + 16, hi);
+    }
+}
+
+static inline __attribute__((always_inline)) void dot_rows_f32(const int MX, const float *x, const float *w, float *y,
+                                                                int64_t m0, int64_t n0, int64_t nr, int64_t N,
+                                                                int64_t K) {
+    __m512 acc[DECODE_ROWS][DECODE_ROWS];
+    for (int r = 0; r < MX; r++)
+        for (int c = 0; c < DECODE_ROWS; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        __m512 xv[DECODE_ROWS];
+        for (int r = 0; r < MX; r++) xv[r] = _mm512_loadu_ps(x + (m0 + r) * K + k);
+        for (int64_t c = 0; c < nr; c++) {
+            __m512 wv = _mm512_loadu_ps(w + c * K + k);
+            for (int r = 0; r < MX; r++) acc[r][c] = _mm512_fmadd_ps(wv, xv[r], acc[r][c]);
+        }
+    }
+    for (int r = 0; r < MX; r++)
+        for (int64_t c = 0; c < nr; c++) y[(m0 + r) * N + n0 + c] = _mm512_reduce_add_ps(acc[r][c]);
+}
+
+static void decoded_rows_f32(const float *x, const uint8_t *qs, const uint16_t *d, const uint16_t *m, float *y,
+                             int64_t M, int64_t N, int64_t K, int32_t bits) {
+    const int64_t num_groups = K / GROUP, row_bytes = bits == 4 ? K / 2 : K;
+    const int64_t num_blocks = (N + DECODE_ROWS - 1) / DECODE_ROWS;
+#pragma omp parallel if (N * K >= PARALLEL_MIN_ELEMENTS)
+    {
+        float *decoded = (float *)aligned_alloc(64, sizeof(float) * DECODE_ROWS * K);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < num_blocks; b++) {
+            if (!decoded) continue;
+            int64_t n0 = b * DECODE_ROWS, nr = N - n0 < DECODE_ROWS ? N - n0 : DECODE_ROWS;
+            for (int64_t c = 0; c < nr; c++)
+                decode_row_f32(bits, qs + (n0 + c) * row_bytes, d + (n0 + c) * num_groups,
+                               m ? m + (n0 + c) * num_groups : NULL, decoded + c * K, K);
+            for (int64_t m0 = 0; m0 < M; m0 += DECODE_ROWS) {
+                switch (M - m0 < DECODE_ROWS ? M - m0 : DECODE_ROWS) {
+                case 1: dot_rows_f32(1, x, decoded, y, m0, n0, nr, N, K); break;
+                case 2: dot_rows_f32(2, x, decoded, y, m0, n0, nr, N, K); break;
+                case 3: dot_rows_f32(3, x, decoded, y, m0, n0, nr, N, K); break;
+                default: dot_rows_f32(4, x, decoded, y, m0, n0, nr, N, K); break;
+                }
+            }
+        }
+        free(decoded);
+    }
+}
+
+/* x float32 [M, K]; qs, d [N, K / 32] float16 bits, m [N, K / 32] float16 bits or NULL (8 bits);
+ * y float32 [M, N]; bits 4 or 8; K a multiple of 32; 1 <= M <= BLOCK_QUANT_MAX_ROWS */
+void block_quant_rows(const float *x, const uint8_t *qs, const uint16_t *d, const uint16_t *m, float *y, int64_t M,
+                      int64_t N, int64_t K, int32_t bits) {
+    if (M >= DECODE_MIN_ROWS) {
+        decoded_rows_f32(x, qs, d, m, y, M, N, K, bits);
+        return;
+    }
+    const int64_t num_groups = K / GROUP;
+    float *sums = NULL; /* the activations' group sums, for the minimums */
+    if (m) {
+        sums = (float *)malloc(sizeof(float) * M * num_groups);
+        if (!sums) return;
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t g = 0; g < num_groups; g++) {
+                float s = 0.0f;
+                for (int j = 0; j < GROUP; j++) s += x[r * K + g * GROUP + j];
+                sums[r * num_groups + g] = s;
+            }
+    }
+    if (bits == 4) {
+#pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_ELEMENTS)
+        for (int64_t n = 0; n < N; n++) one_row(4, x, qs, d, m, sums, y, n, M, N, K);
+    } else {
+#pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_ELEMENTS)
+        for (int64_t n = 0; n < N; n++) one_row(8, x, qs, d, m, sums, y, n, M, N, K);
+    }
+    free(sums);
+}
+
+int32_t block_quant_rows_available(void) { return 1; }
+
+#if defined(__AVX512BF16__)
+/* bfloat16 activations: WEIGHT_ROWS weight rows at a time are decoded into bfloat16 (q * d + m in
+ * float32 as gguf does, then rounded to nearest even: the weights of the file dequantized to
+ * bfloat16, what --quantization none serves in bfloat16 and what the prefill path multiplies),
+ * held in L1, and multiplied as linear_rows.c does: BF16 dot products, float32 sums, X_ROWS
+ * activation rows per pass over the decoded rows (4 x 4 accumulators stay in registers). */
+#define WEIGHT_ROWS 4
+#define X_ROWS 4
+
+static inline void decode_row_bf16(const int bits, const uint8_t *row, const uint16_t *d, const uint16_t *m,
+                                   uint16_t *out, int64_t K) {
+    const int64_t num_groups = K / GROUP;
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    for (int64_t g = 0; g < num_groups; g++) {
+        __m512 lo, hi;
+        if (bits == 4) {
+            __m128i packed = _mm_loadu_si128((const __m128i *)(row + g * (GROUP / 2)));
+            lo = widen_u8(_mm_and_si128(packed, mask));
+            hi = widen_u8(_mm_and_si128(_mm_srli_epi16(packed, 4), mask));
+        } else {
+            lo = widen_i8(_mm_loadu_si128((const __m128i *)(row + g * GROUP)));
+            hi = widen_i8(_mm_loadu_si128((const __m128i *)(row + g * GROUP + 16)));
+        }
+        __m512 scale = _mm512_set1_ps(_cvtsh_ss(d[g]));
+        if (m) { /* q * d is exact in float32: one rounding, as gguf's d * q + m */
+            __m512 offset = _mm512_set1_ps(_cvtsh_ss(m[g]));
+            lo = _mm512_fmadd_ps(lo, scale, offset);
+            hi = _mm512_fmadd_ps(hi, scale, offset);
+        } else {
+            lo = _mm512_mul_ps(lo, scale);
+            hi = _mm512_mul_ps(hi, scale);
+        }
+        _mm512_storeu_si512((void *)(out + g * GROUP), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+
+static inline __attribute__((always_inline)) void dot_rows_bf16(const int MX, const uint16_t *x, const uint16_t *w,
+                                                                 float *y, int64_t m0, int64_t n0, int64_t nr,
+                                                                 int64_t N, int64_t K) {
+    __m512 acc[X_ROWS][WEIGHT_ROWS];
+    for (int r = 0; r < MX; r++)
+        for (int c = 0; c < WEIGHT_ROWS; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += GROUP) {
+        __m512bh xv[X_ROWS];
+        for (int r = 0; r < MX; r++) xv[r] = (__m512bh)_mm512_loadu_si512((const void *)(x + (m0 + r) * K + k));
+        for (int64_t c = 0; c < nr; c++) {
+            __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(w + c * K + k));
+            for (int r = 0; r < MX; r++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], wv, xv[r]);
+        }
+    }
+    for (int r = 0; r < MX; r++)
+        for (int64_t c = 0; c < nr; c++) y[(m0 + r) * N + n0 + c] = _mm512_reduce_add_ps(acc[r][c]);
+}
+
+/* block_quant_rows with x bfloat16 [M, K] against the weights rounded to bfloat16 (above) */
+void block_quant_rows_bf16(const uint16_t *x, const uint8_t *qs, const uint16_t *d, const uint16_t *m, float *y,
+                           int64_t M, int64_t N, int64_t K, int32_t bits) {
+    const int64_t num_groups = K / GROUP, row_bytes = bits == 4 ? K / 2 : K;
+    const int64_t num_blocks = (N + WEIGHT_ROWS - 1) / WEIGHT_ROWS;
+#pragma omp parallel if (N * K >= PARALLEL_MIN_ELEMENTS)
+    {
+        uint16_t *decoded = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * WEIGHT_ROWS * K);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < num_blocks; b++) {
+            if (!decoded) continue;
+            int64_t n0 = b * WEIGHT_ROWS, nr = N - n0 < WEIGHT_ROWS ? N - n0 : WEIGHT_ROWS;
+            for (int64_t c = 0; c < nr; c++)
+                decode_row_bf16(bits, qs + (n0 + c) * row_bytes, d + (n0 + c) * num_groups,
+                                m ? m + (n0 + c) * num_groups : NULL, decoded + c * K, K);
+            for (int64_t m0 = 0; m0 < M; m0 += X_ROWS) {
+                switch (M - m0 < X_ROWS ? M - m0 : X_ROWS) {
+                case 1: dot_rows_bf16(1, x, decoded, y, m0, n0, nr, N, K); break;
+                case 2: dot_rows_bf16(2, x, decoded, y, m0, n0, nr, N, K); break;
+                case 3: dot_rows_bf16(3, x, decoded, y, m0, n0, nr, N, K); break;
+                default: dot_rows_bf16(4, x, decoded, y, m0, n0, nr, N, K); break;
+                }
+            }
+        }
+        free(decoded);
+    }
+}
+
+int32_t block_quant_rows_bf16_available(void) { return 1; }
+#else
+void block_quant_rows_bf16(const uint16_t *x, const uint8_t *qs, const uint16_t *d, const uint16_t *m, float *y,
+                           int64_t M, int64_t N, int64_t K, int32_t bits) {
+    (void)x, (void)qs, (void)d, (void)m, (void)y, (void)M, (void)N, (void)K, (void)bits;
+}
+
+int32_t block_quant_rows_bf16_available(void) { return 0; }
+#endif
+#else
+void block_quant_rows(const float *x, const uint8_t *qs, const uint16_t *d, const uint16_t *m, float *y, int64_t M,
+                      int64_t N, int64_t K, int32_t bits) {
+    (void)x, (void)qs, (void)d, (void)m, (void)y, (void)M, (void)N, (void)K, (void)bits;
+}
+
+int32_t block_quant_rows_available(void) { return 0; } /* no AVX-512: the callers dequantize in torch */
+
+void block_quant_rows_bf16(const uint16_t *x, const uint8_t *qs, const uint16_t *d, const uint16_t *m, float *y,
+                           int64_t M, int64_t N, int64_t K, int32_t bits) {
+    (void)x, (void)qs, (void)d, (void)m, (void)y, (void)M, (void)N, (void)K, (void)bits;
+}
+
+int32_t block_quant_rows_bf16_available(void) { return 0; }
+#endif

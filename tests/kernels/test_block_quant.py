@@ -1,0 +1,103 @@
+"""GGUF blocks kept as the file has them (kernels/linear/block_quant.py): decoded exactly as the gguf
+package decodes them, and multiplied by the native kernel (kernels/native/block_quant_rows.c) at 1..32
+rows within float32 rounding of the exact result."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from pagedserve.kernels import ops
+from pagedserve.kernels.linear import block_quant
+from pagedserve.kernels.linear.block_quant import BlockQuantWeight
+from pagedserve.worker.loading.gguf_weights import quantized_weight_of
+from pagedserve.worker.quantization.gguf_blocks import GGUFBlocks
+
+TYPES = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def _gguf_weight(tensor_type: str, num_rows: int, num_cols: int, seed: int) -> tuple[BlockQuantWeight, np.ndarray]:
+    """A weight quantized by the gguf package, kept as blocks, and the package's own decoding."""
+    rng = np.random.default_rng(seed)
+    dense = (rng.standard_normal((num_rows, num_cols)) * 0.05 + rng.standard_normal((num_rows, 1)) * 0.02)
+    raw = quantize(dense.astype(np.float32), GGMLQuantizationType[tensor_type])  # uint8 [rows, bytes]
+    blocks = GGUFBlocks(tensor_type, (num_rows, num_cols), raw)
+    return quantized_weight_of(blocks).to_packed(), dequantize(raw, GGMLQuantizationType[tensor_type])
+
+
+@pytest.mark.parametrize("tensor_type", TYPES)
+def test_kept_blocks_decode_as_the_gguf_package_does(tensor_type):
+    weight, expected = _gguf_weight(tensor_type, 48, 160, seed=1)
+    assert weight.scales.dtype == torch.float16 and weight.bits == (8 if tensor_type == "Q8_0" else 4)
+    assert torch.equal(weight.dequantize(), torch.from_numpy(np.ascontiguousarray(expected)))
+
+
+def _relative_to_exact(actual: torch.Tensor, x: torch.Tensor, weight: BlockQuantWeight) -> float:
+    exact = F.linear(x.double(), weight.dequantize().double())
+    return float((actual.double() - exact).abs().max() / exact.abs().max())
+
+
+@pytest.mark.parametrize("tensor_type", TYPES)
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 8, 17, 32])
+def test_native_rows_match_the_exact_product(tensor_type, num_rows):
+    weight, _ = _gguf_weight(tensor_type, 200, 576, seed=num_rows)
+    lib = block_quant.supports(torch.empty(num_rows, 576), weight)
+    if lib is None:
+        pytest.fail("the native block kernel is unavailable on this CPU (it needs AVX-512)")
+    x = torch.randn(num_rows, 576, generator=torch.Generator().manual_seed(num_rows))
+    bias = torch.randn(200)
+    native = block_quant.block_quant_linear_native(x, weight, bias, lib)
+    reference = block_quant.block_quant_linear_ref(x, weight, bias)
+    assert native.dtype == torch.float32 and native.shape == (num_rows, 200)
+    torch.testing.assert_close(native, reference, rtol=1e-5, atol=1e-5)
+    assert _relative_to_exact(native - bias, x, weight) < 1e-6  # only the order of float32 sums differs
+    bf16 = block_quant.block_quant_linear_native(x.bfloat16(), weight, None, lib)
+    assert bf16.dtype == torch.bfloat16
+    # the float32 results round to bfloat16 alike but where they straddle a rounding boundary
+    torch.testing.assert_close(bf16, block_quant.block_quant_linear_ref(x.bfloat16(), weight), rtol=2 ** -7,
+                               atol=1e-5)
+
+
+def test_dispatch_takes_the_kernel_up_to_32_rows_and_the_exact_dequantize_above(monkeypatch):
+    weight, _ = _gguf_weight("Q4_1", 64, 128, seed=9)
+    for num_rows in (1, 32, 33, 100):
+        x = torch.randn(num_rows, 128)
+        y = ops.quantized_linear(x, weight)
+        assert _relative_to_exact(y, x, weight) < 1e-6, num_rows
+    assert block_quant.supports(torch.empty(33, 128), weight) is None
+    monkeypatch.setenv(ops.KERNELS_ENV, "reference")
+    x = torch.randn(3, 128)
+    assert torch.equal(ops.quantized_linear(x, weight), block_quant.block_quant_linear_ref(x, weight))
+
+
+def test_weights_that_are_not_the_files_float16_are_refused():
+    codes = torch.randint(0, 16, (16, 64))
+    scales = torch.full((16, 2), 0.1)  # not a float16 value
+    with pytest.raises(ValueError, match="float16"):
+        BlockQuantWeight.from_codes(codes, scales, torch.zeros(16, 2), 4)
+    with pytest.raises(ValueError, match="mins"):
+        BlockQuantWeight(torch.zeros(16, 32, dtype=torch.uint8), torch.zeros(16, 2, dtype=torch.float16), None, 4)
+
+
+@pytest.mark.parametrize("tensor_type", TYPES)
+@pytest.mark.parametrize("num_rows", [1, 4, 7, 32])
+def test_bfloat16_rows_match_the_bfloat16_weights_product_before_rounding(tensor_type, num_rows):
+    """The BF16 variant on bfloat16 activations decodes the weights to bfloat16 exactly as the file
+    dequantized to bfloat16 has them: its float32 output, read before the final rounding, is the
+    product with those weights up to the order of float32 sums."""
+    weight, _ = _gguf_weight(tensor_type, 96, 320, seed=20 + num_rows)
+    lib = block_quant.supports(torch.empty(num_rows, 320), weight)
+    if lib is None or not block_quant._has_bf16(lib):
+        pytest.fail("the native bfloat16 block kernel is unavailable on this CPU (it needs AVX-512 BF16)")
+    x = torch.randn(num_rows, 320, generator=torch.Generator().manual_seed(num_rows)).bfloat16()
+    y = torch.empty(num_rows, 96)
+    lib.block_quant_rows_bf16(x.data_ptr(), weight.qs.data_ptr(), weight.scales.data_ptr(),
+                              weight.mins.data_ptr() if weight.mins is not None else None, y.data_ptr(), num_rows,
+                              96, 320, weight.bits)
+    rounded = weight.dequantize(torch.bfloat16).double()  # what `none` serves in bfloat16
+    exact = F.linear(x.double(), rounded)
+    assert float((y.double() - exact).abs().max() / exact.abs().max()) < 1e-6

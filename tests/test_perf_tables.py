@@ -1,0 +1,58 @@
+"""docs/performance-tables.md is made from the kept result files (bench/perf_tables.py): each table
+names its CPU and run dates, a figure over several runs is their median (not the best run), and
+bench/results/kept/ is tracked by git while the rest of bench/results/ is not."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _perf_tables():
+    spec = importlib.util.spec_from_file_location("perf_tables", ROOT / "bench" / "perf_tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _limits(date: str, cpu: str, read: float, gemm32: float) -> dict:
+    return {"date": date, "machine": {"cpu": cpu}, "load_average_start": [1.5, 1.0, 1.0], "num_threads": 2,
+            "read_gb_per_s": read, "gemm_gflops": {"bfloat16": {"1": 10.0, "32": gemm32, "512": 300.0}}}
+
+
+def _real_model(date: str, cpu: str, ours: float, theirs: float) -> dict:
+    return {"date": date, "machine": {"cpu": cpu}, "load_average_start": [2.0, 1.0, 1.0], "serve_args": [],
+            "dtypes": {"bfloat16": {"token_limits": {"1": 100.0},
+                                    "configs": {"pagedserve": "serve --model m --dtype bfloat16"},
+                                    "systems": {"pagedserve": {"1": {"tokens_per_second": ours}},
+                                                "llama.cpp": {"1": {"tokens_per_second": theirs}}}}}}
+
+
+def test_tables_name_the_cpu_and_dates_and_take_medians(tmp_path):
+    tables = _perf_tables()
+    for report in (_limits("20261101T000000Z", "CPU A", 20.0, 100.0), _limits("20261102T000000Z", "CPU A", 30.0, 300.0),
+                   _limits("20261103T000000Z", "CPU A", 26.0, 200.0), _limits("20261104T000000Z", "CPU B", 50.0, 900.0)):
+        tables.save_kept("limits", report, tmp_path)
+    for report in (_real_model("20261101T010000Z", "CPU A", 40.0, 80.0), _real_model("20261102T010000Z", "CPU A", 60.0, 70.0),
+                   _real_model("20261103T010000Z", "CPU A", 50.0, 90.0)):
+        tables.save_kept("real_model", report, tmp_path)
+    assert len(list(tmp_path.glob("limits-*-cpu-a.json"))) == 3
+    page = tables.render(tables.load_kept(tmp_path))
+    assert "### Limits: CPU A" in page and "### Limits: CPU B" in page
+    assert "3 run(s) on 2026-11-01, 2026-11-02, 2026-11-03" in page
+    assert "| read bandwidth (GB/s) | 26.0 |" in page  # the median of 20, 30, 26, not the best
+    assert "| GEMM bfloat16, 32 rows (GFLOP/s) | 200.0 |" in page
+    assert "| read bandwidth (GB/s) | 50.0 |" in page  # CPU B on its own
+    assert "| bfloat16 | 1 | 50.0 (50 %) | 80.0 (80 %) |" in page  # medians and their share of the limit
+    assert "- bfloat16, pagedserve: serve --model m --dtype bfloat16" in page  # the flags each figure ran with
+
+
+def test_kept_results_are_tracked_and_the_others_ignored():
+    def ignored(path: str) -> bool:
+        return subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT).returncode == 0
+
+    assert ignored("bench/results/real_model-20261101T000000Z.json")
+    assert not ignored("bench/results/kept/real_model-20261101T000000Z-amd-epyc.json")
