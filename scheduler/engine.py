@@ -38,6 +38,7 @@ from pagedserve.scheduler.core.admission import Admission
 from pagedserve.scheduler.core.errors import RequestFailed, SchedulerConfigError
 from pagedserve.scheduler.core.config import SchedulerConfig
 from pagedserve.scheduler.worker_link import WorkerLink, WorkerLost
+from pagedserve.scheduler.structured_output.compiler import GrammarCompiler
 
 Sink = Callable[[RequestOutput | Exception], None]
 Dispatch = Callable[[list[tuple[Sink, RequestOutput | Exception]]], None]
@@ -75,7 +76,8 @@ class Engine:
     def __init__(self, config: SchedulerConfig, link: WorkerLink,
                  on_step: Callable[["Engine", StepRecord | None], None] | None = None,
                  dispatch: Dispatch | None = None,
-                 on_idle: Callable[["Engine"], None] | None = None) -> None:
+                 on_idle: Callable[["Engine"], None] | None = None,
+                 grammars: GrammarCompiler | None = None) -> None:
         """config.num_gpu_blocks caps the pool the workers offer (None: all of it); its
         max_model_len must be known. dispatch: runs a batch of (sink, item) pairs; by default each
         sink is called in turn on the loop thread."""
@@ -83,6 +85,7 @@ class Engine:
             raise SchedulerConfigError("max_model_len", "must be known before the engine starts")
         self.config = config
         self.link = link
+        self.grammars = grammars  # structured output: compiles constraints (None: refused)
         self.state = EngineState()
         self.scheduler = None
         self._on_step = on_step
@@ -243,7 +246,8 @@ class Engine:
     def _new_scheduler(self, num_gpu_blocks: int, num_cpu_blocks: int):
         from pagedserve.scheduler.core.scheduler import Scheduler
 
-        return Scheduler(replace(self.config, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks))
+        return Scheduler(replace(self.config, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks),
+                         grammars=self.grammars)
 
     def _step(self) -> bool:
         started = time.perf_counter()

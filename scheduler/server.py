@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import threading
 import time
 import uuid
 from dataclasses import replace
+from functools import partial
 
 import grpc
 import structlog
@@ -46,6 +48,8 @@ from pagedserve.scheduler.metrics import SchedulerMetrics
 from pagedserve.scheduler.core.config import SchedulerConfig
 from pagedserve.scheduler.server_config import SchedulerServerConfig
 from pagedserve.scheduler.worker_link import WorkerLink
+from pagedserve.scheduler.structured_output.compiler import GrammarCompiler
+from pagedserve.scheduler.structured_output.vocabulary import load_vocabulary
 from pagedserve.contracts.scheduler_codec import output_to_proto, request_from_proto
 from pagedserve.security.zmq_curve import check_internal_transport, curve_keys_from_env
 
@@ -103,8 +107,9 @@ def _close_reason(context) -> str:
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, engine: Engine, model: ModelInfo, tensor_parallel_size: int,
-                 metrics: SchedulerMetrics | None = None) -> None:
+                 metrics: SchedulerMetrics | None = None, grammars: GrammarCompiler | None = None) -> None:
         self.engine = engine
+        self.grammars = grammars
         self.model = model
         self.tensor_parallel_size = tensor_parallel_size
         self.metrics = metrics or SchedulerMetrics()
@@ -138,6 +143,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         internal = request_from_proto(request, self.model.eos_token_ids)
         try:
             check_submitted(internal, self.model.vocab_size)
+            constraint = internal.sampling.constraint
+            if constraint is not None and self.grammars is not None:
+                await self.grammars.compile_async(constraint)  # off the step loop, bounded in time
             self.engine.submit(internal, sink)
         except Exception as exc:
             await self._refuse(context, log, exc)
@@ -265,8 +273,11 @@ async def _serve(config: SchedulerServerConfig, engine_config: SchedulerConfig, 
 
     link = WorkerLink(config.plan_address, config.result_address, config.tensor_parallel_size,
                       heartbeat_timeout=config.heartbeat_timeout)
+    grammars = GrammarCompiler(partial(load_vocabulary, config.model_path, model.vocab_size,
+                                       list(model.eos_token_ids)))
+    threading.Thread(target=_warm_up, args=(grammars, log), name="grammar-vocabulary", daemon=True).start()
     engine = Engine(engine_config, link, on_step=on_step, dispatch=loop_dispatch(asyncio.get_running_loop()),
-                    on_idle=on_idle)
+                    on_idle=on_idle, grammars=grammars)
     engine.start()
     token = internal_token()
     interceptors = [AioBearerTokenInterceptor(token, what="the internal token")] if token else []
@@ -274,7 +285,7 @@ async def _serve(config: SchedulerServerConfig, engine_config: SchedulerConfig, 
         log.warning("internal_port_unauthenticated",
                     hint=f"set {INTERNAL_TOKEN_ENV} or {INTERNAL_TOKEN_FILE_ENV} (serve sets one for its children)")
     server = grpc.aio.server(options=INTERNAL_SERVER_OPTIONS, interceptors=interceptors)
-    servicer = SchedulerServicer(engine, model, config.tensor_parallel_size, metrics)
+    servicer = SchedulerServicer(engine, model, config.tensor_parallel_size, metrics, grammars=grammars)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     bound = server.add_insecure_port(f"{config.host}:{config.port}")
     await server.start()
@@ -293,6 +304,15 @@ async def _serve(config: SchedulerServerConfig, engine_config: SchedulerConfig, 
     await server.stop(grace=2.0)
     link.close()
     log.info("scheduler_stopped")
+
+
+def _warm_up(grammars: GrammarCompiler, log) -> None:
+    """Reads the vocabulary for structured output at start; a failure is only logged (constrained
+    requests are then refused with the reason)."""
+    try:
+        grammars.warm_up()
+    except Exception as exc:
+        log.warning("structured_output_unavailable", error=f"{type(exc).__name__}: {exc}")
 
 
 def run_scheduler(config: SchedulerServerConfig) -> int:

@@ -45,6 +45,7 @@ from pagedserve.worker.models.llama_config import LlamaModelConfig
 from pagedserve.worker.quantization.quantizers import QuantizationConfig
 from pagedserve.worker.sampler import Sampler
 from pagedserve.worker.speculation.ngram_verify import sample_verifying
+from pagedserve.worker.structured_output import apply_constraints
 from pagedserve.worker.layers.tensor_parallel import TensorParallelGroup
 
 DEFAULT_PROFILE_TOKENS = 2048
@@ -257,6 +258,9 @@ class ModelRunner:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             result.forward_seconds = draft_seconds + time.perf_counter() - started
+            if logits is not None:  # structured output and logit_bias, before any sampling
+                logits = apply_constraints(logits, inputs.mask_row_indices, inputs.token_bitmasks,
+                                           inputs.sample_specs)
             if self.sampler is not None and logits is not None and draft_probs and inputs.sample_draft_ids is not None:
                 result.samples, result.failures = sample_verifying_drafts(self.sampler, logits, inputs, draft_probs)
             elif self.sampler is not None and logits is not None and inputs.sample_draft_ids is not None:

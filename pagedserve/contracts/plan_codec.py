@@ -43,6 +43,9 @@ def _sample_to_proto(spec: SampleSpec, out: step_pb2.SampleSpec) -> None:
         out.prompt_token_ids.extend(spec.prompt_token_ids)
     if spec.output_token_ids:
         out.output_token_ids.extend(spec.output_token_ids)
+    if spec.logit_bias:
+        out.logit_bias_token_ids.extend(spec.logit_bias.keys())
+        out.logit_bias_values.extend(spec.logit_bias.values())
 
 
 def _sample_from_proto(msg: step_pb2.SampleSpec) -> SampleSpec:
@@ -61,6 +64,7 @@ def _sample_from_proto(msg: step_pb2.SampleSpec) -> SampleSpec:
         suppress_token_ids=list(msg.suppress_token_ids),
         prompt_token_ids=list(msg.prompt_token_ids),
         output_token_ids=list(msg.output_token_ids),
+        logit_bias=dict(zip(msg.logit_bias_token_ids, msg.logit_bias_values)),
     )
 
 
@@ -71,7 +75,7 @@ def _spec_key(spec: SampleSpec) -> tuple | None:
         return None
     return (spec.temperature, spec.top_p, spec.top_k, spec.min_p, spec.seed, spec.output_index,
             spec.repetition_penalty, spec.presence_penalty, spec.frequency_penalty, spec.num_logprobs,
-            spec.num_beam_candidates, tuple(spec.suppress_token_ids))
+            spec.num_beam_candidates, tuple(spec.suppress_token_ids), tuple(spec.logit_bias.items()))
 
 
 def plan_to_proto(plan: StepPlan) -> step_pb2.StepPlan:
@@ -105,6 +109,9 @@ def plan_to_proto(plan: StepPlan) -> step_pb2.StepPlan:
     msg.sample_index.extend(sample_index)
     if any(seq.num_draft_tokens for seq in seqs):
         msg.num_draft_tokens.extend([seq.num_draft_tokens for seq in seqs])
+    if any(seq.num_mask_rows for seq in seqs):
+        msg.num_mask_rows.extend([seq.num_mask_rows for seq in seqs])
+        msg.token_bitmasks = b"".join(seq.token_bitmask for seq in seqs)
     if plan.drafts_from_worker:
         msg.drafts_from_worker = True
         msg.draft_start_positions.extend([seq.draft_start_position for seq in seqs])
@@ -131,6 +138,14 @@ def plan_from_proto(msg: step_pb2.StepPlan) -> StepPlan:
         token_start, block_start = token_end, block_end
     for seq, num_drafts in zip(seqs, msg.num_draft_tokens):
         seq.num_draft_tokens = num_drafts
+    if msg.num_mask_rows:
+        bitmasks = msg.token_bitmasks
+        row_bytes = len(bitmasks) // max(1, sum(msg.num_mask_rows))
+        mask_start = 0
+        for seq, num_rows in zip(seqs, msg.num_mask_rows):
+            mask_end = mask_start + num_rows * row_bytes
+            seq.num_mask_rows, seq.token_bitmask = num_rows, bitmasks[mask_start:mask_end]
+            mask_start = mask_end
     if msg.drafts_from_worker:
         context_ids = list(msg.draft_context_ids)
         context_start = 0

@@ -10,6 +10,7 @@ later steps, which the workers run after it.
 from __future__ import annotations
 
 from bisect import insort
+from typing import TYPE_CHECKING
 
 from pagedserve.contracts.request_types import CompletionDelta, FinishReason, Request, RequestOutput
 from pagedserve.scheduler.kv.block_manager import BlockManager
@@ -23,12 +24,18 @@ from pagedserve.scheduler.core.sequence import GroupStatus, Sequence, SequenceGr
 from pagedserve.scheduler.speculation.acceptance import SpecDecodeStats
 from pagedserve.scheduler.core.step_builder import ScheduledStep, StepBuilder
 from pagedserve.contracts.step_plan import StepResult
+from pagedserve.scheduler.structured_output.sequences import attach_matchers
+
+if TYPE_CHECKING:
+    from pagedserve.scheduler.structured_output.compiler import GrammarCompiler
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, grammars: GrammarCompiler | None = None) -> None:
+        """grammars compiles structured-output constraints (None: constrained requests are refused)."""
         config.check_complete()
         self.config = config
+        self.grammars = grammars
         self.block_manager = BlockManager(config)
         self.waiting: list[SequenceGroup] = []  # each queue ordered by queue_key: (priority, arrival)
         self.running: list[SequenceGroup] = []
@@ -57,8 +64,10 @@ class Scheduler:
             raise RequestRejected(request.request_id, "a request with this id is already running")
         group = build_group(request, self.config, arrival_index=self._next_arrival,
                             next_seq_id=self.new_seq_id)
+        attach_matchers(group, self.grammars)
         self._next_arrival += 1
-        if self.config.is_speculating and request.sampling.is_beam_search:
+        if self.config.is_speculating and (request.sampling.is_beam_search or (
+                request.sampling.is_constrained and self.config.is_draft_model_speculation)):
             self.spec_stats.num_beam_search_requests += 1  # served exactly, without proposals
         self._groups[request.request_id] = group
         insort(self.waiting, group, key=_queue_key)  # fcfs: priority 0, so this appends

@@ -27,6 +27,9 @@ sequence also names the tokens before its last one whose draft KV it has not com
     positions      0 .. num_draft_computed - 1 | num_draft_computed .. p - 1 | p (t) | p+1 .. p+k
     draft KV       computed by earlier steps   | draft_context_ids           | this step's draft forwards
 
+Structured output: every constrained sequence that samples carries its token bitmask rows
+(structured_output/sequences.py fill_masks), computed from its matcher as the plan is built.
+
 Beam search steps all live beams together: a beam group samples only in a step where every beam
 computes its whole tail; otherwise its beams compute up to their last token and sample later.
 """
@@ -43,6 +46,7 @@ from pagedserve.scheduler.core.sample_specs import sample_spec_for
 from pagedserve.scheduler.core.sequence import GroupStatus, Sequence, SequenceGroup
 from pagedserve.scheduler.speculation.drafting import Drafter, drop_group_drafts, drop_unscheduled_drafts
 from pagedserve.contracts.step_plan import ScheduledSeq, StepPlan
+from pagedserve.scheduler.structured_output.sequences import fill_masks
 
 if TYPE_CHECKING:
     from pagedserve.scheduler.core.scheduler import Scheduler
@@ -171,7 +175,10 @@ class StepBuilder:
         if spec is None or not group.is_sample_spec_static:
             spec = sample_spec_for(group, seq)
         self.sampled.append((group, seq))
-        self.scheduled.append(ScheduledSeq(seq.seq_id, seq.token_ids[-1:], computed, seq.block_table[:], spec))
+        scheduled = ScheduledSeq(seq.seq_id, seq.token_ids[-1:], computed, seq.block_table[:], spec)
+        if seq.matcher is not None:
+            fill_masks(scheduled, seq, self.scheduler.grammars.vocab_size)
+        self.scheduled.append(scheduled)
         if (computed + 1) % self.block_manager.block_size == 0:
             self.emitted.append((group, seq))  # its last block is full now: register it
         self.groups.append(group)
@@ -327,6 +334,8 @@ class StepBuilder:
                 self.sampled.append((group, seq))
             scheduled_seq = ScheduledSeq(seq.seq_id, seq.token_ids[start:start + num_tokens], start,
                                          list(seq.block_table), spec, seq.num_draft_tokens)
+            if chunk.is_sampling and seq.matcher is not None:
+                fill_masks(scheduled_seq, seq, self.scheduler.grammars.vocab_size)
             scheduled.append(scheduled_seq)
             if seq.num_draft_tokens:
                 if self.drafts_from_worker:  # start is the position of the last real token
