@@ -40,8 +40,12 @@ def grammar_text(constraint: Constraint) -> str:
     try:
         if kind is ConstraintKind.JSON_SCHEMA:
             schema = json.loads(constraint.value)
-            if not isinstance(schema, (dict, bool)):
-                raise GrammarError(kind.value, "a JSON schema is an object (or true/false)")
+            if schema is False:
+                raise GrammarError(kind.value, "the schema false accepts nothing")
+            if schema is True:
+                schema = {}
+            if not isinstance(schema, dict):
+                raise GrammarError(kind.value, "a JSON schema is an object (or true)")
             return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
         if kind is ConstraintKind.JSON_OBJECT:
             return llguidance.LLMatcher.grammar_from_json_schema(JSON_OBJECT_SCHEMA, overrides=JSON_OPTIONS)
