@@ -251,7 +251,7 @@ class Engine:
 
     def _step(self) -> bool:
         started = time.perf_counter()
-        scheduled = self.scheduler.schedule()
+        scheduled = self.scheduler.schedule(defer_masks=True)
         if scheduled is None:
             self._hold(self.scheduler.pop_pending_outputs())
             self.state.num_waiting = self.scheduler.stats().num_waiting
@@ -261,6 +261,9 @@ class Engine:
                          if (seconds := self.admission.release(group.request_id, now)) is not None]
         self._in_flight_ids = [group.request_id for group in scheduled.groups]
         self.link.publish(scheduled.plan)
+        if scheduled.pending_masks:  # while the workers run the forward; rank 0 waits before sampling
+            scheduled.fill_masks()
+            self.link.publish_masks(scheduled.plan)
         self._hand_over()
         result = self.link.wait_result(scheduled.plan)
         self._hold(self.scheduler.process_result(scheduled, result))

@@ -96,21 +96,22 @@ def build_model_input(seqs: list[ScheduledSeq], *, block_size: int, num_blocks: 
         query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(device),
         logits_indices=torch.from_numpy(logits_indices).to(device),
     )
-    mask_row_indices, token_bitmasks = _mask_rows(seqs, sampled)
+    mask_row_indices, token_bitmasks = mask_rows(seqs)
     return ModelInput(token_ids=torch.from_numpy(token_ids).to(device), metadata=metadata,
                       sample_seq_ids=rows.seq_ids, sample_specs=rows.specs, sample_positions=rows.positions,
                       sample_draft_ids=rows.draft_ids, mask_row_indices=mask_row_indices,
                       token_bitmasks=token_bitmasks)
 
 
-def _mask_rows(seqs: list[ScheduledSeq], sampled: list[int]) -> tuple[list[int], bytes]:
+def mask_rows(seqs: list[ScheduledSeq]) -> tuple[list[int], bytes]:
     """The logits rows of constrained sequences (each samples 1 + drafts consecutive rows, as
     many as its mask rows) and their bitmask rows in that order."""
     indices: list[int] = []
     pieces: list[bytes] = []
     row = 0
-    for index in sampled:
-        seq = seqs[index]
+    for seq in seqs:
+        if seq.sample is None:
+            continue
         num_rows = seq.num_draft_tokens + 1
         if seq.num_mask_rows:
             if seq.num_mask_rows != num_rows:

@@ -18,12 +18,14 @@ drafts proposed by the draft model (draft_proposer.py) before the target's forwa
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from pagedserve.kernels.cache.kv_dtype import resolve_kv_cache_dtype
 from pagedserve.checkpoints.model_config import load_model_info
+from pagedserve.contracts.plan_codec import attach_masks
 from pagedserve.contracts.step_plan import SampleSpec, ScheduledSeq, StepPlan, StepResult
 from pagedserve.worker.cache_engine import (
     GIB,
@@ -38,7 +40,7 @@ from pagedserve.worker.speculation.draft_model import DraftModel
 from pagedserve.worker.speculation.draft_proposer import DraftProposer
 from pagedserve.worker.speculation.draft_verify import sample_verifying_drafts
 from pagedserve.worker.loading.hf_checkpoint import resolve_dtype
-from pagedserve.worker.model_input import PlanError, build_model_input
+from pagedserve.worker.model_input import PlanError, build_model_input, mask_rows
 from pagedserve.worker.loading.build import load_model
 from pagedserve.worker.models.llama import LlamaForCausalLM
 from pagedserve.worker.models.llama_config import LlamaModelConfig
@@ -230,7 +232,7 @@ class ModelRunner:
         self.cache = CacheEngine(self.cache_shape, num_gpu_blocks, num_cpu_blocks, self.device,
                                  draft_shape=self.draft_cache_shape)
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan, receive_masks: Callable[[], bytes] | None = None) -> StepResult:
         """Block operations, then the forward (the draft model's first when it proposes the drafts);
         rank 0 returns the samples, other ranks none. forward_seconds covers the draft forwards too."""
         model = self._require_model()
@@ -258,6 +260,11 @@ class ModelRunner:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             result.forward_seconds = draft_seconds + time.perf_counter() - started
+            if logits is not None and plan.masks_follow:  # computed by the scheduler during the forward
+                if receive_masks is None:
+                    raise PlanError("the plan's token bitmask rows follow it, and this runner cannot receive them")
+                attach_masks(seqs, receive_masks())
+                inputs.mask_row_indices, inputs.token_bitmasks = mask_rows(seqs)
             if logits is not None:  # structured output and logit_bias, before any sampling
                 logits = apply_constraints(logits, inputs.mask_row_indices, inputs.token_bitmasks,
                                            inputs.sample_specs)

@@ -111,7 +111,10 @@ def plan_to_proto(plan: StepPlan) -> step_pb2.StepPlan:
         msg.num_draft_tokens.extend([seq.num_draft_tokens for seq in seqs])
     if any(seq.num_mask_rows for seq in seqs):
         msg.num_mask_rows.extend([seq.num_mask_rows for seq in seqs])
-        msg.token_bitmasks = b"".join(seq.token_bitmask for seq in seqs)
+        if plan.masks_follow:
+            msg.masks_follow = True
+        else:
+            msg.token_bitmasks = b"".join(seq.token_bitmask for seq in seqs)
     if plan.drafts_from_worker:
         msg.drafts_from_worker = True
         msg.draft_start_positions.extend([seq.draft_start_position for seq in seqs])
@@ -138,14 +141,10 @@ def plan_from_proto(msg: step_pb2.StepPlan) -> StepPlan:
         token_start, block_start = token_end, block_end
     for seq, num_drafts in zip(seqs, msg.num_draft_tokens):
         seq.num_draft_tokens = num_drafts
-    if msg.num_mask_rows:
-        bitmasks = msg.token_bitmasks
-        row_bytes = len(bitmasks) // max(1, sum(msg.num_mask_rows))
-        mask_start = 0
-        for seq, num_rows in zip(seqs, msg.num_mask_rows):
-            mask_end = mask_start + num_rows * row_bytes
-            seq.num_mask_rows, seq.token_bitmask = num_rows, bitmasks[mask_start:mask_end]
-            mask_start = mask_end
+    for seq, num_rows in zip(seqs, msg.num_mask_rows):
+        seq.num_mask_rows = num_rows
+    if msg.num_mask_rows and not msg.masks_follow:
+        attach_masks(seqs, msg.token_bitmasks)
     if msg.drafts_from_worker:
         context_ids = list(msg.draft_context_ids)
         context_start = 0
@@ -154,6 +153,7 @@ def plan_from_proto(msg: step_pb2.StepPlan) -> StepPlan:
             seq.draft_context_ids = context_ids[context_start:context_start + num_context]
             context_start += num_context
     return StepPlan(
+        masks_follow=msg.masks_follow,
         step_id=msg.step_id,
         seqs=seqs,
         blocks_to_swap_out=_pairs_from_proto(msg.blocks_to_swap_out),
@@ -216,3 +216,19 @@ def encode_plan(plan: StepPlan) -> bytes:
 
 def encode_result(result: StepResult) -> bytes:
     return step_pb2.WorkerMessage(step_result=result_to_proto(result)).SerializeToString()
+
+
+def attach_masks(seqs: list[ScheduledSeq], token_bitmasks: bytes) -> None:
+    """Splits the concatenated bitmask rows among seqs by their num_mask_rows."""
+    row_bytes = len(token_bitmasks) // max(1, sum(seq.num_mask_rows for seq in seqs))
+    start = 0
+    for seq in seqs:
+        end = start + seq.num_mask_rows * row_bytes
+        seq.token_bitmask = token_bitmasks[start:end]
+        start = end
+
+
+def masks_to_proto(plan: StepPlan) -> step_pb2.StepMasks:
+    """The StepMasks that follows a plan published with masks_follow."""
+    return step_pb2.StepMasks(epoch=plan.epoch, step_id=plan.step_id,
+                              token_bitmasks=b"".join(seq.token_bitmask for seq in plan.seqs))

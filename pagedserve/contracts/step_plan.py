@@ -82,6 +82,9 @@ class StepPlan:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src gpu, dst gpu)
     epoch: int = 0
     drafts_from_worker: bool = False  # the drafts of this step are for the worker's draft model to propose
+    # Structured output: the sequences' num_mask_rows are set but their token_bitmask rows come
+    # in a StepMasks message after the plan (computed while the workers run the forward).
+    masks_follow: bool = False
 
     @property
     def num_tokens(self) -> int:

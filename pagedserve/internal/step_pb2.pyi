@@ -53,7 +53,7 @@ class BlockPair(_message.Message):
     def __init__(self, src: _Optional[_Iterable[int]] = ..., dst: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("epoch", "step_id", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "seq_ids", "start_positions", "num_tokens", "token_ids", "num_blocks", "block_ids", "sample_index", "samples", "num_draft_tokens", "drafts_from_worker", "draft_start_positions", "num_draft_context_tokens", "draft_context_ids", "num_mask_rows", "token_bitmasks")
+    __slots__ = ("epoch", "step_id", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "seq_ids", "start_positions", "num_tokens", "token_ids", "num_blocks", "block_ids", "sample_index", "samples", "num_draft_tokens", "drafts_from_worker", "draft_start_positions", "num_draft_context_tokens", "draft_context_ids", "num_mask_rows", "token_bitmasks", "masks_follow")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_TO_SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,7 @@ class StepPlan(_message.Message):
     DRAFT_CONTEXT_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_MASK_ROWS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_BITMASKS_FIELD_NUMBER: _ClassVar[int]
+    MASKS_FOLLOW_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     step_id: int
     blocks_to_swap_out: BlockPair
@@ -94,7 +95,18 @@ class StepPlan(_message.Message):
     draft_context_ids: _containers.RepeatedScalarFieldContainer[int]
     num_mask_rows: _containers.RepeatedScalarFieldContainer[int]
     token_bitmasks: bytes
-    def __init__(self, epoch: _Optional[int] = ..., step_id: _Optional[int] = ..., blocks_to_swap_out: _Optional[_Union[BlockPair, _Mapping]] = ..., blocks_to_swap_in: _Optional[_Union[BlockPair, _Mapping]] = ..., blocks_to_copy: _Optional[_Union[BlockPair, _Mapping]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., start_positions: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., sample_index: _Optional[_Iterable[int]] = ..., samples: _Optional[_Iterable[_Union[SampleSpec, _Mapping]]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., drafts_from_worker: _Optional[bool] = ..., draft_start_positions: _Optional[_Iterable[int]] = ..., num_draft_context_tokens: _Optional[_Iterable[int]] = ..., draft_context_ids: _Optional[_Iterable[int]] = ..., num_mask_rows: _Optional[_Iterable[int]] = ..., token_bitmasks: _Optional[bytes] = ...) -> None: ...
+    masks_follow: bool
+    def __init__(self, epoch: _Optional[int] = ..., step_id: _Optional[int] = ..., blocks_to_swap_out: _Optional[_Union[BlockPair, _Mapping]] = ..., blocks_to_swap_in: _Optional[_Union[BlockPair, _Mapping]] = ..., blocks_to_copy: _Optional[_Union[BlockPair, _Mapping]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., start_positions: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., sample_index: _Optional[_Iterable[int]] = ..., samples: _Optional[_Iterable[_Union[SampleSpec, _Mapping]]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., drafts_from_worker: _Optional[bool] = ..., draft_start_positions: _Optional[_Iterable[int]] = ..., num_draft_context_tokens: _Optional[_Iterable[int]] = ..., draft_context_ids: _Optional[_Iterable[int]] = ..., num_mask_rows: _Optional[_Iterable[int]] = ..., token_bitmasks: _Optional[bytes] = ..., masks_follow: _Optional[bool] = ...) -> None: ...
+
+class StepMasks(_message.Message):
+    __slots__ = ("epoch", "step_id", "token_bitmasks")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BITMASKS_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    step_id: int
+    token_bitmasks: bytes
+    def __init__(self, epoch: _Optional[int] = ..., step_id: _Optional[int] = ..., token_bitmasks: _Optional[bytes] = ...) -> None: ...
 
 class InitCache(_message.Message):
     __slots__ = ("epoch", "num_gpu_blocks", "num_cpu_blocks")
@@ -115,14 +127,16 @@ class Shutdown(_message.Message):
     def __init__(self, reason: _Optional[str] = ..., pids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SchedulerMessage(_message.Message):
-    __slots__ = ("init_cache", "step_plan", "shutdown")
+    __slots__ = ("init_cache", "step_plan", "shutdown", "step_masks")
     INIT_CACHE_FIELD_NUMBER: _ClassVar[int]
     STEP_PLAN_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
+    STEP_MASKS_FIELD_NUMBER: _ClassVar[int]
     init_cache: InitCache
     step_plan: StepPlan
     shutdown: Shutdown
-    def __init__(self, init_cache: _Optional[_Union[InitCache, _Mapping]] = ..., step_plan: _Optional[_Union[StepPlan, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
+    step_masks: StepMasks
+    def __init__(self, init_cache: _Optional[_Union[InitCache, _Mapping]] = ..., step_plan: _Optional[_Union[StepPlan, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., step_masks: _Optional[_Union[StepMasks, _Mapping]] = ...) -> None: ...
 
 class Register(_message.Message):
     __slots__ = ("rank", "world_size", "num_gpu_blocks", "num_cpu_blocks", "device", "pid")

@@ -132,11 +132,12 @@ class Scheduler:
         return outputs
 
     # -- steps --------------------------------------------------------------------------------
-    def schedule(self) -> ScheduledStep | None:
-        """The next step, or None when nothing can run now."""
+    def schedule(self, defer_masks: bool = False) -> ScheduledStep | None:
+        """The next step, or None when nothing can run now. defer_masks: constrained sequences'
+        bitmask rows are left for ScheduledStep.fill_masks() (after the plan is published)."""
         if self._in_flight is not None:
             raise StepOrderError(f"step {self._in_flight.plan.step_id} has not been processed yet")
-        step = StepBuilder(self).build(self._next_step_id, self.epoch)
+        step = StepBuilder(self, defer_masks).build(self._next_step_id, self.epoch)
         if step is not None:
             self._next_step_id += 1
             self.num_steps += 1

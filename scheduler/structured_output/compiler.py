@@ -33,6 +33,7 @@ class GrammarCompiler:
     def __init__(self, load_vocabulary: Callable[[], llguidance.LLTokenizer]) -> None:
         self._load_vocabulary = load_vocabulary
         self._vocabulary: llguidance.LLTokenizer | None = None
+        self._vocabulary_error: str | None = None
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple, llguidance.LLMatcher] = OrderedDict()
         self.limits = llguidance.LLParserLimits(**PARSER_LIMITS)
@@ -41,9 +42,16 @@ class GrammarCompiler:
 
     @property
     def vocabulary(self) -> llguidance.LLTokenizer:
+        """Read once; a failure is kept and every constraint is then refused with its reason."""
         with self._lock:
+            if self._vocabulary is None and self._vocabulary_error is None:
+                try:
+                    self._vocabulary = self._load_vocabulary()
+                except Exception as exc:
+                    self._vocabulary_error = f"{type(exc).__name__}: {exc}"
             if self._vocabulary is None:
-                self._vocabulary = self._load_vocabulary()
+                raise GrammarError("constraint", f"structured output is not available for this model "
+                                                 f"({self._vocabulary_error})")
             return self._vocabulary
 
     def warm_up(self) -> None:
@@ -86,6 +94,7 @@ class GrammarCompiler:
     async def compile_async(self, constraint: Constraint, timeout: float = COMPILE_TIMEOUT_S) -> None:
         """Compiles on a worker thread (llguidance drops the GIL while it builds); GrammarError
         when it fails or takes longer than `timeout` (the thread finishes in the background)."""
+        await asyncio.to_thread(self.warm_up)  # reading the vocabulary is not the constraint's time
         try:
             await asyncio.wait_for(asyncio.to_thread(self.template, constraint), timeout)
         except asyncio.TimeoutError as exc:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from scheduler_harness import EOS_TOKEN_ID, VOCAB_SIZE, RequestSpec, run_workload
+from scheduler_harness import EOS_TOKEN_ID, VOCAB_SIZE, RequestSpec, digest_worker, run_workload
 from structured_vocab import compiler, text_of, token_ids
 
 from pagedserve.contracts.constraint import Constraint, ConstraintKind
@@ -26,7 +26,7 @@ from pagedserve.scheduler.core.errors import RequestRejected
 from pagedserve.scheduler.core.request_intake import max_group_blocks
 from pagedserve.scheduler.core.scheduler import Scheduler
 from pagedserve.scheduler.structured_output.bitmask import allowed_token_ids, mask_rows, num_words
-from pagedserve.scheduler.structured_output.compiler import GrammarError
+from pagedserve.scheduler.structured_output.compiler import GrammarCompiler, GrammarError
 from pagedserve.scheduler.structured_output.matcher import MatcherError, SequenceMatcher
 
 REGEX = Constraint(ConstraintKind.REGEX, "(ab|ba)+c")
@@ -235,3 +235,39 @@ def test_constrained_workloads_stay_valid_and_match_an_unpressured_run(workload)
             assert completion.token_ids == expected.completions[index].token_ids, (spec.request_id, index)
             if spec.sampling.constraint is not None:
                 _assert_valid(spec.sampling.constraint, completion.token_ids, completion.finish_reason)
+
+
+def test_a_vocabulary_that_cannot_be_read_refuses_constraints_with_the_reason():
+    calls = []
+
+    def broken():
+        calls.append(1)
+        raise OSError("no tokenizer.json")
+
+    grammars = GrammarCompiler(broken)
+    for _ in range(2):
+        with pytest.raises(GrammarError, match="not available.*no tokenizer.json"):
+            grammars.template(REGEX)
+    assert len(calls) == 1  # read once
+
+
+def test_deferred_masks_equal_the_masks_computed_with_the_plan():
+    """The engine publishes the plan first and computes the rows while the workers run it."""
+    config = SchedulerConfig(num_gpu_blocks=64, max_model_len=64, block_size=4, speculative_method="ngram",
+                             num_speculative_tokens=3)
+    plans = {}
+    for defer in (False, True):
+        scheduler = Scheduler(config, grammars=GRAMMARS)
+        worker = digest_worker(config)
+        scheduler.add_request(Request("r", [1, 2, 3, 1, 2], SamplingParams(max_tokens=12, n=2, temperature=1.0,
+                                                                           seed=3, constraint=REGEX), [0]))
+        scheduler.add_request(Request("u", [4, 5], SamplingParams(max_tokens=6), [0]))
+        plans[defer] = []
+        while (step := scheduler.schedule(defer_masks=defer)) is not None:
+            assert step.plan.masks_follow == (defer and bool(step.pending_masks))
+            if defer:
+                assert all(not seq.token_bitmask for seq in step.plan.seqs)
+                step.fill_masks()
+            plans[defer].append([(seq.seq_id, seq.num_mask_rows, seq.token_bitmask) for seq in step.plan.seqs])
+            scheduler.process_result(step, worker.run(step.plan))
+    assert plans[True] == plans[False] and any(rows for plan in plans[True] for _, rows, _ in plan)

@@ -95,3 +95,21 @@ def test_a_runner_step_samples_inside_the_mask_and_verifies_drafts_row_by_row(ru
                             num_mask_rows=3, token_bitmask=_row([7], width) + _row([9], width) + _row([1], width))
     emitted = [sample.token_id for sample in runner.execute(StepPlan(step_id=3, seqs=[drafting])).samples]
     assert emitted == [7, 9]
+
+
+def test_masks_that_follow_the_plan_are_received_after_the_forward(runner):
+    prompt = [21, 22, 23]
+    plan = StepPlan(step_id=4, masks_follow=True, seqs=[
+        ScheduledSeq(5, prompt, 0, [4], SampleSpec(), num_mask_rows=1),
+        ScheduledSeq(6, prompt, 0, [5], SampleSpec())])
+    received = []
+
+    def receive() -> bytes:
+        received.append(True)
+        return _row([99], VOCAB_SIZE)
+
+    samples = runner.execute(plan_from_proto(plan_to_proto(plan)), receive).samples
+    assert received and samples[0].token_id == 99
+    with pytest.raises(Exception, match="follow"):
+        runner.execute(StepPlan(step_id=5, masks_follow=True, seqs=[
+            ScheduledSeq(7, prompt, 0, [6], SampleSpec(), num_mask_rows=1)]))
