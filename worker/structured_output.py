@@ -30,11 +30,9 @@ def apply_constraints(logits: torch.Tensor, mask_row_indices: list[int], token_b
     logits = logits.to(torch.float32, copy=True)  # [rows, V]
     num_rows, vocab_size = logits.shape
     if mask_row_indices:
-        allowed = unpack_bitmask(token_bitmasks, len(mask_row_indices), vocab_size)  # [masked, V]
-        index = torch.tensor(mask_row_indices, device=logits.device)
-        rows = logits.index_select(0, index)  # [masked, V]
-        rows.masked_fill_(~allowed.to(logits.device), float("-inf"))
-        logits.index_copy_(0, index, rows)
+        banned = unpack_banned(token_bitmasks, len(mask_row_indices), vocab_size).to(logits.device)  # [masked, V]
+        for index, row in enumerate(mask_row_indices):
+            logits[row].masked_fill_(banned[index], float("-inf"))
     for row, spec in enumerate(specs):
         if spec.logit_bias:
             ids = torch.tensor(list(spec.logit_bias.keys()), device=logits.device)
@@ -43,11 +41,11 @@ def apply_constraints(logits: torch.Tensor, mask_row_indices: list[int], token_b
     return logits
 
 
-def unpack_bitmask(token_bitmasks: bytes, num_rows: int, vocab_size: int) -> torch.Tensor:
-    """Concatenated rows of little-endian int32 words -> bool [num_rows, vocab_size]; ids past
-    the rows' width are not allowed."""
+def unpack_banned(token_bitmasks: bytes, num_rows: int, vocab_size: int) -> torch.Tensor:
+    """Concatenated rows of little-endian int32 words -> bool [num_rows, vocab_size], True where
+    the token is NOT allowed (a cleared bit); ids past the rows' width are banned."""
     words = np.frombuffer(token_bitmasks, dtype=np.uint8).reshape(num_rows, -1)  # [rows, 4 * words]
-    bits = np.unpackbits(words, axis=1, bitorder="little")  # [rows, 32 * words]
+    bits = np.unpackbits(np.invert(words), axis=1, bitorder="little")  # [rows, 32 * words]
     if bits.shape[1] < vocab_size:
-        bits = np.pad(bits, ((0, 0), (0, vocab_size - bits.shape[1])))
-    return torch.from_numpy(bits[:, :vocab_size].astype(np.bool_))
+        bits = np.pad(bits, ((0, 0), (0, vocab_size - bits.shape[1])), constant_values=1)
+    return torch.from_numpy(np.ascontiguousarray(bits[:, :vocab_size]).view(np.bool_))

@@ -15,7 +15,7 @@ from pagedserve.contracts.plan_codec import plan_from_proto, plan_to_proto
 from pagedserve.contracts.step_plan import SampleSpec, ScheduledSeq, StepPlan
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.sampler import Sampler
-from pagedserve.worker.structured_output import apply_constraints, unpack_bitmask
+from pagedserve.worker.structured_output import apply_constraints, unpack_banned
 
 VOCAB = 70
 
@@ -29,9 +29,9 @@ def _row(allowed: list[int], vocab_size: int = VOCAB) -> bytes:
 
 def test_unpacking_reads_bit_i_as_token_i():
     allowed = [0, 31, 32, 63, 64, 69]
-    bits = unpack_bitmask(_row(allowed), 1, VOCAB)
-    assert bits.shape == (1, VOCAB) and torch.nonzero(bits[0]).flatten().tolist() == allowed
-    assert unpack_bitmask(_row([1]), 1, VOCAB + 40)[0, VOCAB:].sum() == 0  # past the rows: banned
+    banned = unpack_banned(_row(allowed), 1, VOCAB)
+    assert banned.shape == (1, VOCAB) and torch.nonzero(~banned[0]).flatten().tolist() == allowed
+    assert unpack_banned(_row([1]), 1, VOCAB + 40)[0, VOCAB:].all()  # past the rows: banned
 
 
 def test_masks_and_biases_change_only_their_rows_and_logprobs_are_constrained():
