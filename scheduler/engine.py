@@ -38,6 +38,7 @@ from pagedserve.scheduler.core.admission import Admission
 from pagedserve.scheduler.core.errors import RequestFailed, SchedulerConfigError
 from pagedserve.scheduler.core.config import SchedulerConfig
 from pagedserve.scheduler.worker_link import PoolSize, WorkerLink, WorkerLost
+from pagedserve.scheduler.structured_output.compiler import GrammarCompiler
 
 Sink = Callable[[RequestOutput | Exception], None]
 Dispatch = Callable[[list[tuple[Sink, RequestOutput | Exception]]], None]
@@ -75,7 +76,8 @@ class Engine:
     def __init__(self, config: SchedulerConfig, link: WorkerLink,
                  on_step: Callable[["Engine", StepRecord | None], None] | None = None,
                  dispatch: Dispatch | None = None,
-                 on_idle: Callable[["Engine"], None] | None = None) -> None:
+                 on_idle: Callable[["Engine"], None] | None = None,
+                 grammars: GrammarCompiler | None = None) -> None:
         """config.num_gpu_blocks caps the pool the workers offer (None: all of it); its
         max_model_len must be known. dispatch: runs a batch of (sink, item) pairs; by default each
         sink is called in turn on the loop thread."""
@@ -83,6 +85,7 @@ class Engine:
             raise SchedulerConfigError("max_model_len", "must be known before the engine starts")
         self.config = config
         self.link = link
+        self.grammars = grammars  # structured output: compiles constraints (None: refused)
         self.state = EngineState()
         self.scheduler = None
         self._on_step = on_step
@@ -247,11 +250,12 @@ class Engine:
 
         return Scheduler(replace(self.config, num_gpu_blocks=pool.num_gpu_blocks, num_cpu_blocks=pool.num_cpu_blocks,
                                  num_host_blocks=pool.num_host_blocks, kv_layout_id=pool.kv_layout_id,
-                                 num_kv_block_bytes=pool.num_bytes_per_block, num_kv_ranks=self.link.world_size))
+                                 num_kv_block_bytes=pool.num_bytes_per_block, num_kv_ranks=self.link.world_size),
+                         grammars=self.grammars)
 
     def _step(self) -> bool:
         started = time.perf_counter()
-        scheduled = self.scheduler.schedule()
+        scheduled = self.scheduler.schedule(defer_masks=True)
         if scheduled is None:
             self._hold(self.scheduler.pop_pending_outputs())
             self.state.num_waiting = self.scheduler.stats().num_waiting
@@ -261,6 +265,9 @@ class Engine:
                          if (seconds := self.admission.release(group.request_id, now)) is not None]
         self._in_flight_ids = [group.request_id for group in scheduled.groups]
         self.link.publish(scheduled.plan)
+        if scheduled.pending_masks:  # while the workers run the forward; rank 0 waits before sampling
+            scheduled.fill_masks()
+            self.link.publish_masks(scheduled.plan)
         self._hand_over()
         result = self.link.wait_result(scheduled.plan)
         self._hold(self.scheduler.process_result(scheduled, result))

@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import threading
 import time
 import uuid
 from dataclasses import replace
+from functools import partial
 
 import grpc
 import structlog
@@ -51,6 +53,8 @@ from pagedserve.scheduler.server_config import SchedulerServerConfig
 from pagedserve.scheduler.undelivered_output import DEFAULT_MAX_UNDELIVERED_BYTES, OutputOverflow, UndeliveredOutput
 from pagedserve.scheduler.worker_link import WorkerLink
 from pagedserve.contracts.scheduler_codec import request_from_proto
+from pagedserve.scheduler.structured_output.compiler import GrammarCompiler
+from pagedserve.scheduler.structured_output.vocabulary import load_vocabulary
 from pagedserve.security.zmq_curve import check_internal_transport, curve_keys_from_env
 
 DRAIN_POLL_S = 0.05
@@ -110,9 +114,11 @@ def _close_reason(context) -> str:
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, engine: Engine, model: ModelInfo, tensor_parallel_size: int,
                  metrics: SchedulerMetrics | None = None,
-                 max_undelivered_bytes: int = DEFAULT_MAX_UNDELIVERED_BYTES) -> None:
+                 max_undelivered_bytes: int = DEFAULT_MAX_UNDELIVERED_BYTES,
+                 grammars: GrammarCompiler | None = None) -> None:
         self.engine = engine
         self.max_undelivered_bytes = max_undelivered_bytes
+        self.grammars = grammars
         self.model = model
         self.tensor_parallel_size = tensor_parallel_size
         self.metrics = metrics or SchedulerMetrics()
@@ -149,6 +155,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         internal = request_from_proto(request, self.model.eos_token_ids)
         try:
             check_submitted(internal, self.model.vocab_size)
+            constraint = internal.sampling.constraint
+            if constraint is not None and self.grammars is not None:
+                await self.grammars.compile_async(constraint)  # off the step loop, bounded in time
             self.engine.submit(internal, outputs.put)  # called on this event loop (see loop_dispatch)
         except Exception as exc:
             await self._refuse(context, log, exc)
@@ -276,8 +285,11 @@ async def _serve(config: SchedulerServerConfig, engine_config: SchedulerConfig, 
 
     link = WorkerLink(config.plan_address, config.result_address, config.tensor_parallel_size,
                       heartbeat_timeout=config.heartbeat_timeout)
+    grammars = GrammarCompiler(partial(load_vocabulary, config.model_path, model.vocab_size,
+                                       list(model.eos_token_ids)))
+    threading.Thread(target=_warm_up, args=(grammars, log), name="grammar-vocabulary", daemon=True).start()
     engine = Engine(engine_config, link, on_step=on_step, dispatch=loop_dispatch(asyncio.get_running_loop()),
-                    on_idle=on_idle)
+                    on_idle=on_idle, grammars=grammars)
     engine.start()
     token = internal_token()
     interceptors = [AioBearerTokenInterceptor(token, what="the internal token")] if token else []
@@ -286,7 +298,7 @@ async def _serve(config: SchedulerServerConfig, engine_config: SchedulerConfig, 
                     hint=f"set {INTERNAL_TOKEN_ENV} or {INTERNAL_TOKEN_FILE_ENV} (serve sets one for its children)")
     server = grpc.aio.server(options=INTERNAL_SERVER_OPTIONS, interceptors=interceptors)
     servicer = SchedulerServicer(engine, model, config.tensor_parallel_size, metrics,
-                                 max_undelivered_bytes=config.max_undelivered_bytes)
+                                 max_undelivered_bytes=config.max_undelivered_bytes, grammars=grammars)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     bound = server.add_insecure_port(f"{config.host}:{config.port}")
     await server.start()
@@ -305,6 +317,15 @@ async def _serve(config: SchedulerServerConfig, engine_config: SchedulerConfig, 
     await server.stop(grace=2.0)
     link.close()
     log.info("scheduler_stopped")
+
+
+def _warm_up(grammars: GrammarCompiler, log) -> None:
+    """Reads the vocabulary for structured output at start; a failure is only logged (constrained
+    requests are then refused with the reason)."""
+    try:
+        grammars.warm_up()
+    except Exception as exc:
+        log.warning("structured_output_unavailable", error=f"{type(exc).__name__}: {exc}")
 
 
 def run_scheduler(config: SchedulerServerConfig) -> int:

@@ -57,5 +57,6 @@ class SchedulerStats:
     num_spec_draft_tokens: int = 0  # proposals verified
     num_spec_accepted_tokens: int = 0  # of those, accepted
     num_spec_accepted_per_position: tuple[int, ...] = ()  # [i]: proposal i + 1 accepted
-    num_spec_unspeculated_requests: int = 0  # requests a speculating scheduler serves without (beam search)
+    num_spec_unspeculated_requests: int = 0  # requests a speculating scheduler serves without (beam
+    # search; constrained requests under draft-model speculation)
     tiers: TierTotals = field(default_factory=TierTotals)

@@ -1,6 +1,6 @@
 """The scheduler's side of the ZeroMQ link to the workers.
 
-    scheduler PUB  --SchedulerMessage (InitCache | StepPlan | Shutdown)-->  SUB  every rank
+    scheduler PUB  --SchedulerMessage (InitCache | StepPlan | StepMasks | Shutdown)-->  SUB  every rank
     scheduler PULL <--WorkerMessage (Register | Ready | StepResult | WorkerError)--  PUSH
 
 Start-up: every rank registers its KV capacity and repeats it every second for as long as it
@@ -46,7 +46,7 @@ from google.protobuf.message import DecodeError
 
 from pagedserve.internal import step_pb2
 from pagedserve.log import get_logger
-from pagedserve.contracts.plan_codec import encode_plan, result_from_proto
+from pagedserve.contracts.plan_codec import encode_plan, masks_to_proto, result_from_proto
 from pagedserve.contracts.step_plan import StepPlan, StepResult
 from pagedserve.security.zmq_curve import CurveServer, curve_keys_from_env
 
@@ -247,6 +247,10 @@ class WorkerLink:
         """Sends one plan to every rank of the current epoch."""
         plan.epoch = self.epoch
         self._pub.send(encode_plan(plan))
+
+    def publish_masks(self, plan: StepPlan) -> None:
+        """Sends the bitmask rows of a plan published with masks_follow."""
+        self._pub.send(step_pb2.SchedulerMessage(step_masks=masks_to_proto(plan)).SerializeToString())
 
     def wait_result(self, plan: StepPlan, poll_seconds: float = 0.5) -> StepResult:
         """Waits for rank 0's result of a published plan, watching every rank's heartbeat.

@@ -13,6 +13,9 @@ The worker enters the kernels through one door, `pagedserve.kernels.ops` (the mo
 imported from it): ops picks each kernel path, so no worker module repeats a choice or reaches
 into a kernel's module. Tests and benchmarks may import any kernel module.
 
+The worker never imports a grammar library (llguidance, xgrammar): the scheduler computes the
+token bitmasks of structured output and the worker only applies them.
+
 `pagedserve/testing/` holds test doubles and research tools (a torch-free worker stand-in, a GGUF
 writer, fp8 KV calibration): it may import any process, and nothing outside tests/ and bench/
 imports it.
@@ -140,6 +143,15 @@ def test_frontend_and_scheduler_code_never_imports_torch() -> None:
         for line, module in _imports_of(path):
             if module.split(".")[0] in ("torch", "triton"):
                 violations.append(f"{path.relative_to(REPO_ROOT)}:{line} imports {module}")
+    assert not violations, "\n".join(violations)
+
+
+def test_grammars_stay_out_of_the_worker() -> None:
+    """Structured output: the scheduler compiles grammars and computes the token bitmasks; the
+    worker only applies the rows it is sent, so it never imports a grammar library."""
+    violations = [f"{path.relative_to(REPO_ROOT)}:{line} imports {module}"
+                  for path in _source_files() if _folder_of(path) in ("worker", "kernels")
+                  for line, module in _imports_of(path) if module.split(".")[0] in ("llguidance", "xgrammar")]
     assert not violations, "\n".join(violations)
 
 

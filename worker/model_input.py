@@ -14,6 +14,7 @@ Built with numpy over whole arrays; the only Python loops are over sequences.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -37,6 +38,9 @@ class ModelInput:
     sample_positions: list[int]  # position of the token each logits row samples
     # Speculation: per sampling sequence, its drafts (empty for most); its rows are consecutive
     sample_draft_ids: list[list[int]] | None = None  # None: no sequence of the step drafts
+    # Structured output: the logits rows that have a token bitmask row, and those rows concatenated
+    mask_row_indices: list[int] = dataclasses.field(default_factory=list)
+    token_bitmasks: bytes = b""
 
     @property
     def num_sampled(self) -> int:
@@ -92,9 +96,30 @@ def build_model_input(seqs: list[ScheduledSeq], *, block_size: int, num_blocks: 
         query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(device),
         logits_indices=torch.from_numpy(logits_indices).to(device),
     )
+    mask_row_indices, token_bitmasks = mask_rows(seqs)
     return ModelInput(token_ids=torch.from_numpy(token_ids).to(device), metadata=metadata,
                       sample_seq_ids=rows.seq_ids, sample_specs=rows.specs, sample_positions=rows.positions,
-                      sample_draft_ids=rows.draft_ids)
+                      sample_draft_ids=rows.draft_ids, mask_row_indices=mask_row_indices,
+                      token_bitmasks=token_bitmasks)
+
+
+def mask_rows(seqs: list[ScheduledSeq]) -> tuple[list[int], bytes]:
+    """The logits rows of constrained sequences (each samples 1 + drafts consecutive rows, as
+    many as its mask rows) and their bitmask rows in that order."""
+    indices: list[int] = []
+    pieces: list[bytes] = []
+    row = 0
+    for seq in seqs:
+        if seq.sample is None:
+            continue
+        num_rows = seq.num_draft_tokens + 1
+        if seq.num_mask_rows:
+            if seq.num_mask_rows != num_rows:
+                raise PlanError(f"sequence {seq.seq_id}: {seq.num_mask_rows} mask rows for {num_rows} sampled rows")
+            indices.extend(range(row, row + num_rows))
+            pieces.append(seq.token_bitmask)
+        row += num_rows
+    return indices, b"".join(pieces)
 
 
 @dataclass(slots=True)

@@ -18,12 +18,14 @@ drafts proposed by the draft model (draft_proposer.py) before the target's forwa
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from pagedserve.kernels.ops import resolve_kv_cache_dtype
 from pagedserve.checkpoints.model_config import load_model_info
+from pagedserve.contracts.plan_codec import attach_masks
 from pagedserve.contracts.step_plan import SampleSpec, ScheduledSeq, StepPlan, StepResult
 from pagedserve.worker.cache_engine import (
     GIB,
@@ -41,13 +43,14 @@ from pagedserve.worker.speculation.draft_model import DraftModel
 from pagedserve.worker.speculation.draft_proposer import DraftProposer
 from pagedserve.worker.speculation.draft_verify import sample_verifying_drafts
 from pagedserve.worker.loading.hf_checkpoint import resolve_dtype
-from pagedserve.worker.model_input import PlanError, build_model_input
+from pagedserve.worker.model_input import PlanError, build_model_input, mask_rows
 from pagedserve.worker.loading.build import load_model
 from pagedserve.worker.models.llama import LlamaForCausalLM
 from pagedserve.worker.models.llama_config import LlamaModelConfig
 from pagedserve.worker.quantization.quantizers import QuantizationConfig
 from pagedserve.worker.sampler import Sampler
 from pagedserve.worker.speculation.ngram_verify import sample_verifying
+from pagedserve.worker.structured_output import apply_constraints
 from pagedserve.worker.layers.tensor_parallel import TensorParallelGroup
 
 DEFAULT_PROFILE_TOKENS = 2048
@@ -258,7 +261,7 @@ class ModelRunner:
             self.tiers = TierStore(self.cache, num_host_blocks, folder=folder, layout_id=layout.layout_id,
                                    layout=layout.describe(), rank=self.rank, tp=self.tp)
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan, receive_masks: Callable[[], bytes] | None = None) -> StepResult:
         """Block operations, then the forward (the draft model's first when it proposes the drafts);
         rank 0 returns the samples, other ranks none. forward_seconds covers the draft forwards too."""
         model = self._require_model()
@@ -298,6 +301,14 @@ class ModelRunner:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             result.forward_seconds = draft_seconds + time.perf_counter() - started
+            if logits is not None and plan.masks_follow:  # computed by the scheduler during the forward
+                if receive_masks is None:
+                    raise PlanError("the plan's token bitmask rows follow it, and this runner cannot receive them")
+                attach_masks(seqs, receive_masks())
+                inputs.mask_row_indices, inputs.token_bitmasks = mask_rows(seqs)
+            if logits is not None:  # structured output and logit_bias, before any sampling
+                logits = apply_constraints(logits, inputs.mask_row_indices, inputs.token_bitmasks,
+                                           inputs.sample_specs)
             if self.sampler is not None and logits is not None and draft_probs and inputs.sample_draft_ids is not None:
                 result.samples, result.failures = sample_verifying_drafts(self.sampler, logits, inputs, draft_probs)
             elif self.sampler is not None and logits is not None and inputs.sample_draft_ids is not None:

@@ -27,6 +27,7 @@ import secrets
 import signal
 import threading
 import time
+from functools import partial
 
 import zmq
 
@@ -249,6 +250,8 @@ def _serve_plans(config, runner, sub, pusher, state, log, cpu_share=None, layout
             pusher.send(step_pb2.WorkerMessage(ready=step_pb2.Ready(rank=config.rank,
                                                                     epoch=init.epoch)))
             continue
+        if kind == "step_masks":
+            continue  # ranks that do not sample skip them (rank 0 reads them in receive_masks)
         plan_msg = message.step_plan
         if plan_msg.epoch != state["epoch"]:
             continue
@@ -256,9 +259,28 @@ def _serve_plans(config, runner, sub, pusher, state, log, cpu_share=None, layout
             raise StepGap(f"expected step {last_step_id + 1} of epoch {state['epoch']}, "
                           f"got {plan_msg.step_id}: plans were lost")
         last_step_id = plan_msg.step_id
-        result = runner.execute(plan_from_proto(plan_msg))  # carries the plan's step id and epoch
+        receive_masks = None
+        if plan_msg.masks_follow and config.rank == 0:
+            receive_masks = partial(_receive_masks, sub, plan_msg.epoch, plan_msg.step_id)
+        result = runner.execute(plan_from_proto(plan_msg), receive_masks)  # carries the plan's step id and epoch
         if config.rank == 0:
             pusher.send(encode_result(result))
         if cpu_share is not None and (num_threads := cpu_share.after_step()) is not None:
             torch.set_num_threads(num_threads)
             log.info("cpu_threads_changed", num_threads=num_threads, other_cores=round(cpu_share.other_cores, 2))
+
+
+class MasksLost(RuntimeError):
+    """The scheduler stopped before the bitmask rows of a step arrived."""
+
+
+def _receive_masks(sub, epoch: int, step_id: int) -> bytes:
+    """The token bitmask rows of the step (its StepMasks follows the plan on the same socket)."""
+    message = step_pb2.SchedulerMessage()
+    while True:
+        message.ParseFromString(sub.recv())
+        kind = message.WhichOneof("kind")
+        if kind == "step_masks" and (message.step_masks.epoch, message.step_masks.step_id) == (epoch, step_id):
+            return message.step_masks.token_bitmasks
+        if kind in ("shutdown", "init_cache", "step_plan"):
+            raise MasksLost(f"expected the masks of step {step_id}, got a {kind} message")

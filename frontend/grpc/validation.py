@@ -2,7 +2,8 @@
 
 proto3 zeros resolve to defaults exactly as the public contract pins them: max_tokens 0 -> 16,
 temperature 0 -> greedy, top_p 0 -> 1, top_k 0 -> off, repetition_penalty 0 -> 1, n 0 -> 1,
-beam_width 0 -> 1 (no beam search), length_penalty unset -> 1.0, seed unset -> none.
+beam_width 0 -> 1 (no beam search), length_penalty unset -> 1.0, seed unset -> none; no constraint
+oneof -> unconstrained (json_object false counts as unset).
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Protocol
 
+from pagedserve.contracts.constraint_grammar import check_constraint
 from pagedserve.contracts.sampling_params import DEFAULT_MAX_TOKENS, InvalidParameter, SamplingParams
+from pagedserve.contracts.scheduler_codec import constraint_from_proto
 from pagedserve.v1 import generation_pb2
 
 MAX_REQUEST_ID_CHARS = 256
@@ -91,6 +94,8 @@ def sampling_params_from_proto(msg: generation_pb2.SamplingParams) -> SamplingPa
         beam_width=msg.beam_width or 1,
         length_penalty=msg.length_penalty if msg.HasField("length_penalty") else 1.0,
         logprobs=msg.logprobs,
+        constraint=constraint_from_proto(msg),
+        logit_bias=dict(msg.logit_bias),
     )
 
 
@@ -101,6 +106,8 @@ def validate_request(msg: generation_pb2.GenerateRequest, encoder: Encoder, limi
     request_id = request_id_or_new(msg.request_id)
     params = sampling_params_from_proto(msg.params)
     params.validate(vocab_size=limits.vocab_size)
+    if params.constraint is not None:
+        check_constraint(params.constraint)  # compiles (without the vocabulary) before anything is queued
     prompt_field, prompt_token_ids = _prompt(msg, encoder, limits, chat)
     defaulted = " (max_tokens 0 means 16)" if msg.params.max_tokens == 0 else ""
     return validate_lengths(ValidatedRequest(request_id, prompt_token_ids, params, msg.priority), limits,

@@ -1,7 +1,8 @@
 """OpenAI request bodies -> our SamplingParams, or InvalidParameter naming the field (`param`).
 
 Bodies are parsed as JSON by the HTTP layer, then checked here with strict pydantic models (a
-string is not a number, 1 is not `true`); unknown fields are ignored, as vLLM does. What the
+string is not a number, 1 is not `true`). An OpenAI or vLLM field we do not serve is refused
+(request_fields.py); a field nobody defines is logged with the request id, as vLLM does. What the
 OpenAI API and vLLM's extensions mean in our terms:
 
 ```
@@ -20,9 +21,9 @@ OpenAI API and vLLM's extensions mean in our terms:
    chat: true + top_logprobs k)
  use_beam_search + best_of, length_pen. beam_width = max(n, best_of)   the n best beams returned
  best_of without beam search            1 or null only
- logit_bias                             -                              non-empty: 400 (the sampler
-                                                                       cannot apply it)
- response_format                        -                              {"type": "text"} only
+ logit_bias                             logit_bias                     {"id": bias}, bias in [-100, 100]
+ response_format, structured_outputs,   constraint                     structured_output.py
+   guided_json/regex/choice/grammar
  priority                               priority                       int32, lower first (scheduler
                                                                        --scheduling-policy priority)
  user                                   -                              logged
@@ -37,6 +38,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pagedserve.contracts.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParams
+from pagedserve.frontend.openai.request_fields import check_fields
+from pagedserve.frontend.openai.structured_output import parse_constraint, parse_logit_bias
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_PROMPTS = 64  # prompts of one /v1/completions request
@@ -60,10 +63,6 @@ class StreamOptions(_Body):
     include_usage: bool | None = None
 
 
-class ResponseFormat(_Body):
-    type: str
-
-
 class _GenerationBody(_Body):
     """Fields /v1/completions and /v1/chat/completions share."""
 
@@ -81,7 +80,13 @@ class _GenerationBody(_Body):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     best_of: int | None = None
-    response_format: ResponseFormat | None = None
+    # structured output (structured_output.py): checked there, so any JSON shape passes here
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
     # vLLM's extensions
     top_k: int | None = None
     min_p: float | None = None
@@ -177,6 +182,12 @@ def parse_body(model_class: type[_Body], body: Any) -> Any:
         raise _invalid(exc) from None
 
 
+def unknown_fields(model_class: type[_Body], body: dict) -> list[str]:
+    """The body's fields nobody defines (to log); InvalidParameter for an OpenAI or vLLM field
+    this server does not serve (request_fields.py)."""
+    return check_fields(body, set(model_class.model_fields), is_chat=model_class is ChatCompletionBody)
+
+
 def _invalid(exc: ValidationError) -> InvalidParameter:
     first = exc.errors()[0]
     param = _param_path(first["loc"])
@@ -255,6 +266,8 @@ def generation_plan(body: CompletionBody | ChatCompletionBody) -> GenerationPlan
         beam_width=beam_width,
         length_penalty=1.0 if body.length_penalty is None else body.length_penalty,
         logprobs=0 if num_top_logprobs is None else max(1, num_top_logprobs),
+        constraint=parse_constraint(body),
+        logit_bias=parse_logit_bias(body.logit_bias),
     )
     include_usage = False
     if body.stream_options is not None:
@@ -288,11 +301,6 @@ def _logprobs(body, is_chat: bool) -> tuple[int | None, str]:
 
 
 def _refuse_unsupported(body, is_chat: bool) -> None:
-    if body.logit_bias:
-        raise InvalidParameter("logit_bias", "is not supported: the sampler cannot apply a logit bias")
-    if body.response_format is not None and body.response_format.type != "text":
-        raise InvalidParameter("response_format", f"type {body.response_format.type!r} is not supported "
-                               "(only \"text\")")
     if body.priority is not None:
         _check_int("priority", body.priority, INT32_MIN)
     if not body.use_beam_search and body.length_penalty is not None and body.length_penalty != 1.0:

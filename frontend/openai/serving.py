@@ -36,7 +36,7 @@ from pagedserve.frontend.openai.errors import HttpError, error_parts, error_resp
 from pagedserve.frontend.metrics import FrontendMetrics
 from pagedserve.frontend.openai.protocol import (
     ChatCompletionBody, ChatMessage, CompletionBody, GenerationPlan, chat_messages, generation_plan, parse_body,
-    prompts_of,
+    prompts_of, unknown_fields,
 )
 from pagedserve.frontend.openai.bodies import (
     ResponseHeader, TokenTexts, chat_choice, chat_logprobs, chat_response, completion_choice, completion_logprobs,
@@ -117,7 +117,11 @@ class OpenAIServing:
         loop = asyncio.get_running_loop()
         try:
             body = await read_body()
-            parsed = parse_body(ChatCompletionBody if is_chat else CompletionBody, body)
+            body_class = ChatCompletionBody if is_chat else CompletionBody
+            parsed = parse_body(body_class, body)
+            unknown = unknown_fields(body_class, body)
+            if unknown:
+                log.info("request_unknown_fields", fields=unknown)  # request_id is bound by the middleware
             self.check_model(parsed.model)
             plan = generation_plan(parsed)
             if plan.user is not None:

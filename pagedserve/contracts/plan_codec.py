@@ -44,6 +44,9 @@ def _sample_to_proto(spec: SampleSpec, out: step_pb2.SampleSpec) -> None:
         out.prompt_token_ids.extend(spec.prompt_token_ids)
     if spec.output_token_ids:
         out.output_token_ids.extend(spec.output_token_ids)
+    if spec.logit_bias:
+        out.logit_bias_token_ids.extend(spec.logit_bias.keys())
+        out.logit_bias_values.extend(spec.logit_bias.values())
 
 
 def _sample_from_proto(msg: step_pb2.SampleSpec) -> SampleSpec:
@@ -62,6 +65,7 @@ def _sample_from_proto(msg: step_pb2.SampleSpec) -> SampleSpec:
         suppress_token_ids=list(msg.suppress_token_ids),
         prompt_token_ids=list(msg.prompt_token_ids),
         output_token_ids=list(msg.output_token_ids),
+        logit_bias=dict(zip(msg.logit_bias_token_ids, msg.logit_bias_values)),
     )
 
 
@@ -72,7 +76,7 @@ def _spec_key(spec: SampleSpec) -> tuple | None:
         return None
     return (spec.temperature, spec.top_p, spec.top_k, spec.min_p, spec.seed, spec.output_index,
             spec.repetition_penalty, spec.presence_penalty, spec.frequency_penalty, spec.num_logprobs,
-            spec.num_beam_candidates, tuple(spec.suppress_token_ids))
+            spec.num_beam_candidates, tuple(spec.suppress_token_ids), tuple(spec.logit_bias.items()))
 
 
 def plan_to_proto(plan: StepPlan) -> step_pb2.StepPlan:
@@ -106,6 +110,12 @@ def plan_to_proto(plan: StepPlan) -> step_pb2.StepPlan:
     msg.sample_index.extend(sample_index)
     if any(seq.num_draft_tokens for seq in seqs):
         msg.num_draft_tokens.extend([seq.num_draft_tokens for seq in seqs])
+    if any(seq.num_mask_rows for seq in seqs):
+        msg.num_mask_rows.extend([seq.num_mask_rows for seq in seqs])
+        if plan.masks_follow:
+            msg.masks_follow = True
+        else:
+            msg.token_bitmasks = b"".join(seq.token_bitmask for seq in seqs)
     if plan.drafts_from_worker:
         msg.drafts_from_worker = True
         msg.draft_start_positions.extend([seq.draft_start_position for seq in seqs])
@@ -155,6 +165,10 @@ def plan_from_proto(msg: step_pb2.StepPlan) -> StepPlan:
         token_start, block_start = token_end, block_end
     for seq, num_drafts in zip(seqs, msg.num_draft_tokens):
         seq.num_draft_tokens = num_drafts
+    for seq, num_rows in zip(seqs, msg.num_mask_rows):
+        seq.num_mask_rows = num_rows
+    if msg.num_mask_rows and not msg.masks_follow:
+        attach_masks(seqs, msg.token_bitmasks)
     if msg.drafts_from_worker:
         context_ids = list(msg.draft_context_ids)
         context_start = 0
@@ -163,6 +177,7 @@ def plan_from_proto(msg: step_pb2.StepPlan) -> StepPlan:
             seq.draft_context_ids = context_ids[context_start:context_start + num_context]
             context_start += num_context
     return StepPlan(
+        masks_follow=msg.masks_follow,
         step_id=msg.step_id,
         seqs=seqs,
         blocks_to_swap_out=_pairs_from_proto(msg.blocks_to_swap_out),
@@ -227,3 +242,19 @@ def encode_plan(plan: StepPlan) -> bytes:
 
 def encode_result(result: StepResult) -> bytes:
     return step_pb2.WorkerMessage(step_result=result_to_proto(result)).SerializeToString()
+
+
+def attach_masks(seqs: list[ScheduledSeq], token_bitmasks: bytes) -> None:
+    """Splits the concatenated bitmask rows among seqs by their num_mask_rows."""
+    row_bytes = len(token_bitmasks) // max(1, sum(seq.num_mask_rows for seq in seqs))
+    start = 0
+    for seq in seqs:
+        end = start + seq.num_mask_rows * row_bytes
+        seq.token_bitmask = token_bitmasks[start:end]
+        start = end
+
+
+def masks_to_proto(plan: StepPlan) -> step_pb2.StepMasks:
+    """The StepMasks that follows a plan published with masks_follow."""
+    return step_pb2.StepMasks(epoch=plan.epoch, step_id=plan.step_id,
+                              token_bitmasks=b"".join(seq.token_bitmask for seq in plan.seqs))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pagedserve.contracts.constraint import MAX_ABS_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, Constraint
+
 DEFAULT_MAX_TOKENS = 16
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -45,6 +47,12 @@ class SamplingParams:
     beam_width: int = 1
     length_penalty: float = 1.0
     logprobs: int = 0
+    constraint: Constraint | None = None  # structured output (contracts/constraint.py)
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+
+    @property
+    def is_constrained(self) -> bool:
+        return self.constraint is not None
 
     @property
     def is_greedy(self) -> bool:
@@ -126,6 +134,27 @@ class SamplingParams:
                                    f"must be in [-{MAX_ABS_LENGTH_PENALTY:g}, {MAX_ABS_LENGTH_PENALTY:g}]")
         if not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidParameter("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+        self._validate_structured(vocab_size)
+
+    def _validate_structured(self, vocab_size: int | None) -> None:
+        if self.constraint is not None:
+            problem = self.constraint.check_size()
+            if problem is not None:
+                raise InvalidParameter(self.constraint.field_name, problem)
+            if self.is_beam_search:
+                raise InvalidParameter("beam_width", "beam search does not combine with a structured-output "
+                                                     "constraint (use n for several samples)")
+            if self.min_tokens:
+                raise InvalidParameter("min_tokens", "does not combine with a structured-output constraint "
+                                                     "(the grammar decides where the output ends)")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise InvalidParameter("logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries")
+        for token_id, bias in self.logit_bias.items():
+            if not math.isfinite(bias) or not -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS:
+                raise InvalidParameter("logit_bias", f"the bias of token {token_id} must be in "
+                                                     f"[-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}]")
+            if token_id < 0 or vocab_size is not None and token_id >= vocab_size:
+                raise InvalidParameter("logit_bias", f"token id {token_id} is outside the vocabulary")
 
 
 def _check_finite(params: SamplingParams) -> None:

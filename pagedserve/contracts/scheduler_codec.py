@@ -20,6 +20,7 @@ from pagedserve.internal import scheduler_pb2
 from pagedserve.contracts.request_types import (
     CompletionDelta, Continuation, FinishReason, Request, RequestOutput, TokenLogprob,
 )
+from pagedserve.contracts.constraint import Constraint, ConstraintKind
 from pagedserve.contracts.sampling_params import SamplingParams
 
 _FINISH_TO_PROTO = {
@@ -50,7 +51,35 @@ def sampling_from_proto(msg: scheduler_pb2.Sampling) -> SamplingParams:
         beam_width=msg.beam_width,
         length_penalty=msg.length_penalty,
         logprobs=msg.logprobs,
+        constraint=constraint_from_proto(msg),
+        logit_bias=dict(msg.logit_bias),
     )
+
+
+def constraint_from_proto(msg) -> Constraint | None:
+    """The `constraint` oneof of a SamplingParams (public) or Sampling (internal) message."""
+    which = msg.WhichOneof("constraint")
+    if which is None:
+        return None
+    kind = ConstraintKind(which)
+    if kind is ConstraintKind.CHOICE:
+        return Constraint(kind, choices=tuple(msg.choice.choices))
+    if kind is ConstraintKind.JSON_OBJECT:
+        return Constraint(kind) if msg.json_object else None
+    return Constraint(kind, value=getattr(msg, which))
+
+
+def constraint_to_proto(constraint: Constraint | None, msg) -> None:
+    """Sets the `constraint` oneof of msg (SamplingParams or Sampling)."""
+    if constraint is None:
+        return
+    kind = constraint.kind
+    if kind is ConstraintKind.CHOICE:
+        msg.choice.choices.extend(constraint.choices)
+    elif kind is ConstraintKind.JSON_OBJECT:
+        msg.json_object = True
+    else:
+        setattr(msg, kind.value, constraint.value)
 
 
 def sampling_to_proto(params: SamplingParams) -> scheduler_pb2.Sampling:
@@ -74,6 +103,9 @@ def sampling_to_proto(params: SamplingParams) -> scheduler_pb2.Sampling:
     if params.seed is not None:
         msg.has_seed = True
         msg.seed = params.seed
+    constraint_to_proto(params.constraint, msg)
+    for token_id, bias in params.logit_bias.items():
+        msg.logit_bias[token_id] = bias
     return msg
 
 

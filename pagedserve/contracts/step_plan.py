@@ -33,6 +33,7 @@ class SampleSpec:
     suppress_token_ids: list[int] = field(default_factory=list)  # never sampled (min_tokens)
     prompt_token_ids: list[int] = field(default_factory=list)  # sent only when a penalty is active
     output_token_ids: list[int] = field(default_factory=list)  # sent only when a penalty is active
+    logit_bias: dict[int, float] = field(default_factory=dict)  # added to the raw logits first
 
     @property
     def is_greedy(self) -> bool:
@@ -57,6 +58,11 @@ class ScheduledSeq:
     # runs the last real token and its own proposals d1 .. d(k-1) (same slots as the target).
     draft_context_ids: list[int] = field(default_factory=list)
     draft_start_position: int = 0
+    # Structured output: num_mask_rows token bitmask rows (one per row the sequence samples:
+    # 1 + num_draft_tokens), ceil(vocab / 32) little-endian int32 words each; bit i allows token
+    # i. 0 rows and b"": unconstrained.
+    num_mask_rows: int = 0
+    token_bitmask: bytes = b""
 
     @property
     def num_new_tokens(self) -> int:
@@ -79,6 +85,9 @@ class StepPlan:
     epoch: int = 0
     drafts_from_worker: bool = False  # the drafts of this step are for the worker's draft model to propose
     tier_ops: TierOps | None = None  # KV tiers (tier_ops.py): saves first, fetches, loads before the copies
+    # Structured output: the sequences' num_mask_rows are set but their token_bitmask rows come
+    # in a StepMasks message after the plan (computed while the workers run the forward).
+    masks_follow: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SampleSpec(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "min_p", "has_seed", "seed", "output_index", "repetition_penalty", "presence_penalty", "frequency_penalty", "num_logprobs", "num_beam_candidates", "suppress_token_ids", "prompt_token_ids", "output_token_ids")
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "has_seed", "seed", "output_index", "repetition_penalty", "presence_penalty", "frequency_penalty", "num_logprobs", "num_beam_candidates", "suppress_token_ids", "prompt_token_ids", "output_token_ids", "logit_bias_token_ids", "logit_bias_values")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,8 @@ class SampleSpec(_message.Message):
     SUPPRESS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_VALUES_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -38,7 +40,9 @@ class SampleSpec(_message.Message):
     suppress_token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., output_index: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., num_logprobs: _Optional[int] = ..., num_beam_candidates: _Optional[int] = ..., suppress_token_ids: _Optional[_Iterable[int]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    logit_bias_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logit_bias_values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., output_index: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., num_logprobs: _Optional[int] = ..., num_beam_candidates: _Optional[int] = ..., suppress_token_ids: _Optional[_Iterable[int]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., logit_bias_token_ids: _Optional[_Iterable[int]] = ..., logit_bias_values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class BlockPair(_message.Message):
     __slots__ = ("src", "dst")
@@ -49,7 +53,7 @@ class BlockPair(_message.Message):
     def __init__(self, src: _Optional[_Iterable[int]] = ..., dst: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("epoch", "step_id", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "seq_ids", "start_positions", "num_tokens", "token_ids", "num_blocks", "block_ids", "sample_index", "samples", "num_draft_tokens", "drafts_from_worker", "draft_start_positions", "num_draft_context_tokens", "draft_context_ids", "tier_ops")
+    __slots__ = ("epoch", "step_id", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "seq_ids", "start_positions", "num_tokens", "token_ids", "num_blocks", "block_ids", "sample_index", "samples", "num_draft_tokens", "drafts_from_worker", "draft_start_positions", "num_draft_context_tokens", "draft_context_ids", "num_mask_rows", "token_bitmasks", "masks_follow", "tier_ops")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_TO_SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +72,9 @@ class StepPlan(_message.Message):
     DRAFT_START_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_CONTEXT_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_MASK_ROWS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BITMASKS_FIELD_NUMBER: _ClassVar[int]
+    MASKS_FOLLOW_FIELD_NUMBER: _ClassVar[int]
     TIER_OPS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     step_id: int
@@ -87,8 +94,11 @@ class StepPlan(_message.Message):
     draft_start_positions: _containers.RepeatedScalarFieldContainer[int]
     num_draft_context_tokens: _containers.RepeatedScalarFieldContainer[int]
     draft_context_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_mask_rows: _containers.RepeatedScalarFieldContainer[int]
+    token_bitmasks: bytes
+    masks_follow: bool
     tier_ops: TierOps
-    def __init__(self, epoch: _Optional[int] = ..., step_id: _Optional[int] = ..., blocks_to_swap_out: _Optional[_Union[BlockPair, _Mapping]] = ..., blocks_to_swap_in: _Optional[_Union[BlockPair, _Mapping]] = ..., blocks_to_copy: _Optional[_Union[BlockPair, _Mapping]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., start_positions: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., sample_index: _Optional[_Iterable[int]] = ..., samples: _Optional[_Iterable[_Union[SampleSpec, _Mapping]]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., drafts_from_worker: _Optional[bool] = ..., draft_start_positions: _Optional[_Iterable[int]] = ..., num_draft_context_tokens: _Optional[_Iterable[int]] = ..., draft_context_ids: _Optional[_Iterable[int]] = ..., tier_ops: _Optional[_Union[TierOps, _Mapping]] = ...) -> None: ...
+    def __init__(self, epoch: _Optional[int] = ..., step_id: _Optional[int] = ..., blocks_to_swap_out: _Optional[_Union[BlockPair, _Mapping]] = ..., blocks_to_swap_in: _Optional[_Union[BlockPair, _Mapping]] = ..., blocks_to_copy: _Optional[_Union[BlockPair, _Mapping]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., start_positions: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., sample_index: _Optional[_Iterable[int]] = ..., samples: _Optional[_Iterable[_Union[SampleSpec, _Mapping]]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., drafts_from_worker: _Optional[bool] = ..., draft_start_positions: _Optional[_Iterable[int]] = ..., num_draft_context_tokens: _Optional[_Iterable[int]] = ..., draft_context_ids: _Optional[_Iterable[int]] = ..., num_mask_rows: _Optional[_Iterable[int]] = ..., token_bitmasks: _Optional[bytes] = ..., masks_follow: _Optional[bool] = ..., tier_ops: _Optional[_Union[TierOps, _Mapping]] = ...) -> None: ...
 
 class TierOps(_message.Message):
     __slots__ = ("save_blocks", "save_slots", "save_to_disk", "save_keys", "fetch_keys", "fetch_slots", "load_slots", "load_blocks", "delete_keys")
@@ -112,6 +122,16 @@ class TierOps(_message.Message):
     delete_keys: _containers.RepeatedScalarFieldContainer[bytes]
     def __init__(self, save_blocks: _Optional[_Iterable[int]] = ..., save_slots: _Optional[_Iterable[int]] = ..., save_to_disk: _Optional[_Iterable[bool]] = ..., save_keys: _Optional[_Iterable[bytes]] = ..., fetch_keys: _Optional[_Iterable[bytes]] = ..., fetch_slots: _Optional[_Iterable[int]] = ..., load_slots: _Optional[_Iterable[int]] = ..., load_blocks: _Optional[_Iterable[int]] = ..., delete_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
+class StepMasks(_message.Message):
+    __slots__ = ("epoch", "step_id", "token_bitmasks")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BITMASKS_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    step_id: int
+    token_bitmasks: bytes
+    def __init__(self, epoch: _Optional[int] = ..., step_id: _Optional[int] = ..., token_bitmasks: _Optional[bytes] = ...) -> None: ...
+
 class InitCache(_message.Message):
     __slots__ = ("epoch", "num_gpu_blocks", "num_cpu_blocks", "num_host_blocks")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -133,14 +153,16 @@ class Shutdown(_message.Message):
     def __init__(self, reason: _Optional[str] = ..., instance_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SchedulerMessage(_message.Message):
-    __slots__ = ("init_cache", "step_plan", "shutdown")
+    __slots__ = ("init_cache", "step_plan", "shutdown", "step_masks")
     INIT_CACHE_FIELD_NUMBER: _ClassVar[int]
     STEP_PLAN_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
+    STEP_MASKS_FIELD_NUMBER: _ClassVar[int]
     init_cache: InitCache
     step_plan: StepPlan
     shutdown: Shutdown
-    def __init__(self, init_cache: _Optional[_Union[InitCache, _Mapping]] = ..., step_plan: _Optional[_Union[StepPlan, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
+    step_masks: StepMasks
+    def __init__(self, init_cache: _Optional[_Union[InitCache, _Mapping]] = ..., step_plan: _Optional[_Union[StepPlan, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., step_masks: _Optional[_Union[StepMasks, _Mapping]] = ...) -> None: ...
 
 class Register(_message.Message):
     __slots__ = ("rank", "world_size", "num_gpu_blocks", "num_cpu_blocks", "device", "pid", "num_host_blocks", "kv_layout_id", "num_bytes_per_block", "instance_id")

@@ -277,16 +277,27 @@ class DigestWorker:
         first_draft = len(seq.token_ids) - num_drafts
         samples = []
         for index in range(num_drafts + 1):
-            sample = self._sample(seq, written, seq.context_len - num_drafts + index)
+            sample = self._sample(seq, written, seq.context_len - num_drafts + index, row=index)
             samples.append(sample)
             if index == num_drafts or sample.token_id != seq.token_ids[first_draft + index]:
                 break
         return samples
 
-    def _sample(self, seq: ScheduledSeq, written: dict[tuple[int, int], int], context_len: int) -> SeqSample:
+    def _sample(self, seq: ScheduledSeq, written: dict[tuple[int, int], int], context_len: int,
+                row: int = 0) -> SeqSample:
         context = tuple(self._read(seq, position, written) for position in range(context_len))
         spec = seq.sample
         ranked, logprobs = self._rank(spec, context)
+        if seq.num_mask_rows:  # structured output: the best tokens the row's bitmask allows
+            if seq.num_mask_rows != seq.num_draft_tokens + 1:
+                raise DigestWorkerError(f"sequence {seq.seq_id}: {seq.num_mask_rows} mask rows for "
+                                        f"{seq.num_draft_tokens + 1} sampled rows")
+            row_bytes = len(seq.token_bitmask) // seq.num_mask_rows
+            mask = seq.token_bitmask[row * row_bytes:(row + 1) * row_bytes]
+            kept = [i for i, token in enumerate(ranked) if mask[token // 8] >> (token % 8) & 1]
+            if not kept:
+                raise DigestWorkerError(f"sequence {seq.seq_id}: the mask allows none of the tokens")
+            ranked, logprobs = [ranked[i] for i in kept], [logprobs[i] for i in kept]
         sample = SeqSample(seq_id=seq.seq_id, token_id=ranked[0], logprob=logprobs[0])
         if spec.num_logprobs:
             sample.top_token_ids = ranked[:spec.num_logprobs]

@@ -3,6 +3,10 @@ beam_search.py, forked in beam_forking.py), forks followers whose shared prefix 
 and reports deltas. A sequence that verified speculative drafts gets several tokens at once
 (spec_acceptance.py).
 
+A constrained sequence's matcher consumes every token appended (structured_output/): the
+worker's mask let only tokens the grammar accepts through, and EOS only once the value is
+complete, so a finished grammar ends the sequence with STOP.
+
 Stops, checked on the token just appended (it is part of the output, like HF's EOS):
 
     STOP    the token is a stop id (EOS unless ignore_eos, or stop_token_ids) and the sequence
@@ -21,6 +25,7 @@ from pagedserve.scheduler.core.errors import StepOrderError
 from pagedserve.scheduler.core.sequence import GroupStatus, Sequence, SequenceGroup
 from pagedserve.scheduler.speculation.acceptance import apply_verified
 from pagedserve.contracts.step_plan import SeqSample, StepResult
+from pagedserve.scheduler.structured_output.sequences import consume_output
 
 if TYPE_CHECKING:
     from pagedserve.scheduler.core.scheduler import Scheduler
@@ -90,6 +95,8 @@ class OutputProcessor:
     def _append(self, group: SequenceGroup, seq: Sequence, sample: SeqSample) -> CompletionDelta:
         token_id = sample.token_id
         tokens = seq.token_ids
+        if seq.matcher is not None:
+            consume_output(seq, token_id)  # raises before the token is kept when the grammar refuses it
         tokens.append(token_id)
         cumulative_logprob = seq.cumulative_logprob = seq.cumulative_logprob + sample.logprob
         sampling = group.request.sampling

@@ -37,6 +37,7 @@ def sample_spec_for(group: SequenceGroup, seq: Sequence) -> SampleSpec:
         prompt_token_ids=group.request.prompt_token_ids if has_penalties else [],
         output_token_ids=seq.token_ids[seq.num_prompt_tokens:seq.num_prompt_tokens + num_outputs]
         if has_penalties else [],
+        logit_bias=sampling.logit_bias,
     )
     if not has_penalties:
         seq.sample_spec = spec

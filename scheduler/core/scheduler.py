@@ -10,6 +10,7 @@ later steps, which the workers run after it.
 from __future__ import annotations
 
 from bisect import insort
+from typing import TYPE_CHECKING
 
 from pagedserve.contracts.request_types import CompletionDelta, FinishReason, Request, RequestOutput
 from pagedserve.scheduler.kv.block_manager import BlockManager
@@ -23,12 +24,18 @@ from pagedserve.scheduler.core.sequence import GroupStatus, Sequence, SequenceGr
 from pagedserve.scheduler.speculation.acceptance import SpecDecodeStats
 from pagedserve.scheduler.core.step_builder import ScheduledStep, StepBuilder
 from pagedserve.contracts.step_plan import StepResult
+from pagedserve.scheduler.structured_output.sequences import attach_matchers
+
+if TYPE_CHECKING:
+    from pagedserve.scheduler.structured_output.compiler import GrammarCompiler
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, grammars: GrammarCompiler | None = None) -> None:
+        """grammars compiles structured-output constraints (None: constrained requests are refused)."""
         config.check_complete()
         self.config = config
+        self.grammars = grammars
         self.block_manager = BlockManager(config)
         self.waiting: list[SequenceGroup] = []  # each queue ordered by queue_key: (priority, arrival)
         self.running: list[SequenceGroup] = []
@@ -57,8 +64,10 @@ class Scheduler:
             raise RequestRejected(request.request_id, "a request with this id is already running")
         group = build_group(request, self.config, arrival_index=self._next_arrival,
                             next_seq_id=self.new_seq_id)
+        attach_matchers(group, self.grammars)
         self._next_arrival += 1
-        if self.config.is_speculating and request.sampling.is_beam_search:
+        if self.config.is_speculating and (request.sampling.is_beam_search or (
+                request.sampling.is_constrained and self.config.is_draft_model_speculation)):
             self.spec_stats.num_beam_search_requests += 1  # served exactly, without proposals
         self._groups[request.request_id] = group
         insort(self.waiting, group, key=_queue_key)  # fcfs: priority 0, so this appends
@@ -123,11 +132,12 @@ class Scheduler:
         return outputs
 
     # -- steps --------------------------------------------------------------------------------
-    def schedule(self) -> ScheduledStep | None:
-        """The next step, or None when nothing can run now."""
+    def schedule(self, defer_masks: bool = False) -> ScheduledStep | None:
+        """The next step, or None when nothing can run now. defer_masks: constrained sequences'
+        bitmask rows are left for ScheduledStep.fill_masks() (after the plan is published)."""
         if self._in_flight is not None:
             raise StepOrderError(f"step {self._in_flight.plan.step_id} has not been processed yet")
-        step = StepBuilder(self).build(self._next_step_id, self.epoch)
+        step = StepBuilder(self, defer_masks).build(self._next_step_id, self.epoch)
         if step is not None:
             self._next_step_id += 1
             self.num_steps += 1

@@ -28,6 +28,7 @@ from pagedserve.contracts.step_plan import SampleSpec
 
 if TYPE_CHECKING:
     from pagedserve.scheduler.beam.search import BeamSearchState
+    from pagedserve.scheduler.structured_output.matcher import SequenceMatcher
 
 
 class GroupStatus(enum.Enum):
@@ -62,6 +63,8 @@ class Sequence:
     # as draft context; 0 after any preemption, a reset or a prefix-cache hit (cached blocks
     # may lack draft KV). Never more than num_computed_tokens between steps.
     num_draft_computed: int = 0
+    # Structured output: the grammar's state after exactly the real output tokens (matcher.py).
+    matcher: SequenceMatcher | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -105,6 +108,7 @@ class Sequence:
             num_draft_computed=self.num_draft_computed,
             cumulative_logprob=self.cumulative_logprob,
             output_logprobs=list(self.output_logprobs),
+            matcher=self.matcher.fork() if self.matcher is not None else None,
         )
 
 

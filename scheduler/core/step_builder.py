@@ -30,6 +30,11 @@ sequence also names the tokens before its last one whose draft KV it has not com
     positions      0 .. num_draft_computed - 1 | num_draft_computed .. p - 1 | p (t) | p+1 .. p+k
     draft KV       computed by earlier steps   | draft_context_ids           | this step's draft forwards
 
+Structured output: every constrained sequence that samples carries its token bitmask rows
+(structured_output/sequences.py fill_masks), computed from its matcher as the plan is built, or
+with defer_masks (the engine) by ScheduledStep.fill_masks() once the plan is on its way: the
+plan then only says how many rows each sequence has (masks_follow).
+
 Beam search steps all live beams together: a beam group samples only in a step where every beam
 computes its whole tail; otherwise its beams compute up to their last token and sample later.
 """
@@ -37,7 +42,7 @@ computes its whole tail; otherwise its beams compute up to their last token and 
 from __future__ import annotations
 
 from bisect import insort
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagedserve.scheduler.core.chunk_planning import Chunk, num_decode_tokens, plan_chunks
@@ -46,6 +51,7 @@ from pagedserve.scheduler.core.sample_specs import sample_spec_for
 from pagedserve.scheduler.core.sequence import GroupStatus, Sequence, SequenceGroup
 from pagedserve.scheduler.speculation.drafting import Drafter, drop_group_drafts, drop_unscheduled_drafts
 from pagedserve.contracts.step_plan import ScheduledSeq, StepPlan
+from pagedserve.scheduler.structured_output.sequences import fill_masks
 
 if TYPE_CHECKING:
     from pagedserve.scheduler.core.scheduler import Scheduler
@@ -62,13 +68,25 @@ class ScheduledStep:
     num_decode_tokens: int = 0  # a sequence verifying drafts counts one, its drafts not
     num_preemptions: int = 0
     num_draft_tokens: int = 0
+    # Structured output with deferred masks: constrained sampling sequences whose bitmask rows
+    # fill_masks() computes after the plan was published (the plan says masks_follow).
+    pending_masks: list[tuple[ScheduledSeq, Sequence]] = field(default_factory=list)
+    vocab_size: int = 0
+
+    def fill_masks(self) -> None:
+        """Computes the deferred bitmask rows into the plan's sequences (nothing changes the
+        matchers between schedule() and process_result(), so they are those of the plan)."""
+        for scheduled, seq in self.pending_masks:
+            fill_masks(scheduled, seq, self.vocab_size)
 
 
 class StepBuilder:
     """One schedule() call; mutates the scheduler's queues and tables as it goes."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: Scheduler, defer_masks: bool = False) -> None:
         self.scheduler = scheduler
+        self.defer_masks = defer_masks
+        self.pending_masks: list[tuple[ScheduledSeq, Sequence]] = []
         self.block_manager = scheduler.block_manager
         config = scheduler.config
         self.drafts_from_worker = config.is_draft_model_speculation
@@ -113,11 +131,13 @@ class StepBuilder:
             return None
         plan = StepPlan(step_id=step_id, seqs=self.scheduled, blocks_to_swap_out=self.blocks_to_swap_out,
                         blocks_to_swap_in=self.blocks_to_swap_in, blocks_to_copy=self.blocks_to_copy,
-                        epoch=epoch, drafts_from_worker=self.drafts_from_worker, tier_ops=tier_ops)
+                        epoch=epoch, drafts_from_worker=self.drafts_from_worker, tier_ops=tier_ops,
+                        masks_follow=bool(self.pending_masks))
         return ScheduledStep(plan=plan, sampled=self.sampled, groups=self.groups,
                              num_prefill_tokens=self.num_prefill_tokens,
                              num_decode_tokens=self.num_decode_tokens, num_preemptions=self.num_preemptions,
-                             num_draft_tokens=self.num_draft_tokens)
+                             num_draft_tokens=self.num_draft_tokens, pending_masks=self.pending_masks,
+                             vocab_size=self.scheduler.grammars.vocab_size if self.pending_masks else 0)
 
     # -- pass 1: running groups ---------------------------------------------------------------
     def _schedule_running(self) -> None:
@@ -176,13 +196,24 @@ class StepBuilder:
         if spec is None or not group.is_sample_spec_static:
             spec = sample_spec_for(group, seq)
         self.sampled.append((group, seq))
-        self.scheduled.append(ScheduledSeq(seq.seq_id, seq.token_ids[-1:], computed, seq.block_table[:], spec))
+        scheduled = ScheduledSeq(seq.seq_id, seq.token_ids[-1:], computed, seq.block_table[:], spec)
+        if seq.matcher is not None:
+            self._masks(scheduled, seq)
+        self.scheduled.append(scheduled)
         if (computed + 1) % self.block_manager.block_size == 0:
             self.emitted.append((group, seq))  # its last block is full now: register it
         self.groups.append(group)
         self.num_decode_tokens += 1
         self.num_tokens_left -= 1
         self.num_seqs_left -= 1
+
+    def _masks(self, scheduled: ScheduledSeq, seq: Sequence) -> None:
+        """The bitmask rows of a constrained sampling sequence: now, or after the plan is sent."""
+        if self.defer_masks:
+            scheduled.num_mask_rows = seq.num_draft_tokens + 1
+            self.pending_masks.append((scheduled, seq))
+        else:
+            fill_masks(scheduled, seq, self.scheduler.grammars.vocab_size)
 
     def _preempt(self, group: SequenceGroup) -> None:
         preempt(self.scheduler, group, self.blocks_to_swap_out)
@@ -351,6 +382,8 @@ class StepBuilder:
                 self.sampled.append((group, seq))
             scheduled_seq = ScheduledSeq(seq.seq_id, seq.token_ids[start:start + num_tokens], start,
                                          list(seq.block_table), spec, seq.num_draft_tokens)
+            if chunk.is_sampling and seq.matcher is not None:
+                self._masks(scheduled_seq, seq)
             scheduled.append(scheduled_seq)
             if seq.num_draft_tokens:
                 if self.drafts_from_worker:  # start is the position of the last real token

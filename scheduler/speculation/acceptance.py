@@ -44,7 +44,8 @@ class SpecDecodeStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_accepted_per_position: list[int] = field(default_factory=list)  # [i]: d(i+1) accepted
-    num_beam_search_requests: int = 0  # requests served without speculation: beam search
+    num_beam_search_requests: int = 0  # requests served without speculation: beam search, or
+    # constrained ones under draft-model speculation
 
     def record(self, num_draft_tokens: int, num_accepted: int) -> None:
         self.num_drafts += 1

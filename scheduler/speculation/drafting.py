@@ -27,6 +27,10 @@ steps (consecutive misses double the pause; any accepted draft ends it). Open-en
 proposals rarely match, then pays for few verifications; text that copies its input keeps
 proposing while it copies. This only decides when to propose, never what is emitted.
 
+Structured output: an n-gram proposal is cut before its first token the sequence's grammar
+refuses (every verified row then has a mask, structured_output/sequences.py); with a draft model
+constrained requests get no proposals.
+
 Who drafts: every sequence of a running, non-beam group whose shared prefix is forked (n > 1
 drafts per sample), in a step that starts with at most speculative_disable_batch_size running
 sequences. How many: at most num_speculative_tokens, and never past the last output token the
@@ -43,6 +47,7 @@ from typing import TYPE_CHECKING
 
 from pagedserve.scheduler.speculation.ngram_proposer import propose_ngram
 from pagedserve.scheduler.core.sequence import Sequence, SequenceGroup
+from pagedserve.scheduler.structured_output.sequences import cut_drafts
 
 if TYPE_CHECKING:
     from pagedserve.scheduler.core.scheduler import Scheduler
@@ -89,6 +94,8 @@ class Drafter:
         for the whole group (its plain decodes included); True when any sequence got some."""
         if group.beam is not None or group.fork_at is not None:
             return False
+        if self.is_draft_model and group.request.sampling.is_constrained:
+            return False  # served without proposals (counted as unspeculated on arrival)
         decoding = [seq for seq in group.seqs if len(seq.token_ids) - seq.num_computed_tokens == 1]
         budget = max_num_tokens - len(decoding)
         is_drafting = False
@@ -102,8 +109,8 @@ class Drafter:
             if self.is_draft_model:
                 drafts = [DRAFT_PLACEHOLDER] * max(limit, 0)
             else:
-                drafts = propose_ngram(seq.token_ids, ngram_min=self.ngram_min, ngram_max=self.ngram_max,
-                                       max_num_tokens=limit)
+                drafts = cut_drafts(seq, propose_ngram(seq.token_ids, ngram_min=self.ngram_min,
+                                                       ngram_max=self.ngram_max, max_num_tokens=limit))
             if drafts:
                 seq.token_ids.extend(drafts)
                 seq.num_draft_tokens = len(drafts)

@@ -202,11 +202,15 @@ def test_beam_search_through_the_grpc_path(client, openai_server):
     ({"top_p": 3.0}, "top_p", "(0, 1]"),
     ({"extra_body": {"n": "two"}}, "n", "valid integer"),
     ({"max_tokens": 5000}, "max_tokens", "max_model_len"),
-    ({"logit_bias": {"5": 10}}, "logit_bias", "not supported"),
+    ({"logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
+    ({"logit_bias": {"100000": 1}}, "logit_bias", "outside the vocabulary"),
     ({"best_of": 3}, "best_of", "use_beam_search"),
     ({"extra_body": {"priority": 2**31}}, "priority", "must be in"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream"),
-    ({"extra_body": {"response_format": {"type": "json_object"}}}, "response_format", "not supported"),
+    ({"extra_body": {"response_format": {"type": "json_schema", "json_schema": {"schema": {"not": {}}}}}},
+     "response_format", "Unimplemented keys"),
+    ({"extra_body": {"allowed_token_ids": [1, 2]}}, "allowed_token_ids", "not supported"),
+    ({"extra_body": {"skip_special_tokens": False}}, "skip_special_tokens", "not supported"),
 ])
 def test_bad_requests_raise_bad_request_error_naming_the_field(client, params, param, words):
     with pytest.raises(openai.BadRequestError) as raised:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pagedserve.frontend.openai.protocol import (
@@ -65,10 +67,21 @@ def test_logprobs_ask_for_at_least_one_alternative():
     ({"temperature": True}, "temperature"),
     ({"stop": 5}, "stop"),
     ({"prompt": [1, "a"]}, "prompt"),
-    ({"logit_bias": {"1": 2.0}}, "logit_bias"),
+    ({"logit_bias": {"x": 2.0}}, "logit_bias"),
     ({"best_of": 2}, "best_of"),
     ({"priority": 2**31}, "priority"),
-    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+     "response_format"),
+    ({"response_format": {"type": "structural_tag"}}, "response_format"),
+    ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"choice": "yes"}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"grammar": "start: ??"}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"),
+    ({"guided_json": {"not": {}}}, "guided_json"),
+    ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+     "structured_outputs.regex"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"suffix": "x"}, "suffix"),
     ({"logprobs": 21}, "logprobs"),
@@ -110,3 +123,49 @@ def test_prompt_shapes():
     assert prompts_of(parse_body(CompletionBody, {"prompt": ["a", "b"]})) == ["a", "b"]
     assert _param(lambda: prompts_of(parse_body(CompletionBody, {"prompt": []}))) == "prompt"
     assert _param(lambda: prompts_of(parse_body(CompletionBody, {"prompt": ["a", ""]}))) == "prompt[1]"
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"logit_bias": {"1": 101}}, "logit_bias"),
+    ({"logit_bias": {"100": -1}}, "logit_bias"),
+    ({"use_beam_search": True, "n": 2, "temperature": 0, "guided_choice": ["a", "b"]}, "beam_width"),
+    ({"min_tokens": 2, "guided_choice": ["a", "b"]}, "min_tokens"),
+])
+def test_structured_parameters_are_range_checked_with_the_others(fields, param):
+    params = _completion(**fields).params
+    with pytest.raises(InvalidParameter) as raised:
+        params.validate(vocab_size=100)
+    assert raised.value.field_name == param
+
+
+def test_every_structured_output_spelling_gives_its_constraint():
+    from pagedserve.contracts.constraint import ConstraintKind as Kind
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    cases = [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}},
+         Kind.JSON_SCHEMA),
+        ({"response_format": {"type": "json_object"}}, Kind.JSON_OBJECT),
+        ({"structured_outputs": {"json": schema}}, Kind.JSON_SCHEMA),
+        ({"structured_outputs": {"regex": "[0-9]+"}}, Kind.REGEX),
+        ({"structured_outputs": {"choice": ["yes", "no"]}}, Kind.CHOICE),
+        ({"structured_outputs": {"grammar": 'root ::= "a" | "b"'}}, Kind.GRAMMAR),
+        ({"guided_json": json.dumps(schema)}, Kind.JSON_SCHEMA),
+        ({"guided_regex": "a+"}, Kind.REGEX),
+        ({"guided_choice": ["a"]}, Kind.CHOICE),
+        ({"guided_grammar": 'start: "x"'}, Kind.GRAMMAR),
+    ]
+    for fields, kind in cases:
+        assert _chat(**fields).params.constraint.kind is kind, fields
+    assert _chat(response_format={"type": "text"}).params.constraint is None
+    assert _completion(logit_bias={"7": -100, "9": 5.5}).params.logit_bias == {7: -100.0, 9: 5.5}
+
+
+def test_unserved_fields_are_refused_and_unknown_ones_reported():
+    from pagedserve.frontend.openai.protocol import unknown_fields
+    body = {"messages": [], "skip_special_tokens": True, "store": False, "my_field": 1, "user": "u"}
+    assert unknown_fields(ChatCompletionBody, body) == ["my_field"]
+    for field, value in (("chat_template", "{{ x }}"), ("skip_special_tokens", False), ("store", True),
+                         ("prediction", {"type": "content"}), ("allowed_token_ids", [1])):
+        with pytest.raises(InvalidParameter) as raised:
+            unknown_fields(ChatCompletionBody, {"messages": [], field: value})
+        assert raised.value.field_name == field

@@ -82,13 +82,15 @@ def collect(records: dict[str, RequestRecord], outputs: list[RequestOutput]) -> 
 
 def run_workload(config: SchedulerConfig, specs: list[RequestSpec], *, max_steps: int = 5000,
                  on_step: Callable[[Scheduler, StepPlan], None] | None = None,
-                 reset_steps: frozenset[int] = frozenset(), vocab_size: int = VOCAB_SIZE) -> RunResult:
+                 reset_steps: frozenset[int] = frozenset(), vocab_size: int = VOCAB_SIZE,
+                 grammars=None) -> RunResult:
     """Drives a scheduler until every request ended; checks invariants after every step.
 
     At each of reset_steps the workers "restart": scheduler.reset() and a fresh fake KV cache.
     vocab_size: the worker's (a small one makes speculative proposals often right).
+    grammars: the scheduler's GrammarCompiler for constrained requests.
     """
-    scheduler = Scheduler(config)
+    scheduler = Scheduler(config, grammars=grammars)
     worker = digest_worker(config, vocab_size)
     records = {spec.request_id: RequestRecord() for spec in specs}
     plans: list[StepPlan] = []

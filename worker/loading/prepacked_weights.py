@@ -1,10 +1,6 @@
 """After the load: the dense bfloat16 CPU weights of the linear layers and of the LM head
 prepacked for oneDNN once, so that no step reorders them again
-<<<<<<< HEAD
-(docs/kernels.md has the measurements; results are bit-identical).
-=======
-(ops.prepack_weight; pagedserve.kernels.linear.onednn has the measurements; results are bit-identical).
->>>>>>> folds
+(ops.prepack_weight; docs/kernels.md has the measurements; results are bit-identical).
 
     prepack_model(model) -> bytes the prepacked copies hold (0 where nothing qualifies)
 
