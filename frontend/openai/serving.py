@@ -44,6 +44,9 @@ from pagedserve.frontend.openai.bodies import (
 from pagedserve.frontend.openai.streaming import ChunkWriter, WatchedStreamingResponse, sse_frames
 from pagedserve.frontend.generation.stream_watchdog import DEFAULT_STREAM_WRITE_TIMEOUT_S
 from pagedserve.frontend.grpc.validation import ValidatedRequest, check_text_bytes, check_token_ids, validate_lengths
+from pagedserve.frontend.tools.tool_parsers import get_parser
+from pagedserve.frontend.tools.tool_request import ToolSettings
+from pagedserve.frontend.tools.tool_stream import message_content, tool_call_body
 from pagedserve.contracts.sampling_params import InvalidParameter
 
 log = structlog.get_logger()
@@ -88,10 +91,12 @@ class OpenAIServing:
     def __init__(self, admission: Admission, metrics: FrontendMetrics, chat_template: ChatTemplate,
                  served_model_name: str, executor: Executor, limit: ConcurrencyLimit, *,
                  stream_write_timeout_s: float = DEFAULT_STREAM_WRITE_TIMEOUT_S,
-                 max_undelivered_messages: int | None = None) -> None:
+                 max_undelivered_messages: int | None = None, tool_settings: ToolSettings = ToolSettings()) -> None:
         """stream_write_timeout_s: how long one SSE write may wait for a client that is not reading;
-        max_undelivered_messages: updates of a request left unread before it is aborted."""
+        max_undelivered_messages: updates of a request left unread before it is aborted;
+        tool_settings: --tool-call-parser and --enable-auto-tool-choice."""
         self._admission = admission
+        self._tool_settings = tool_settings
         self._stream_write_timeout_s = stream_write_timeout_s
         self._max_undelivered_messages = max_undelivered_messages
         self._metrics = metrics
@@ -122,7 +127,7 @@ class OpenAIServing:
             if unknown:
                 log.info("request_unknown_fields", fields=unknown)  # request_id is bound by the middleware
             self.check_model(parsed.model)
-            plan = generation_plan(parsed)
+            plan = generation_plan(parsed, self._tool_settings)
             if plan.user is not None:
                 log.info("request_user", user=plan.user)
             prepared = await loop.run_in_executor(self._executor, self._prepare, parsed, plan, request_id, is_chat)
@@ -136,7 +141,8 @@ class OpenAIServing:
                 first = await _unless_disconnected(request, run.next())
                 writer = ChunkWriter(header, is_chat=is_chat, num_choices=plan.num_choices,
                                      num_top_logprobs=plan.num_top_logprobs, include_usage=plan.include_usage,
-                                     token_text=self._token_text, echo_texts=prepared.echo_texts)
+                                     token_text=self._token_text, echo_texts=prepared.echo_texts,
+                                     tool_parser=self._tool_parser_name(plan))
                 # The background task also runs when the client left before the stream started
                 # (Starlette then never starts the frames' generator, so its cleanup cannot).
                 return WatchedStreamingResponse(
@@ -152,6 +158,10 @@ class OpenAIServing:
         except Exception as exc:
             run.cancel()
             return error_response(exc)
+
+    def _tool_parser_name(self, plan: GenerationPlan) -> str | None:
+        """The parser of a chat request whose output may hold tool calls, else None."""
+        return self._tool_settings.parser if plan.tools is not None and plan.tools.is_active else None
 
     def _on_write_timeout(self, run: GenerationRun, request_id: str) -> Callable[[], None]:
         def on_timeout() -> None:
@@ -191,8 +201,9 @@ class OpenAIServing:
         if is_chat:
             messages = chat_messages(parsed.messages)
             check_text_bytes("messages", [m["content"] for m in messages], limits.max_prompt_bytes)
+            tools = plan.tools.template_tools() if plan.tools is not None and plan.tools.is_active else None
             prompts: list[tuple[str, list[int]]] = [
-                ("messages", self._chat_template.encode(messages, parsed.add_generation_prompt))]
+                ("messages", self._chat_template.encode(messages, parsed.add_generation_prompt, tools))]
         else:
             prompts = []
             items = prompts_of(parsed)
@@ -224,6 +235,7 @@ class OpenAIServing:
     def _whole(self, header: ResponseHeader, run: GenerationRun, plan: GenerationPlan, prepared: PreparedRequest,
                is_chat: bool) -> dict:
         choices = []
+        parser_name = self._tool_parser_name(plan)
         for prompt_index, generation in enumerate(run.generations):
             states = sorted(generation.states, key=lambda state: state.index)[:plan.num_choices]
             for state in states:
@@ -235,6 +247,11 @@ class OpenAIServing:
                 if plan.num_top_logprobs is not None:
                     logprobs = (chat_logprobs(state.logprobs, plan.num_top_logprobs, self._token_text) if is_chat
                                 else completion_logprobs(state.logprobs, plan.num_top_logprobs, self._token_text, 0))
+                if parser_name is not None:
+                    parsed_output = get_parser(parser_name).parse(text)
+                    choices.append(chat_choice(index, message_content(parsed_output), state.finish, logprobs,
+                                               [tool_call_body(call) for call in parsed_output.calls]))
+                    continue
                 choice_of = chat_choice if is_chat else completion_choice
                 choices.append(choice_of(index, text, state.finish, logprobs))
         usage = total_usage([run.usages[index] for index in sorted(run.usages)])
