@@ -134,7 +134,8 @@ def serve_frontend(config: FrontendConfig, *, health_poll_interval_s: float = DE
     recovery = SchedulerRecovery(readiness, config.scheduler_recovery_timeout)
     watchdog = StreamWatchdog(config.stream_write_timeout)
     servicer = GenerationServicer(tokenizer, client, readiness, metrics, in_flight, recovery, chat,
-                                  max_concurrent_calls=config.max_concurrent_rpcs, watchdog=watchdog)
+                                  max_concurrent_calls=config.max_concurrent_rpcs, watchdog=watchdog,
+                                  tool_settings=config.tool_settings)
 
     # Each streaming call holds a worker thread. The Generation service limits its own calls to
     # max_concurrent_rpcs (RESOURCE_EXHAUSTED beyond); the server takes HEALTH_HEADROOM_RPCS more, so

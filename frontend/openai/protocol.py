@@ -32,7 +32,6 @@ OpenAI API and vLLM's extensions mean in our terms:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -41,7 +40,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from pagedserve.contracts.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParams
 from pagedserve.frontend.openai.request_fields import check_fields
 from pagedserve.frontend.openai.structured_output import parse_constraint, parse_logit_bias
-from pagedserve.frontend.tools.tool_request import ToolRequest, ToolSettings, forced_constraint, parse_tool_request
+from pagedserve.frontend.tools.tool_request import (
+    ToolRequest, ToolSettings, forced_constraint, history_tool_calls, parse_tool_request,
+)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_PROMPTS = 64  # prompts of one /v1/completions request
@@ -375,29 +376,3 @@ def chat_messages(messages: list[ChatMessage], field_name: str = "messages") -> 
         rendered.append(item)
     return rendered
 
-
-def history_tool_calls(calls: list[dict], field_name: str) -> list[dict]:
-    """An assistant message's OpenAI tool_calls as templates take them: arguments as an object
-    (transformers' convention; OpenAI sends its JSON text)."""
-    out = []
-    for index, call in enumerate(calls):
-        where = f"{field_name}[{index}]"
-        function = call.get("function")
-        if call.get("type", "function") != "function" or not isinstance(function, dict):
-            raise InvalidParameter(where, 'must be {"id", "type": "function", "function": {"name", "arguments"}}')
-        name, arguments = function.get("name"), function.get("arguments", "{}")
-        if not isinstance(name, str) or not name:
-            raise InvalidParameter(f"{where}.function.name", "must be a non-empty string")
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except (ValueError, RecursionError):
-                raise InvalidParameter(f"{where}.function.arguments", "must be a JSON object's text") from None
-        if not isinstance(arguments, dict):
-            raise InvalidParameter(f"{where}.function.arguments", "must be a JSON object's text")
-        call_id = call.get("id")
-        if call_id is not None and not isinstance(call_id, str):
-            raise InvalidParameter(f"{where}.id", "must be a string")
-        out.append({"id": call_id or f"call_{index}", "type": "function",
-                    "function": {"name": name, "arguments": arguments}})
-    return out

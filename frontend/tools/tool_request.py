@@ -176,3 +176,30 @@ def forced_constraint(request: ToolRequest, parser: str) -> Constraint:
     else:
         raise InvalidParameter("tool_choice", f"the tool-call parser {parser!r} cannot force calls")
     return Constraint(ConstraintKind.GRAMMAR, value=f"start: {body}\ncall: %json {json.dumps(schema)}")
+
+
+def history_tool_calls(calls: list[dict], field_name: str) -> list[dict]:
+    """An assistant message's OpenAI tool_calls as templates take them: arguments as an object
+    (transformers' convention; OpenAI sends its JSON text)."""
+    out = []
+    for index, call in enumerate(calls):
+        where = f"{field_name}[{index}]"
+        function = call.get("function")
+        if call.get("type", "function") != "function" or not isinstance(function, dict):
+            raise InvalidParameter(where, 'must be {"id", "type": "function", "function": {"name", "arguments"}}')
+        name, arguments = function.get("name"), function.get("arguments", "{}")
+        if not isinstance(name, str) or not name:
+            raise InvalidParameter(f"{where}.function.name", "must be a non-empty string")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except (ValueError, RecursionError):
+                raise InvalidParameter(f"{where}.function.arguments", "must be a JSON object's text") from None
+        if not isinstance(arguments, dict):
+            raise InvalidParameter(f"{where}.function.arguments", "must be a JSON object's text")
+        call_id = call.get("id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise InvalidParameter(f"{where}.id", "must be a string")
+        out.append({"id": call_id or f"call_{index}", "type": "function",
+                    "function": {"name": name, "arguments": arguments}})
+    return out

@@ -2,7 +2,7 @@
 --enable-auto-tool-choice` with the official `openai` client. Required and named choices give
 calls that validate against the tool's schema; a two-turn conversation (call, tool result,
 answer) renders and answers; tool_choice none never returns calls; streamed deltas add up to the
-non-streamed answer of the same seed; 1,000 malformed tool bodies get 400s or answers, never a
+non-streamed answer of the same seed (HTTP and gRPC); 1,000 malformed tool bodies get 400s or answers, never a
 5xx, and the block pool ends whole. The 50-request run is bench/tool_calling.py."""
 
 from __future__ import annotations
@@ -13,9 +13,12 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import jsonschema
 import pytest
 from openai import OpenAI
+
+from pagedserve.v1 import generation_pb2
 
 from tests.e2e.conftest import start_server
 from tests.e2e.harness import assert_pool_whole
@@ -179,3 +182,32 @@ def test_fuzzed_tool_bodies_never_get_a_server_error(server):
     assert counts.get(200, 0) >= 100 and counts.get(400, 0) >= 100, counts
     assert server.health() == 1  # SERVING: nothing crashed or restarted
     assert_pool_whole(server)
+
+
+def _grpc_request(tool_choice: str, **params) -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(
+        messages=generation_pb2.ChatMessages(messages=[generation_pb2.ChatMessage(**m) for m in QUESTION]),
+        tools=[generation_pb2.Tool(name=t["function"]["name"], description=t["function"]["description"],
+                                   parameters_json=json.dumps(t["function"]["parameters"])) for t in TOOLS],
+        tool_choice=tool_choice, params=generation_pb2.SamplingParams(max_tokens=120, temperature=0.7, **params))
+
+
+def test_grpc_tools_whole_and_streamed(server):
+    whole = server.stub.Generate(_grpc_request("get_time", seed=5), timeout=240).completions[0]
+    assert whole.finish_reason == generation_pb2.FINISH_REASON_TOOL_CALLS and whole.tool_calls
+    for call in whole.tool_calls:
+        assert call.name == "get_time" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.arguments_json), SCHEMAS["get_time"])
+    text, calls, finish = "", [], None
+    for message in server.stub.GenerateStream(_grpc_request("get_time", seed=5), timeout=240):
+        for completion in message.completions:
+            text += completion.text
+            calls += [(call.name, json.loads(call.arguments_json)) for call in completion.tool_calls]
+            finish = completion.finish_reason or finish
+    assert calls == [(call.name, json.loads(call.arguments_json)) for call in whole.tool_calls]
+    assert text == whole.text and finish == whole.finish_reason
+    none = server.stub.Generate(_grpc_request("none", seed=5), timeout=240).completions[0]
+    assert not none.tool_calls and none.finish_reason != generation_pb2.FINISH_REASON_TOOL_CALLS
+    with pytest.raises(grpc.RpcError) as raised:
+        server.stub.Generate(_grpc_request("no_such_tool"), timeout=30)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "tool_choice" in raised.value.details()
