@@ -11,7 +11,8 @@
 
 A forced choice becomes a grammar constraint (llguidance Lark with an inline %json schema per
 call) that writes calls in the --tool-call-parser's format, so the parser always finds them; a
-call's arguments follow the tool's `parameters` schema (with additionalProperties false at the
+call's JSON is written with json.dumps' separators and no other whitespace; its arguments
+follow the tool's `parameters` schema (with additionalProperties false at the
 top when the schema leaves it open, so the model cannot ramble in extra keys; the output still
 validates against the schema as given).
 """
@@ -29,6 +30,10 @@ from pagedserve.contracts.sampling_params import InvalidParameter
 MAX_TOOLS = 128  # OpenAI's limit
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 CHOICES = ("none", "auto", "required")
+# A forced call's JSON is written as the templates show calls (json.dumps' separators, no other
+# whitespace): a small model cannot pad it with newlines and indentation until max_tokens.
+CALL_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
+                     "coerce_one_of": True}
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +180,7 @@ def forced_constraint(request: ToolRequest, parser: str) -> Constraint:
         schema = call_schema(request, "parameters")
     else:
         raise InvalidParameter("tool_choice", f"the tool-call parser {parser!r} cannot force calls")
+    schema = {"x-guidance": CALL_JSON_OPTIONS, **schema}
     return Constraint(ConstraintKind.GRAMMAR, value=f"start: {body}\ncall: %json {json.dumps(schema)}")
 
 

@@ -124,7 +124,7 @@ def _accepts(grammars, constraint, text: str) -> bool:
 
 def _format(parser: str, calls: list[tuple[str, dict]]) -> str:
     key = "parameters" if parser == "llama3_json" else "arguments"
-    items = [json.dumps({"name": name, key: args}, separators=(",", ":"), ensure_ascii=False) for name, args in calls]
+    items = [json.dumps({"name": name, key: args}, ensure_ascii=False) for name, args in calls]
     if parser == "smollm2":
         return "<tool_call>[\n" + ",\n".join(items) + "\n]</tool_call>"
     if parser == "hermes":
@@ -147,6 +147,7 @@ def test_forced_grammar_accepts_calls_the_parser_reads(grammars, parser):
                 [("now", {"extra": 1})]):
         assert not _accepts(grammars, constraint, _format(parser, bad)), bad
     assert not _accepts(grammars, constraint, "Sure! " + text)
+    assert not _accepts(grammars, constraint, text.replace(", ", ",\n    ", 1))  # no free whitespace
     single = forced_constraint(parse_tool_request(TOOLS, {"type": "function", "function": {"name": "now"}}, False,
                                                   ToolSettings(parser)), parser)
     assert _accepts(grammars, single, _format(parser, [("now", {})]))
