@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.contracts.constraint import Constraint, ConstraintKind
+from pagedserve.contracts.constraint_grammar import check_constraint
 from pagedserve.contracts.sampling_params import InvalidParameter
 
 MAX_TOOLS = 128  # OpenAI's limit
@@ -181,7 +182,13 @@ def forced_constraint(request: ToolRequest, parser: str) -> Constraint:
     else:
         raise InvalidParameter("tool_choice", f"the tool-call parser {parser!r} cannot force calls")
     schema = {"x-guidance": CALL_JSON_OPTIONS, **schema}
-    return Constraint(ConstraintKind.GRAMMAR, value=f"start: {body}\ncall: %json {json.dumps(schema)}")
+    constraint = Constraint(ConstraintKind.GRAMMAR, value=f"start: {body}\ncall: %json {json.dumps(schema)}")
+    try:
+        check_constraint(constraint)  # compiled without the vocabulary: a schema that cannot is a 400 here
+    except InvalidParameter as exc:
+        raise InvalidParameter("tools", f"the parameters of the tools cannot be enforced: "
+                                        f"{str(exc).split(': ', 1)[-1]}") from None
+    return constraint
 
 
 def history_tool_calls(calls: list[dict], field_name: str) -> list[dict]:

@@ -69,6 +69,13 @@ def test_malformed_tools_name_the_field(tools, field):
     assert _error(lambda: parse_tool_request(tools, "required", None, AUTO))[0] == field
 
 
+def test_parameters_the_constraint_cannot_enforce_are_refused_at_once():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}}]
+    field, message = _error(lambda: forced_constraint(parse_tool_request(tools, "required", None, AUTO), "smollm2"))
+    assert field == "tools" and "not" in message
+    assert parse_tool_request(tools, "auto", None, AUTO).choice == "auto"  # rendered only: not compiled
+
+
 def test_forced_choice_with_another_constraint_is_refused():
     body = parse_body(ChatCompletionBody, {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
                                            "tool_choice": "required", "response_format": {"type": "json_object"}})
