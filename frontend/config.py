@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pagedserve.config.flags import nested, option, require
 from pagedserve.frontend.openai.config import HttpConfig
 from pagedserve.frontend.upstream.router import ROUTING_POLICIES
+from pagedserve.frontend.tools.tool_parsers import PARSERS
+from pagedserve.frontend.tools.tool_request import ToolSettings
 from pagedserve.frontend.generation.stream_watchdog import DEFAULT_STREAM_WRITE_TIMEOUT_S
 from pagedserve.frontend.grpc.transport import TransportConfig
 from pagedserve.config.shared_options import (
@@ -61,8 +63,20 @@ class FrontendConfig:
         DEFAULT_SCHEDULER_RECOVERY_TIMEOUT_S, metavar="S", serve=True,
         help="when the scheduler dies mid-request: how long the request waits for a restarted scheduler, "
              "then goes on from the tokens already streamed; past it, or with 0, it fails with UNAVAILABLE")
+    tool_call_parser: str | None = option(
+        None, metavar="NAME", serve=True, choices=tuple(sorted(PARSERS)),
+        help="parse tool calls out of chat outputs in this model format (hermes, llama3_json, smollm2); "
+             "needed for tools with tool_choice other than none; smollm2 also brings a tool-aware chat "
+             "template for SmolLM2 checkpoints, whose own template has none")
+    enable_auto_tool_choice: bool = option(
+        False, serve=True, help='serve tool_choice "auto" (the default with tools): the model decides whether '
+                                "to call a tool (needs --tool-call-parser)")
     transport: TransportConfig = nested(TransportConfig, title="public port transport")
     http: HttpConfig = nested(HttpConfig, title="OpenAI-compatible HTTP")
+
+    @property
+    def tool_settings(self) -> ToolSettings:
+        return ToolSettings(self.tool_call_parser, self.enable_auto_tool_choice)
 
     @property
     def resolved_metrics_host(self) -> str:
@@ -78,6 +92,8 @@ class FrontendConfig:
         require(all(self.scheduler_addresses), "scheduler_address", "must not be empty")
         require(self.routing in ROUTING_POLICIES, "routing", f"must be one of {', '.join(ROUTING_POLICIES)}")
         require(self.max_streams_per_connection >= 1, "max_streams_per_connection", "must be >= 1")
+        require(not self.enable_auto_tool_choice or self.tool_call_parser is not None, "enable_auto_tool_choice",
+                "--enable-auto-tool-choice needs --tool-call-parser NAME")
         require(math.isfinite(self.stream_write_timeout) and self.stream_write_timeout > 0, "stream_write_timeout",
                 "must be > 0")
         require(self.max_undelivered_messages >= 1, "max_undelivered_messages", "must be >= 1")

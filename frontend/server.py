@@ -33,6 +33,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
 from pagedserve.frontend.generation.admission import Admission
+from pagedserve.frontend.tools.tool_templates import family_template
 from pagedserve.frontend.tokenization.chat_template import ChatTemplate, ChatTemplateError, read_chat_template
 from pagedserve.frontend.generation.drain import InFlight
 from pagedserve.frontend.config import FrontendConfig
@@ -115,7 +116,8 @@ def serve_frontend(config: FrontendConfig, *, health_poll_interval_s: float = DE
         tokenizer = load_tokenizer(config.model_path)
         credentials = transport.server_credentials()
         template_file = config.http.chat_template_file
-        chat = ChatTemplate(tokenizer, read_chat_template(template_file) if template_file else None)
+        chat = ChatTemplate(tokenizer, read_chat_template(template_file) if template_file else None,
+                            tools_template=family_template(config.tool_call_parser))
     except (TokenizerLoadError, TransportConfigError, ChatTemplateError) as exc:
         raise FrontendStartError(str(exc)) from exc
     frontend_id = frontend_id or f"{socket.gethostname()}:{os.getpid()}"
@@ -134,7 +136,7 @@ def serve_frontend(config: FrontendConfig, *, health_poll_interval_s: float = DE
                           SchedulerRecovery(readiness, config.scheduler_recovery_timeout))
     watchdog = StreamWatchdog(config.stream_write_timeout)
     servicer = GenerationServicer(admission, metrics, chat, max_concurrent_calls=config.max_concurrent_rpcs,
-                                  watchdog=watchdog)
+                                  watchdog=watchdog, tool_settings=config.tool_settings)
 
     # Each streaming call holds a worker thread. The Generation service limits its own calls to
     # max_concurrent_rpcs (RESOURCE_EXHAUSTED beyond); the server takes HEALTH_HEADROOM_RPCS more, so
@@ -163,7 +165,7 @@ def serve_frontend(config: FrontendConfig, *, health_poll_interval_s: float = DE
                     model_path=config.model_path, transport=transport,
                     max_concurrent_requests=config.max_concurrent_rpcs, grace_s=CUT_GRACE_S,
                     stream_write_timeout_s=config.stream_write_timeout,
-                    max_undelivered_messages=config.max_undelivered_messages)
+                    max_undelivered_messages=config.max_undelivered_messages, tool_settings=config.tool_settings)
             except HttpStartError as exc:
                 raise FrontendStartError(str(exc)) from exc
     except FrontendStartError:

@@ -36,6 +36,8 @@ from pagedserve.frontend.generation.admission import Admission
 from pagedserve.frontend.generation.generation import Generation
 from pagedserve.frontend.metrics import FrontendMetrics, RequestTimer
 from pagedserve.frontend.grpc.codec import stream_message, whole_response
+from pagedserve.frontend.grpc.tool_calls import StreamedCalls, parse_whole
+from pagedserve.frontend.tools.tool_request import ToolSettings
 from pagedserve.frontend.upstream.readiness import GENERATION_SERVICE
 from pagedserve.frontend.grpc.request_decoding import UndecodableRequest, lenient_deserializer
 from pagedserve.frontend.generation.errors import CANCELLED, ErrorKind, RequestError, RequestFailed, classify
@@ -95,12 +97,14 @@ class GenerationServicer:
     """Implements Generate, GenerateStream, Tokenize and ModelInfo."""
 
     def __init__(self, admission: Admission, metrics: FrontendMetrics, chat: ChatTemplate | None = None, *,
-                 max_concurrent_calls: int | None = None, watchdog: StreamWatchdog | None = None) -> None:
+                 max_concurrent_calls: int | None = None, watchdog: StreamWatchdog | None = None,
+                 tool_settings: ToolSettings = ToolSettings()) -> None:
         """admission: the request lifecycle shared with the HTTP API (readiness, drain, recovery);
         chat: renders `messages` prompts (None: such requests are INVALID_ARGUMENT);
         max_concurrent_calls: calls of this service at once, beyond it RESOURCE_EXHAUSTED (None: no
         limit; health and reflection never count); watchdog: cuts streams whose client stops reading."""
         self._slots = CallSlots(max_concurrent_calls)
+        self._tool_settings = tool_settings  # --tool-call-parser, --enable-auto-tool-choice
         self._watchdog = watchdog
         self._tokenizer = admission.tokenizer
         self._chat = chat
@@ -123,7 +127,9 @@ class GenerationServicer:
                     usage = update.usage or usage
                 self._admission.finished(generation, timer, usage)
                 context.send_initial_metadata(((REQUEST_ID_METADATA, generation.request.request_id),))
-                return whole_response(generation.request.request_id, generation.states, usage)
+                response = whole_response(generation.request.request_id, generation.states, usage)
+                parser = self._tool_parser(generation)
+                return response if parser is None else parse_whole(response, parser)
         except Exception as exc:  # every failure becomes a status code
             self._fail(exc, request, context, timer, generation)
         finally:
@@ -143,6 +149,8 @@ class GenerationServicer:
             with structlog.contextvars.bound_contextvars(request_id=request_id), \
                     self._watch(generation, context) as watch:
                 is_first = True
+                parser = self._tool_parser(generation)
+                calls = StreamedCalls(parser) if parser is not None else None
                 for update in generation.run():
                     if update.usage is not None:
                         self._admission.finished(generation, timer, update.usage)
@@ -150,7 +158,8 @@ class GenerationServicer:
                         context.send_initial_metadata(((REQUEST_ID_METADATA, request_id),))
                         is_first = False
                     with watch.writing():
-                        yield stream_message(request_id, update.completions, update.usage)
+                        message = stream_message(request_id, update.completions, update.usage)
+                        yield message if calls is None else calls.rewrite(message)
         except GeneratorExit:  # the call ended while a message was on its way: the client is gone
             if timer.is_running:
                 self._admission.failed(RequestFailed(CANCELLED), timer, generation,
@@ -191,6 +200,11 @@ class GenerationServicer:
             eos_token_ids=self._tokenizer.eos_token_ids, block_size=info.block_size,
             num_kv_blocks=info.num_kv_blocks, tensor_parallel_size=info.tensor_parallel_size)
 
+    def _tool_parser(self, generation: Generation) -> str | None:
+        """The parser of a request whose output may hold tool calls, else None."""
+        tools = generation.request.tools
+        return self._tool_settings.parser if tools is not None and tools.is_active else None
+
     def _watch(self, generation: Generation, context):
         """The stream's write watch: past the write timeout the request is aborted in the scheduler
         (its blocks freed) and the call cancelled."""
@@ -212,7 +226,7 @@ class GenerationServicer:
         limits = self._admission.limits()
         if not request.request_id:
             request.request_id = _metadata_request_id(context)
-        validated = validate_request(request, self._tokenizer, limits, self._chat)
+        validated = validate_request(request, self._tokenizer, limits, self._chat, self._tool_settings)
         remaining = context.time_remaining()
         timeout = remaining if remaining is not None and remaining < NO_DEADLINE_S else None
         generation = self._admission.start(validated, timer, timeout=timeout)

@@ -9,12 +9,14 @@ oneof -> unconstrained (json_object false counts as unset).
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from pagedserve.contracts.constraint_grammar import check_constraint
 from pagedserve.contracts.sampling_params import DEFAULT_MAX_TOKENS, InvalidParameter, SamplingParams
 from pagedserve.contracts.scheduler_codec import constraint_from_proto
+from pagedserve.frontend.grpc.tool_calls import chat_message_dict, tool_request_from_proto
+from pagedserve.frontend.tools.tool_request import ToolRequest, ToolSettings, forced_constraint
 from pagedserve.v1 import generation_pb2
 
 MAX_REQUEST_ID_CHARS = 256
@@ -30,7 +32,8 @@ class Encoder(Protocol):
 
 
 class ChatEncoder(Protocol):
-    def encode(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]: ...
+    def encode(self, messages: list[dict], add_generation_prompt: bool = True,
+               tools: list[dict] | None = None) -> list[int]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +74,7 @@ class ValidatedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0  # lower is served first under the scheduler's --scheduling-policy priority
+    tools: ToolRequest | None = None  # a chat request with tools (tool_choice none included)
 
 
 def sampling_params_from_proto(msg: generation_pb2.SamplingParams) -> SamplingParams:
@@ -100,17 +104,24 @@ def sampling_params_from_proto(msg: generation_pb2.SamplingParams) -> SamplingPa
 
 
 def validate_request(msg: generation_pb2.GenerateRequest, encoder: Encoder, limits: ModelLimits,
-                     chat: ChatEncoder | None = None) -> ValidatedRequest:
-    """Checks every field and tokenizes a text prompt (or renders chat messages with `chat`);
-    raises InvalidParameter naming the field."""
+                     chat: ChatEncoder | None = None, tool_settings: ToolSettings = ToolSettings()) -> ValidatedRequest:
+    """Checks every field and tokenizes a text prompt (or renders chat messages with `chat`, and
+    the tools); raises InvalidParameter naming the field."""
     request_id = request_id_or_new(msg.request_id)
     params = sampling_params_from_proto(msg.params)
+    tools = tool_request_from_proto(msg, tool_settings)
+    if tools is not None and tools.is_forced:
+        if params.constraint is not None:
+            raise InvalidParameter("tool_choice", f"a forced tool call cannot be combined with the constraint "
+                                                  f"{params.constraint.field_name}")
+        params = replace(params, constraint=forced_constraint(tools, tool_settings.parser))
     params.validate(vocab_size=limits.vocab_size)
     if params.constraint is not None:
         check_constraint(params.constraint)  # compiles (without the vocabulary) before anything is queued
-    prompt_field, prompt_token_ids = _prompt(msg, encoder, limits, chat)
+    template_tools = tools.template_tools() if tools is not None and tools.is_active else None
+    prompt_field, prompt_token_ids = _prompt(msg, encoder, limits, chat, template_tools)
     defaulted = " (max_tokens 0 means 16)" if msg.params.max_tokens == 0 else ""
-    return validate_lengths(ValidatedRequest(request_id, prompt_token_ids, params, msg.priority), limits,
+    return validate_lengths(ValidatedRequest(request_id, prompt_token_ids, params, msg.priority, tools), limits,
                             prompt_field, max_tokens_field="max_tokens", max_tokens_note=defaulted)
 
 
@@ -163,13 +174,13 @@ def is_printable_ascii(text: str) -> bool:
 
 
 def _prompt(msg: generation_pb2.GenerateRequest, encoder: Encoder, limits: ModelLimits,
-            chat: ChatEncoder | None) -> tuple[str, list[int]]:
+            chat: ChatEncoder | None, tools: list[dict] | None = None) -> tuple[str, list[int]]:
     """(field name, prompt token ids) of whichever prompt field is set."""
     which = msg.WhichOneof("input")
     if which is None:
         raise InvalidParameter("prompt", "set exactly one of prompt, prompt_token_ids or messages")
     if which == "messages":
-        return "messages", _chat_prompt(msg.messages, chat, limits.max_prompt_bytes)
+        return "messages", _chat_prompt(msg.messages, chat, limits.max_prompt_bytes, tools)
     if which == "prompt":
         if not msg.prompt:
             raise InvalidParameter("prompt", "must not be empty")
@@ -185,7 +196,8 @@ def _prompt(msg: generation_pb2.GenerateRequest, encoder: Encoder, limits: Model
     return "prompt_token_ids", token_ids
 
 
-def _chat_prompt(msg: generation_pb2.ChatMessages, chat: ChatEncoder | None, max_bytes: int) -> list[int]:
+def _chat_prompt(msg: generation_pb2.ChatMessages, chat: ChatEncoder | None, max_bytes: int,
+                 tools: list[dict] | None = None) -> list[int]:
     if not msg.messages:
         raise InvalidParameter("messages", "must not be empty")
     check_text_bytes("messages", [text for m in msg.messages for text in (m.role, m.content)], max_bytes)
@@ -195,7 +207,9 @@ def _chat_prompt(msg: generation_pb2.ChatMessages, chat: ChatEncoder | None, max
     if chat is None:
         raise InvalidParameter("messages", "this frontend renders no chat messages")
     add_generation_prompt = msg.add_generation_prompt if msg.HasField("add_generation_prompt") else True
-    token_ids = chat.encode([{"role": m.role, "content": m.content} for m in msg.messages], add_generation_prompt)
+    messages = [chat_message_dict(m, index) for index, m in enumerate(msg.messages)]
+    token_ids = chat.encode(messages, add_generation_prompt, tools) if tools else \
+        chat.encode(messages, add_generation_prompt)
     if not token_ids:
         raise InvalidParameter("messages", "render to no tokens")
     return token_ids

@@ -112,9 +112,16 @@ def chat_response(header: ResponseHeader, choices: list[dict], usage: Usage) -> 
             "model": header.model, "choices": choices, "usage": usage_body(usage)}
 
 
-def chat_choice(index: int, text: str, finish: CompletionFinish | None, logprobs: dict | None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": finish_reason(finish)}
+def chat_choice(index: int, text: str | None, finish: CompletionFinish | None, logprobs: dict | None,
+                tool_calls: list[dict] | None = None) -> dict:
+    """tool_calls: the parsed calls (then `text` is the content around them, None when blank)."""
+    message: dict = {"role": "assistant", "content": text}
+    reason = finish_reason(finish)
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+        if reason == "stop":
+            reason = "tool_calls"
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
 
 
 def model_card(name: str, created: int, max_model_len: int | None) -> dict:

@@ -40,6 +40,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from pagedserve.contracts.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParams
 from pagedserve.frontend.openai.request_fields import check_fields
 from pagedserve.frontend.openai.structured_output import parse_constraint, parse_logit_bias
+from pagedserve.frontend.tools.tool_request import (
+    ToolRequest, ToolSettings, forced_constraint, history_tool_calls, parse_tool_request,
+)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_PROMPTS = 64  # prompts of one /v1/completions request
@@ -116,6 +119,8 @@ class ChatMessage(_Body):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
 
 
 class ChatCompletionBody(_GenerationBody):
@@ -124,8 +129,9 @@ class ChatCompletionBody(_GenerationBody):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     add_generation_prompt: bool = True  # vLLM's extension
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: Any = None  # checked by pagedserve.frontend.tools.tool_request
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
 
 
 class TokenizeBody(_Body):
@@ -155,6 +161,7 @@ class GenerationPlan:
     echo: bool = False
     user: str | None = None
     priority: int = 0  # lower is served first under the scheduler's --scheduling-policy priority
+    tools: ToolRequest | None = None  # chat with tools (tool_choice none included)
     param_names: dict[str, str] = field(default_factory=dict)  # SamplingParams field -> OpenAI field
 
     def resolve(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
@@ -218,10 +225,19 @@ def _check_int(name: str, value: int, low: int, high: int = INT32_MAX) -> None:
         raise InvalidParameter(name, f"must be in [{low}, {high}]")
 
 
-def generation_plan(body: CompletionBody | ChatCompletionBody) -> GenerationPlan:
+def generation_plan(body: CompletionBody | ChatCompletionBody,
+                    tool_settings: ToolSettings = ToolSettings()) -> GenerationPlan:
     """The plan of a parsed body; raises InvalidParameter for what we do not serve."""
     is_chat = isinstance(body, ChatCompletionBody)
     _refuse_unsupported(body, is_chat)
+    tools = parse_tool_request(body.tools, body.tool_choice, body.parallel_tool_calls, tool_settings) \
+        if is_chat else None
+    constraint = parse_constraint(body)
+    if tools is not None and tools.is_forced:
+        if constraint is not None:
+            raise InvalidParameter("tool_choice", f"a forced tool call cannot be combined with another "
+                                                  f"constraint ({constraint.field_name})")
+        constraint = forced_constraint(tools, tool_settings.parser)
     max_tokens_field = "max_completion_tokens" if is_chat and body.max_completion_tokens is not None else "max_tokens"
     max_tokens = body.max_completion_tokens if is_chat and body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None and not is_chat:
@@ -266,7 +282,7 @@ def generation_plan(body: CompletionBody | ChatCompletionBody) -> GenerationPlan
         beam_width=beam_width,
         length_penalty=1.0 if body.length_penalty is None else body.length_penalty,
         logprobs=0 if num_top_logprobs is None else max(1, num_top_logprobs),
-        constraint=parse_constraint(body),
+        constraint=constraint,
         logit_bias=parse_logit_bias(body.logit_bias),
     )
     include_usage = False
@@ -277,7 +293,7 @@ def generation_plan(body: CompletionBody | ChatCompletionBody) -> GenerationPlan
     return GenerationPlan(
         params=params, max_tokens=max_tokens, max_tokens_field=max_tokens_field, num_choices=n,
         num_top_logprobs=num_top_logprobs, is_stream=bool(body.stream), include_usage=include_usage,
-        echo=bool(getattr(body, "echo", False)), user=body.user, priority=body.priority or 0,
+        echo=bool(getattr(body, "echo", False)), user=body.user, priority=body.priority or 0, tools=tools,
         param_names={"max_tokens": max_tokens_field, "beam_width": "use_beam_search", "logprobs": logprobs_field,
                      "n": "n"})
 
@@ -305,12 +321,7 @@ def _refuse_unsupported(body, is_chat: bool) -> None:
         _check_int("priority", body.priority, INT32_MIN)
     if not body.use_beam_search and body.length_penalty is not None and body.length_penalty != 1.0:
         raise InvalidParameter("length_penalty", "only applies with use_beam_search")
-    if is_chat:
-        if body.tools:
-            raise InvalidParameter("tools", "tool calling is not supported")
-        if body.tool_choice not in (None, "none", "auto"):
-            raise InvalidParameter("tool_choice", "tool calling is not supported")
-    elif body.suffix:
+    if not is_chat and body.suffix:
         raise InvalidParameter("suffix", "is not supported")
 
 
@@ -335,7 +346,7 @@ def prompts_of(body: CompletionBody) -> list[str | list[int]]:
 
 def chat_messages(messages: list[ChatMessage], field_name: str = "messages") -> list[dict]:
     """Messages as the chat template takes them: role and content text (text parts joined with
-    newlines, as vLLM joins them)."""
+    newlines, as vLLM joins them), an assistant's tool_calls and a tool message's tool_call_id."""
     if not messages:
         raise InvalidParameter(field_name, "must not be empty")
     rendered = []
@@ -354,5 +365,14 @@ def chat_messages(messages: list[ChatMessage], field_name: str = "messages") -> 
         item = {"role": message.role, "content": content or ""}
         if message.name is not None:
             item["name"] = message.name
+        if message.tool_calls is not None:
+            if message.role != "assistant":
+                raise InvalidParameter(f"{field_name}[{index}].tool_calls", "only assistant messages carry tool calls")
+            item["tool_calls"] = history_tool_calls(message.tool_calls, f"{field_name}[{index}].tool_calls")
+        if message.role == "tool":
+            if not message.tool_call_id:
+                raise InvalidParameter(f"{field_name}[{index}].tool_call_id", "is required in a tool message")
+            item["tool_call_id"] = message.tool_call_id
         rendered.append(item)
     return rendered
+

@@ -24,7 +24,7 @@ _UNSERVED_BOTH: dict[str, tuple] = {
 }
 _UNSERVED_CHAT: dict[str, tuple] = {
     "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (), "verbosity": (),
-    "web_search_options": (), "functions": ([],), "function_call": ("none",), "parallel_tool_calls": (True,),
+    "web_search_options": (), "functions": ([],), "function_call": ("none",),
     "echo": (False,), "continue_final_message": (False,), "documents": (), "chat_template": (),
     "chat_template_kwargs": ({},), "add_special_tokens": (False,),
 }

@@ -35,6 +35,7 @@ from pagedserve.frontend.openai.config import HttpConfig
 from pagedserve.frontend.metrics import FrontendMetrics
 from pagedserve.frontend.openai.serving import ConcurrencyLimit, OpenAIServing
 from pagedserve.frontend.grpc.transport import TransportConfig
+from pagedserve.frontend.tools.tool_request import ToolSettings
 
 START_TIMEOUT_S = 30.0
 EXTRA_THREADS = 8  # prepare steps and /tokenize beside the pumps
@@ -65,13 +66,14 @@ class HttpServer:
 def start_http_server(admission: Admission, metrics: FrontendMetrics, config: HttpConfig,
                       chat_template: ChatTemplate, *, host: str, model_path: str | Path,
                       transport: TransportConfig, max_concurrent_requests: int, grace_s: float,
-                      stream_write_timeout_s: float, max_undelivered_messages: int | None) -> HttpServer:
+                      stream_write_timeout_s: float, max_undelivered_messages: int | None,
+                      tool_settings: ToolSettings = ToolSettings()) -> HttpServer:
     """Binds host:config.port and serves the OpenAI-compatible API; returns once it accepts."""
     executor = ThreadPoolExecutor(max_workers=max_concurrent_requests + EXTRA_THREADS, thread_name_prefix="http-gen")
     serving = OpenAIServing(admission, metrics, chat_template, config.served_model_name or served_model_name(model_path),
                             executor, ConcurrencyLimit(max_concurrent_requests),
                             stream_write_timeout_s=stream_write_timeout_s,
-                            max_undelivered_messages=max_undelivered_messages)
+                            max_undelivered_messages=max_undelivered_messages, tool_settings=tool_settings)
     app = build_app(admission, serving, executor, api_key=config.resolved_api_key(),
                     max_request_bytes=config.max_request_bytes)
     uvicorn_config = uvicorn.Config(

@@ -45,6 +45,9 @@ from pagedserve.frontend.openai.bodies import (
 from pagedserve.frontend.openai.streaming import ChunkWriter, WatchedStreamingResponse, sse_frames
 from pagedserve.frontend.generation.stream_watchdog import DEFAULT_STREAM_WRITE_TIMEOUT_S
 from pagedserve.frontend.grpc.validation import ValidatedRequest, check_text_bytes, check_token_ids, validate_lengths
+from pagedserve.frontend.tools.tool_parsers import get_parser
+from pagedserve.frontend.tools.tool_request import ToolSettings
+from pagedserve.frontend.tools.tool_stream import message_content, tool_call_body
 from pagedserve.contracts.sampling_params import InvalidParameter
 
 log = structlog.get_logger()
@@ -89,10 +92,12 @@ class OpenAIServing:
     def __init__(self, admission: Admission, metrics: FrontendMetrics, chat_template: ChatTemplate,
                  served_model_name: str, executor: Executor, limit: ConcurrencyLimit, *,
                  stream_write_timeout_s: float = DEFAULT_STREAM_WRITE_TIMEOUT_S,
-                 max_undelivered_messages: int | None = None) -> None:
+                 max_undelivered_messages: int | None = None, tool_settings: ToolSettings = ToolSettings()) -> None:
         """stream_write_timeout_s: how long one SSE write may wait for a client that is not reading;
-        max_undelivered_messages: updates of a request left unread before it is aborted."""
+        max_undelivered_messages: updates of a request left unread before it is aborted;
+        tool_settings: --tool-call-parser and --enable-auto-tool-choice."""
         self._admission = admission
+        self._tool_settings = tool_settings
         self._stream_write_timeout_s = stream_write_timeout_s
         self._max_undelivered_messages = max_undelivered_messages
         self._metrics = metrics
@@ -123,7 +128,7 @@ class OpenAIServing:
             if unknown:
                 log.info("request_unknown_fields", fields=unknown)  # request_id is bound by the middleware
             self.check_model(parsed.model)
-            plan = generation_plan(parsed)
+            plan = generation_plan(parsed, self._tool_settings)
             if plan.user is not None:
                 log.info("request_user", user=plan.user)
             prepared = await loop.run_in_executor(self._executor, self._prepare, parsed, plan, request_id, is_chat)
@@ -137,7 +142,8 @@ class OpenAIServing:
                 first = await _unless_disconnected(request, run.next())
                 writer = ChunkWriter(header, is_chat=is_chat, num_choices=plan.num_choices,
                                      num_top_logprobs=plan.num_top_logprobs, include_usage=plan.include_usage,
-                                     token_text=self._token_text, echo_texts=prepared.echo_texts)
+                                     token_text=self._token_text, echo_texts=prepared.echo_texts,
+                                     tool_parser=self._tool_parser_name(plan))
                 # The background task also runs when the client left before the stream started
                 # (Starlette then never starts the frames' generator, so its cleanup cannot).
                 return WatchedStreamingResponse(
@@ -153,6 +159,10 @@ class OpenAIServing:
         except Exception as exc:
             run.cancel()
             return error_response(exc)
+
+    def _tool_parser_name(self, plan: GenerationPlan) -> str | None:
+        """The parser of a chat request whose output may hold tool calls, else None."""
+        return self._tool_settings.parser if plan.tools is not None and plan.tools.is_active else None
 
     def _on_write_timeout(self, run: GenerationRun, request_id: str) -> Callable[[], None]:
         def on_timeout() -> None:
@@ -184,12 +194,13 @@ class OpenAIServing:
             return error_response(exc)
         return error_response(RequestFailed(self._admission.failed(exc, timer, code_of=http_status)))
 
-    def encode_messages(self, messages: list[ChatMessage], add_generation_prompt: bool, max_bytes: int) -> list[int]:
-        """Chat messages rendered by the chat template, as token ids (their texts checked against
-        max_bytes first)."""
+    def encode_messages(self, messages: list[ChatMessage], add_generation_prompt: bool, max_bytes: int,
+                        tools: list[dict] | None = None) -> list[int]:
+        """Chat messages rendered by the chat template (with the request's tools, when it has active
+        ones), as token ids (their texts checked against max_bytes first)."""
         rendered = chat_messages(messages)
         check_text_bytes("messages", [m["content"] for m in rendered], max_bytes)
-        return self._chat_template.encode(rendered, add_generation_prompt)
+        return self._chat_template.encode(rendered, add_generation_prompt, tools)
 
     def encode_text(self, field_name: str, text: str, max_bytes: int, add_special_tokens: bool = True) -> list[int]:
         """A text prompt as token ids (checked against max_bytes first)."""
@@ -201,9 +212,10 @@ class OpenAIServing:
         limits = self._admission.limits()
         tokenizer = self._admission.tokenizer
         if is_chat:
+            tools = plan.tools.template_tools() if plan.tools is not None and plan.tools.is_active else None
             prompts: list[tuple[str, list[int]]] = [
                 ("messages", self.encode_messages(parsed.messages, parsed.add_generation_prompt,
-                                                  limits.max_prompt_bytes))]
+                                                  limits.max_prompt_bytes, tools))]
         else:
             prompts = []
             items = prompts_of(parsed)
@@ -234,6 +246,7 @@ class OpenAIServing:
     def _whole(self, header: ResponseHeader, run: GenerationRun, plan: GenerationPlan, prepared: PreparedRequest,
                is_chat: bool) -> dict:
         choices = []
+        parser_name = self._tool_parser_name(plan)
         for prompt_index, generation in enumerate(run.generations):
             states = sorted(generation.states, key=lambda state: state.index)[:plan.num_choices]
             for state in states:
@@ -245,6 +258,11 @@ class OpenAIServing:
                 if plan.num_top_logprobs is not None:
                     logprobs = (chat_logprobs(state.logprobs, plan.num_top_logprobs, self._token_text) if is_chat
                                 else completion_logprobs(state.logprobs, plan.num_top_logprobs, self._token_text, 0))
+                if parser_name is not None:
+                    parsed_output = get_parser(parser_name).parse(text)
+                    choices.append(chat_choice(index, message_content(parsed_output), state.finish, logprobs,
+                                               [tool_call_body(call) for call in parsed_output.calls]))
+                    continue
                 choice_of = chat_choice if is_chat else completion_choice
                 choices.append(choice_of(index, text, state.finish, logprobs))
         usage = total_usage([run.usages[index] for index in sorted(run.usages)])

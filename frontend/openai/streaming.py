@@ -29,6 +29,8 @@ from pagedserve.frontend.generation.completion_state import CompletionUpdate
 from pagedserve.frontend.generation.updates import GenerationUpdate
 from pagedserve.frontend.openai.connection_abort import abort_connection
 from pagedserve.frontend.openai.generation_run import GenerationRun
+from pagedserve.frontend.tools.tool_parsers import get_parser
+from pagedserve.frontend.tools.tool_stream import ToolStream
 from pagedserve.frontend.openai.bodies import (
     ResponseHeader, TokenTexts, chat_logprobs, completion_logprobs, finish_reason, total_usage, usage_body,
 )
@@ -52,7 +54,10 @@ class ChunkWriter:
     """Turns one request's updates into chunk bodies; remembers per choice what was sent."""
 
     def __init__(self, header: ResponseHeader, *, is_chat: bool, num_choices: int, num_top_logprobs: int | None,
-                 include_usage: bool, token_text: TokenTexts, echo_texts: list[str] | None = None) -> None:
+                 include_usage: bool, token_text: TokenTexts, echo_texts: list[str] | None = None,
+                 tool_parser: str | None = None) -> None:
+        """tool_parser: the --tool-call-parser of a chat request with tools: each choice's text goes
+        through a ToolStream (content and tool_calls deltas, partial tags held back)."""
         self._header = header
         self._is_chat = is_chat
         self._num_choices = num_choices
@@ -61,6 +66,8 @@ class ChunkWriter:
         self._token_text = token_text
         self._echo_texts = echo_texts  # per prompt; None without echo
         self._num_chars: dict[int, int] = {}  # choice -> characters sent (logprobs text_offset)
+        self._tool_parser = tool_parser
+        self._tool_streams: dict[int, ToolStream] = {}  # choice -> its calls so far
 
     def opening(self, num_prompts: int) -> list[dict]:
         """Chat: the assistant role, once per choice, before any content."""
@@ -71,8 +78,38 @@ class ChunkWriter:
                 for index in range(num_prompts * self._num_choices)]
 
     def chunks(self, prompt_index: int, update: GenerationUpdate) -> list[dict]:
+        if self._tool_parser is not None:
+            return [chunk for completion in update.completions if completion.index < self._num_choices
+                    for chunk in self._tool_chunks(prompt_index, completion)]
         return [self._choice_chunk(prompt_index, completion) for completion in update.completions
                 if completion.index < self._num_choices]
+
+    def _tool_chunks(self, prompt_index: int, completion: CompletionUpdate) -> list[dict]:
+        """A choice's update as content and tool_calls deltas; the last chunk has finish_reason
+        (tool_calls when the choice made calls and was not cut by the length)."""
+        index = prompt_index * self._num_choices + completion.index
+        stream = self._tool_streams.get(index)
+        if stream is None:
+            stream = self._tool_streams[index] = ToolStream(get_parser(self._tool_parser))
+        deltas = stream.feed(completion.text)
+        logprobs = None
+        if self._num_top_logprobs is not None:
+            logprobs = chat_logprobs(completion.logprobs, self._num_top_logprobs, self._token_text)
+        if completion.finish is not None:
+            deltas += stream.finish()
+        chunks = [self._chunk({"index": index, "delta": delta, "logprobs": None, "finish_reason": None})
+                  for delta in deltas]
+        if logprobs is not None:
+            if chunks:
+                chunks[0]["choices"][0]["logprobs"] = logprobs
+            else:
+                chunks.append(self._chunk({"index": index, "delta": {}, "logprobs": logprobs, "finish_reason": None}))
+        if completion.finish is not None:
+            reason = finish_reason(completion.finish)
+            if stream.has_calls and reason == "stop":
+                reason = "tool_calls"
+            chunks.append(self._chunk({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}))
+        return chunks
 
     def closing(self, run: GenerationRun) -> list[dict]:
         """The usage chunk, when the client asked for it."""

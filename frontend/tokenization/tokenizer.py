@@ -63,10 +63,11 @@ class Tokenizer:
         # verbose=False: over-long prompts are refused by validation, not warned about on stderr.
         return list(self._hf.encode(text, add_special_tokens=add_special_tokens, verbose=False))
 
-    def render_chat(self, messages: list[dict], template: str, add_generation_prompt: bool) -> str:
+    def render_chat(self, messages: list[dict], template: str, add_generation_prompt: bool,
+                    tools: list[dict] | None = None) -> str:
         """The chat `messages` rendered by the Jinja `template` as transformers renders it (the
-        same variables: bos_token, eos_token, raise_exception …); template errors propagate."""
-        return self._hf.apply_chat_template(messages, chat_template=template, tokenize=False,
+        same variables: bos_token, eos_token, raise_exception, tools …); template errors propagate."""
+        return self._hf.apply_chat_template(messages, chat_template=template, tokenize=False, tools=tools,
                                             add_generation_prompt=add_generation_prompt)
 
     def token_text(self, token_id: int) -> str:

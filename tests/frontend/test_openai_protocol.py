@@ -101,7 +101,7 @@ def test_priority_flows_through():
 
 def test_chat_errors_name_the_field():
     assert _param(lambda: _chat(top_logprobs=2)) == "top_logprobs"
-    assert _param(lambda: _chat(tools=[{"type": "function"}])) == "tools"
+    assert _param(lambda: _chat(tools=[{"type": "function"}])) == "tools[0].function"
     body = parse_body(ChatCompletionBody, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
     assert _param(lambda: chat_messages(body.messages)) == "messages[0].content[0]"
     assert _param(lambda: parse_body(ChatCompletionBody, {"messages": [{"role": 1}]})) == "messages[0].role"
