@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from pagedserve.internal import scheduler_pb2
-from pagedserve.launch.serve_process import READY_SERVICE, ServeProcess as _ServeProcess
+from pagedserve.launch.serve_process import READY_SERVICE, ServeProcess as _ServeProcess, _children, _role
 from pagedserve.v1 import generation_pb2
 
 
@@ -46,6 +46,15 @@ class ServeProcess(_ServeProcess):
             raise TimeoutError(f"not submitted: {set(request_ids) - set(self.submitted_ids())}\n"
                                f"{self.logs()[-3000:]}")
 
+    def worker_pids(self) -> list[int]:
+        """pids of every worker rank of the tree, those of data-parallel replicas included."""
+        found, parents = [], [self.proc.pid]
+        while parents:
+            children = [child for parent in parents for child in _children(parent)]
+            found += [pid for pid in children if (_role(pid) or "").startswith("worker")]
+            parents = children
+        return found
+
     @contextlib.contextmanager
     def workers_paused(self):
         """Stops every worker rank (SIGSTOP) for the block and continues them (SIGCONT) after it.
@@ -57,7 +66,7 @@ class ServeProcess(_ServeProcess):
         The scheduler's step loop waits for the paused step meanwhile: GetStats (stats, wait_idle)
         does not answer inside the block, the Prometheus gauges do (they show the last step).
         The tree must run with a --heartbeat-timeout longer than the block (PAUSE_ARGS)."""
-        pids = [pid for role, pid in self.child_pids().items() if role.startswith("worker")]
+        pids = self.worker_pids()
         if not pids:
             raise RuntimeError("this serve has no worker processes to pause")
         for pid in pids:
