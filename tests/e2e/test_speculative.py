@@ -37,7 +37,8 @@ def _generate_all(server, prompts: list[list[int]]) -> list[list[int]]:
     others all queued before their second step, whatever the speed of the host: they are submitted
     while the workers are paused, one at a time in a fixed order (longest first: its prefill alone
     fills the first step's token budget), so every run schedules the same steps. The pool is too
-    small for all of them (their prompts alone need more blocks than it has): preemption."""
+    small for all of them (their prompts alone need 28 blocks of 16 tokens, the tests' pools hold
+    22): preemption."""
     def generate(prompt: list[int], request_id: str = "") -> list[int]:
         request = token_request(prompt, max_tokens=MAX_TOKENS)
         request.request_id = request_id
