@@ -29,7 +29,7 @@ class SchedulerServerConfig:
     tensor_parallel_size: int = tensor_parallel_size_option()
     metrics_port: int | None = option(None, metavar="P", help="serve Prometheus /metrics on this port")
     metrics_host: str | None = metrics_host_option()
-    heartbeat_timeout: float = option(10.0, metavar="SECONDS",
+    heartbeat_timeout: float = option(10.0, metavar="SECONDS", serve=True,
                                       help="a worker rank not heard from this long is lost")
     shutdown_timeout: float = shutdown_timeout_option()
     max_undelivered_bytes: int = option(

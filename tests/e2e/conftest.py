@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.harness import ServeProcess
+from tests.e2e.harness import PAUSE_ARGS, ServeProcess
 
 VOCAB_SIZE = 512
 # A plain chat template (the tiny tokenizer has none): BOS, one turn per message ended by EOS,
@@ -100,7 +100,7 @@ def start_server(checkpoint: Path, tmp_path_factory, name: str, *args: str, **op
 @pytest.fixture(scope="module")
 def llama_server(llama_checkpoint, tmp_path_factory):
     server = start_server(llama_checkpoint, tmp_path_factory, "llama", "--num-kv-blocks", "256",
-                          "--max-num-batched-tokens", "512")
+                          "--max-num-batched-tokens", "512", *PAUSE_ARGS)
     yield server
     code = server.stop()
     assert code == 0, f"serve exited with {code}:\n{server.logs()[-3000:]}"
@@ -109,9 +109,10 @@ def llama_server(llama_checkpoint, tmp_path_factory):
 @pytest.fixture(scope="session")
 def service_server(llama_checkpoint, tmp_path_factory):
     """One `serve` shared by the service-surface tests (cancellation, validation, fuzz,
-    observability): metrics on both processes, a pool small enough that a leak shows."""
+    observability): metrics on both processes, a pool small enough that a leak shows, workers that
+    a test may pause (harness.ServeProcess.workers_paused)."""
     server = start_server(llama_checkpoint, tmp_path_factory, "service", "--num-kv-blocks", "192",
-                          "--max-num-batched-tokens", "512", metrics=True)
+                          "--max-num-batched-tokens", "512", *PAUSE_ARGS, metrics=True)
     yield server
     code = server.stop()
     assert code == 0, f"serve exited with {code}:\n{server.logs()[-3000:]}"
@@ -124,7 +125,7 @@ def openai_server(chat_checkpoint, tmp_path_factory):
     server = start_server(chat_checkpoint, tmp_path_factory, "openai", "--num-kv-blocks", "192",
                           "--max-num-batched-tokens", "512", "--max-num-seqs", "4",
                           "--max-waiting-requests", "2", "--served-model-name", "tiny-chat",
-                          "--api-key", OPENAI_API_KEY, metrics=True, http_port=True, api_key=OPENAI_API_KEY)
+                          "--api-key", OPENAI_API_KEY, *PAUSE_ARGS, metrics=True, http_port=True, api_key=OPENAI_API_KEY)
     yield server
     code = server.stop()
     assert code == 0, f"serve exited with {code}:\n{server.logs()[-3000:]}"

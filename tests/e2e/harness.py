@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
 from pagedserve.internal import scheduler_pb2
-from pagedserve.launch.serve_process import READY_SERVICE, ServeProcess as _ServeProcess
+from pagedserve.launch.serve_process import READY_SERVICE, ServeProcess as _ServeProcess, _children, _role
 from pagedserve.v1 import generation_pb2
+
+
+# serve flags of a tree whose workers a test pauses (ServeProcess.workers_paused): the scheduler
+# does not count a paused rank as lost
+PAUSE_ARGS = ("--heartbeat-timeout", "600")
 
 
 class ServeProcess(_ServeProcess):
@@ -26,6 +34,49 @@ class ServeProcess(_ServeProcess):
     def log_events_named(self, name: str) -> int:
         """How many log events of that name the tree has written."""
         return sum(event["event"] == name for event in self.log_events())
+
+    def submitted_ids(self) -> list[str]:
+        """Ids of the requests the scheduler has accepted (`request_submitted`), in order."""
+        return [event["request_id"] for event in self.log_events()
+                if event["event"] == "request_submitted" and event.get("process") == "scheduler"]
+
+    def wait_submitted(self, *request_ids: str, timeout: float = 120.0) -> None:
+        """Waits until the scheduler has accepted every one of these requests."""
+        if not wait_for(lambda: set(request_ids) <= set(self.submitted_ids()), timeout=timeout):
+            raise TimeoutError(f"not submitted: {set(request_ids) - set(self.submitted_ids())}\n"
+                               f"{self.logs()[-3000:]}")
+
+    def worker_pids(self) -> list[int]:
+        """pids of every worker rank of the tree, those of data-parallel replicas included."""
+        found, parents = [], [self.proc.pid]
+        while parents:
+            children = [child for parent in parents for child in _children(parent)]
+            found += [pid for pid in children if (_role(pid) or "").startswith("worker")]
+            parents = children
+        return found
+
+    @contextlib.contextmanager
+    def workers_paused(self):
+        """Stops every worker rank (SIGSTOP) for the block and continues them (SIGCONT) after it.
+
+        A gate for preconditions that must not depend on speed: the step in flight cannot finish
+        and no further step starts, so requests submitted inside the block all wait in the
+        scheduler (in the order the scheduler accepted them, see wait_submitted) and none can
+        finish or produce a token until the block ends; after it, the next step sees them all.
+        The scheduler's step loop waits for the paused step meanwhile: GetStats (stats, wait_idle)
+        does not answer inside the block, the Prometheus gauges do (they show the last step).
+        The tree must run with a --heartbeat-timeout longer than the block (PAUSE_ARGS)."""
+        pids = self.worker_pids()
+        if not pids:
+            raise RuntimeError("this serve has no worker processes to pause")
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):  # a rank the test killed meanwhile
+                    os.kill(pid, signal.SIGCONT)
 
 
 def token_request(prompt_token_ids: list[int], **params) -> generation_pb2.GenerateRequest:

@@ -6,7 +6,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from tests.e2e.harness import token_request
+from tests.e2e.harness import token_request, wait_for
 
 
 def _stream_timed(server, request_id: str, prompt: list[int], max_tokens: int, record: dict) -> None:
@@ -27,14 +27,15 @@ def test_new_request_joins_running_batch(llama_server):
                for i, rid in enumerate(long_ids)]
     for thread in threads:
         thread.start()
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        recent = llama_server.stats(max_recent_steps=8).recent_steps
-        if sum(1 for step in recent if step.num_decode_tokens >= 3) >= 3:
-            break
-        time.sleep(0.02)
-    _stream_timed(llama_server, "short", [9, 10, 11], 4, record)
-    for thread in threads:
+    assert wait_for(lambda: sum(1 for step in llama_server.stats(max_recent_steps=8).recent_steps
+                                if step.num_decode_tokens >= 3) >= 3, timeout=60, interval=0.02)
+    # the longs decode; the short arrives while the workers are paused, so the longs (at most a
+    # step or two further on, 150 tokens from their end) are still running when it is scheduled
+    short = threading.Thread(target=_stream_timed, args=(llama_server, "short", [9, 10, 11], 4, record))
+    with llama_server.workers_paused():
+        short.start()
+        llama_server.wait_submitted("short")
+    for thread in [*threads, short]:
         thread.join()
     short_first = record["short"][0]
     assert all(len(record[rid]) == 160 for rid in long_ids)
@@ -55,10 +56,15 @@ def test_seeded_sampling_is_batch_independent(llama_server):
     alone = llama_server.stub.Generate(token_request(prompt, **seeded), timeout=60)
     others = [token_request([30 + i] * (3 + i), max_tokens=20, temperature=0.9, seed=i,
                             ignore_eos=True) for i in range(15)]
+    for index, request in enumerate(others):
+        request.request_id = f"seeded-other-{index}"
+    batched = token_request(prompt, **seeded)
+    batched.request_id = "seeded-batched"
     with ThreadPoolExecutor(16) as pool:
-        futures = [pool.submit(llama_server.stub.Generate, req, timeout=60) for req in others]
-        together = pool.submit(llama_server.stub.Generate, token_request(prompt, **seeded),
-                               timeout=60).result()
+        with llama_server.workers_paused():  # all 16 queued together: they share their steps
+            futures = [pool.submit(llama_server.stub.Generate, req, timeout=60) for req in [*others, batched]]
+            llama_server.wait_submitted(*(request.request_id for request in [*others, batched]))
+        together = futures[-1].result()
         for future in futures:
             future.result()
     assert list(alone.completions[0].token_ids) == list(together.completions[0].token_ids)

@@ -34,9 +34,12 @@ def test_killed_worker_is_restarted_and_streams_complete(llama_checkpoint, tmp_p
         for thread in threads:
             thread.start()
         assert wait_for(lambda: all(len(r) >= 5 for r in received), timeout=60)
-        os.kill(old_worker, signal.SIGKILL)
-        killed_at = time.monotonic()
-        at_kill = [len(r) for r in received]
+        # the streams cannot end between the check and the kill (a pause of a moment: no
+        # heartbeat is missed)
+        with server.workers_paused():
+            os.kill(old_worker, signal.SIGKILL)
+            killed_at = time.monotonic()
+            at_kill = [len(r) for r in received]
         assert min(at_kill) < MAX_TOKENS, "the streams finished before the kill"
 
         assert wait_for(lambda: server.health() == health_pb2.HealthCheckResponse.NOT_SERVING

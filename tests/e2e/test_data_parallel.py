@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,7 +24,7 @@ import pytest
 
 from pagedserve.v1 import generation_pb2
 from tests.e2e.conftest import start_server
-from tests.e2e.harness import token_request, wait_for
+from tests.e2e.harness import PAUSE_ARGS, token_request, wait_for
 
 NUM_SYSTEM_PROMPTS = 8
 NUM_REQUESTS = 64
@@ -34,12 +33,12 @@ NUM_KV_BLOCKS = 36  # per replica: 4 system prompts (32 blocks) and the running 
 CONCURRENCY = 4
 
 
-def _start(checkpoint, tmp_path_factory, routing: str):
+def _start(checkpoint, tmp_path_factory, routing: str, *extra: str):
     """serve with both replicas ready (the frontend is ready with one already): ModelInfo counts
     the KV blocks of every ready replica."""
     server = start_server(checkpoint, tmp_path_factory, f"dp-{routing}", "--data-parallel-size", "2",
                           "--routing", routing, "--num-kv-blocks", str(NUM_KV_BLOCKS),
-                          "--max-num-batched-tokens", "512")
+                          "--max-num-batched-tokens", "512", *extra)
     try:
         assert wait_for(lambda: server.stub.ModelInfo(generation_pb2.ModelInfoRequest(), timeout=10).num_kv_blocks
                         == 2 * NUM_KV_BLOCKS, timeout=60)
@@ -96,7 +95,7 @@ def test_prefix_routing_doubles_the_hit_rate_of_round_robin_and_stays_balanced(l
 
 @pytest.fixture
 def dp_server(llama_checkpoint, tmp_path_factory):
-    server = _start(llama_checkpoint, tmp_path_factory, "prefix")
+    server = _start(llama_checkpoint, tmp_path_factory, "prefix", *PAUSE_ARGS)
     yield server
     _stop(server)
 
@@ -114,34 +113,41 @@ def _scheduler_pids(server) -> list[int]:
 
 
 def test_a_killed_scheduler_loses_no_request(dp_server):
+    """Eight streams queued together (behind paused workers) stream their first tokens; the
+    workers are paused again, so none can end before the scheduler that holds most of them is
+    killed, whatever the speed of the host; four more arrive during the outage."""
     server = dp_server
     assert wait_for(lambda: len(_scheduler_pids(server)) == 2, timeout=30)
     errors: list[Exception] = []
     finished: list[int] = []
-    started = threading.Event()
+    num_received: dict[int, int] = {}
 
     def stream(index: int) -> None:
-        prompt = [3 + index, 4, 5, 6, 7, 8, 9, 10]
+        request = token_request([3 + index, 4, 5, 6, 7, 8, 9, 10], max_tokens=120, ignore_eos=True)
+        request.request_id = f"dp-stream-{index}"
         try:
-            tokens = []
-            for message in server.stub.GenerateStream(token_request(prompt, max_tokens=120, ignore_eos=True),
-                                                      timeout=180):
-                tokens += message.completions[0].token_ids
-                started.set()
-            finished.append(len(tokens))
+            num_received[index] = 0
+            for message in server.stub.GenerateStream(request, timeout=180):
+                num_received[index] += len(message.completions[0].token_ids)
+            finished.append(num_received[index])
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
     threads = [threading.Thread(target=stream, args=(index,)) for index in range(8)]
-    for thread in threads:
-        thread.start()
-        time.sleep(0.05)
-    assert started.wait(60)
-    time.sleep(0.3)
-    os.kill(_scheduler_pids(server)[0], signal.SIGKILL)
+    with server.workers_paused():
+        for thread in threads:
+            thread.start()
+        server.wait_submitted(*(f"dp-stream-{index}" for index in range(8)))
+    assert wait_for(lambda: len(num_received) == 8 and all(num_received.values()), timeout=60), num_received
     late = [threading.Thread(target=stream, args=(100 + index,)) for index in range(4)]  # during the outage
-    for thread in late:
-        thread.start()
+    with server.workers_paused():
+        accepted = Counter(event["pid"] for event in server.log_events() if event["event"] == "request_submitted"
+                           and event.get("process") == "scheduler"
+                           and event.get("request_id", "").startswith("dp-stream-"))
+        os.kill(accepted.most_common(1)[0][0], signal.SIGKILL)
+        assert all(count < 120 for count in num_received.values())
+        for thread in late:
+            thread.start()
     for thread in threads + late:
         thread.join(timeout=240)
     assert not errors, errors

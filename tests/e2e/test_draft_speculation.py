@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.e2e.conftest import VOCAB_SIZE, build_checkpoint, start_server
-from tests.e2e.harness import token_request
+from tests.e2e.harness import PAUSE_ARGS, token_request
 from tests.e2e.test_speculative import MAX_TOKENS, _counter, _generate_all, _prompts
 
 
@@ -31,7 +31,7 @@ def _spec_counts(metrics: str) -> tuple[float, float, float]:
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_self_draft_gives_hf_greedy_tokens_under_pressure(mode, llama_checkpoint, hf_reference, tmp_path_factory):
-    server = start_server(llama_checkpoint, tmp_path_factory, f"draft-{mode}", *_draft_args(llama_checkpoint),
+    server = start_server(llama_checkpoint, tmp_path_factory, f"draft-{mode}", *_draft_args(llama_checkpoint), *PAUSE_ARGS,
                           "--num-kv-blocks", "22", "--preemption-mode", mode, "--max-num-batched-tokens", "48",
                           "--max-num-seqs", "16", metrics=True)
     try:
@@ -56,7 +56,7 @@ def test_one_layer_draft_with_chunked_prefill_gives_hf_greedy_tokens(llama_check
     draft = build_checkpoint(tmp_path_factory.mktemp("draft-1-layer"), "llama", hidden_size=64, num_layers=1,
                              num_heads=4, num_kv_heads=2, intermediate_size=128, max_position_embeddings=1024,
                              tie_word_embeddings=False)
-    server = start_server(llama_checkpoint, tmp_path_factory, "draft-1-layer", *_draft_args(draft),
+    server = start_server(llama_checkpoint, tmp_path_factory, "draft-1-layer", *_draft_args(draft), *PAUSE_ARGS,
                           "--num-kv-blocks", "96", "--max-num-batched-tokens", "32", "--max-num-seqs", "16",
                           metrics=True)
     try:

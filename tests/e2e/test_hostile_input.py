@@ -1,11 +1,12 @@
 """Hostile input on the public port of a real `serve`: a prompt of tens of megabytes is refused by
-its length before it is tokenized (quickly, and without the frontend's memory growing), on
-Generate, on Tokenize and over HTTP."""
+its length before it is tokenized (in little of the frontend's CPU time, and without its memory
+growing), on Generate, on Tokenize and over HTTP. CPU time, not wall-clock time: what the frontend
+spends on the call does not depend on what else loads the host."""
 
 from __future__ import annotations
 
 import json
-import time
+import os
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -18,8 +19,14 @@ from tests.e2e.conftest import OPENAI_API_KEY, start_server
 from tests.e2e.harness import text_request, wait_for
 
 HUGE_PROMPT_BYTES = 60 * 2**20
-MAX_SECONDS = 1.0
+MAX_CPU_SECONDS = 1.0  # receiving and refusing; tokenizing the prompt would take many times more
 MAX_RSS_GROWTH_BYTES = 100 * 2**20
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User and system CPU time of the process (all its threads) so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _rss_bytes(pid: int) -> int:
@@ -44,7 +51,7 @@ def test_huge_prompt_is_refused_before_tokenizing(fresh_server, rpc):
     frontend_pid = service_server.child_pids()["frontend"]
     rss_before = _rss_bytes(frontend_pid)
     huge = "lighthouse " * (HUGE_PROMPT_BYTES // 11)
-    started = time.monotonic()
+    cpu_before = _cpu_seconds(frontend_pid)
     with pytest.raises(grpc.RpcError) as info:
         if rpc == "Generate":
             service_server.stub.Generate(text_request(huge, max_tokens=4), timeout=30)
@@ -52,10 +59,11 @@ def test_huge_prompt_is_refused_before_tokenizing(fresh_server, rpc):
             list(service_server.stub.GenerateStream(text_request(huge, max_tokens=4), timeout=30))
         else:
             service_server.stub.Tokenize(pb.TokenizeRequest(text=huge), timeout=30)
-    elapsed = time.monotonic() - started
+    cpu_seconds = _cpu_seconds(frontend_pid) - cpu_before
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "bytes" in info.value.details()
-    assert elapsed < MAX_SECONDS, f"refused after {elapsed:.1f}s"
+    assert cpu_seconds < MAX_CPU_SECONDS, f"refused after {cpu_seconds:.2f} s of the frontend's CPU"
+    print(f"{rpc}: refused after {cpu_seconds:.2f} s of the frontend's CPU")
     # the 60 MB message itself passes through gRPC's and protobuf's buffers: once the call is
     # cleaned up (a moment after its status), the frontend is back near where it was
     assert wait_for(lambda: _rss_bytes(frontend_pid) - rss_before < MAX_RSS_GROWTH_BYTES, timeout=5), \
@@ -76,11 +84,12 @@ def test_long_http_prompt_is_refused_before_tokenizing(openai_server, path, body
     request = urllib.request.Request(openai_server.http_url + path, data=json.dumps(body(text)).encode(),
                                      headers={"Content-Type": "application/json",
                                               "Authorization": f"Bearer {OPENAI_API_KEY}"})
-    started = time.monotonic()
+    frontend_pid = openai_server.child_pids()["frontend"]
+    cpu_before = _cpu_seconds(frontend_pid)
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(request, timeout=30)
-    elapsed = time.monotonic() - started
+    cpu_seconds = _cpu_seconds(frontend_pid) - cpu_before
     assert info.value.code == 400
     error = json.loads(info.value.read())["error"]
     assert "bytes" in error["message"]
-    assert elapsed < MAX_SECONDS * 2, f"refused after {elapsed:.1f}s"
+    assert cpu_seconds < MAX_CPU_SECONDS, f"refused after {cpu_seconds:.2f} s of the frontend's CPU"

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.e2e.conftest import VOCAB_SIZE, start_server
-from tests.e2e.harness import token_request
+from tests.e2e.harness import PAUSE_ARGS, token_request
 
 PREEMPT_PROMPT_LENGTHS = [40 + 7 * i for i in range(16)]
 PREEMPT_MAX_TOKENS = 48
@@ -98,12 +98,24 @@ def test_prefix_cache_reuses_a_long_system_prompt(llama_server, llama_checkpoint
 
 
 def _preemption_workload(server) -> list[list[int]]:
+    """16 requests, all queued before their second step (submitted in order while the workers are
+    paused): their prompts alone need 100 blocks of 16 tokens (3 to 10 each) and their 48 output
+    tokens 3 more each, so on a 40-block pool the requests admitted first fill it and run out of
+    blocks as they grow: preemption on every run, however fast the host is."""
     rng = random.Random(3)
     prompts = [[rng.randrange(4, VOCAB_SIZE) for _ in range(n)] for n in PREEMPT_PROMPT_LENGTHS]
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        responses = list(pool.map(lambda p: server.stub.Generate(
-            token_request(p, max_tokens=PREEMPT_MAX_TOKENS, ignore_eos=True), timeout=300), prompts))
-    return [list(r.completions[0].token_ids) for r in responses]
+
+    def generate(index: int):
+        request = token_request(prompts[index], max_tokens=PREEMPT_MAX_TOKENS, ignore_eos=True)
+        request.request_id = f"preempt-{index}"
+        return server.stub.Generate(request, timeout=300)
+
+    with ThreadPoolExecutor(len(prompts)) as pool, server.workers_paused():
+        futures = []
+        for index in range(len(prompts)):
+            futures.append(pool.submit(generate, index))
+            server.wait_submitted(f"preempt-{index}")
+    return [list(future.result().completions[0].token_ids) for future in futures]
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +128,7 @@ def test_preemption_gives_identical_output(mode, unpressured_outputs, llama_chec
                                           tmp_path_factory):
     server = start_server(llama_checkpoint, tmp_path_factory, f"preempt-{mode}",
                           "--num-kv-blocks", "40", "--preemption-mode", mode,
-                          "--no-enable-prefix-caching")
+                          "--no-enable-prefix-caching", *PAUSE_ARGS)
     try:
         outputs = _preemption_workload(server)
         stats = server.wait_idle()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -270,6 +269,8 @@ def test_models_tokenize_detokenize_version(client, openai_server):
 
 
 def test_flooding_the_waiting_queue_raises_rate_limit_error(client, openai_server):
+    """12 streams while the workers are paused: no step can take a request off the waiting queue,
+    so beyond the 4 of the first step and the 2 the queue holds, every one is refused at once."""
     results, streams, lock = [], [], threading.Lock()
 
     def one() -> None:
@@ -283,8 +284,11 @@ def test_flooding_the_waiting_queue_raises_rate_limit_error(client, openai_serve
             results.append(exc)
 
     threads = [threading.Thread(target=one) for _ in range(12)]
-    for thread in threads:
-        thread.start()
+    with openai_server.workers_paused():
+        for thread in threads:
+            thread.start()
+        assert wait_for(lambda: sum(isinstance(result, openai.RateLimitError) for result in results) >= 12 - 4 - 2,
+                        timeout=60), results
     for thread in threads:
         thread.join(60)
     for stream in streams:
@@ -304,29 +308,44 @@ def _frontend_sample(server, name: str, **labels) -> float:
     return 0.0
 
 
+def _aborts(server) -> float:
+    return _frontend_sample(server, "pagedserve_requests_total", finish_reason="abort", protocol="http")
+
+
+def _scheduler_events(server, request_id: str) -> list[str]:
+    return [event["event"] for event in server.log_events()
+            if event.get("process") == "scheduler" and event.get("request_id") == request_id]
+
+
 def test_disconnect_mid_stream_aborts_and_frees_blocks(client, openai_server):
-    aborted = _frontend_sample(openai_server, "pagedserve_requests_total", finish_reason="abort", protocol="http")
+    aborted = _aborts(openai_server)
     stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=900, stream=True,
-                                            extra_body={"ignore_eos": True})
+                                            extra_body={"ignore_eos": True},
+                                            extra_headers={"x-request-id": "http-disconnect"})
     for _ in range(3):
         next(iter(stream))
     assert openai_server.stats().num_running == 1
-    stream.close()
-    started = time.monotonic()
-    stats = assert_pool_whole(openai_server, timeout=10)
-    assert stats.num_running == 0 and time.monotonic() - started < 5
-    assert wait_for(lambda: _frontend_sample(openai_server, "pagedserve_requests_total", finish_reason="abort",
-                                             protocol="http") == aborted + 1, timeout=10)
+    with openai_server.workers_paused():  # it cannot finish: only the disconnect can end it
+        stream.close()
+        assert wait_for(lambda: _aborts(openai_server) == aborted + 1, timeout=30)
+        assert wait_for(lambda: "request_aborted" in _scheduler_events(openai_server, "http-disconnect"), timeout=30)
+    stats = assert_pool_whole(openai_server)
+    assert stats.num_running == 0
+    assert "request_finished" not in _scheduler_events(openai_server, "http-disconnect")
 
 
 def test_client_timeout_aborts_a_whole_request(client, openai_server):
-    aborted = _frontend_sample(openai_server, "pagedserve_requests_total", finish_reason="abort", protocol="http")
-    with pytest.raises(openai.APITimeoutError):
-        client.with_options(timeout=0.5).completions.create(model=MODEL, prompt=PROMPT, max_tokens=1000,
-                                                            extra_body={"ignore_eos": True})
-    assert wait_for(lambda: _frontend_sample(openai_server, "pagedserve_requests_total", finish_reason="abort",
-                                             protocol="http") == aborted + 1, timeout=10)
-    assert_pool_whole(openai_server, timeout=10)
+    """The request waits on paused workers: it cannot finish before the client's timeout."""
+    aborted = _aborts(openai_server)
+    with openai_server.workers_paused():
+        with pytest.raises(openai.APITimeoutError):
+            client.with_options(timeout=2.0).completions.create(
+                model=MODEL, prompt=PROMPT, max_tokens=1000, extra_body={"ignore_eos": True},
+                extra_headers={"x-request-id": "http-timeout"})
+        assert wait_for(lambda: _aborts(openai_server) == aborted + 1, timeout=30)
+        assert wait_for(lambda: "request_aborted" in _scheduler_events(openai_server, "http-timeout"), timeout=30)
+    assert_pool_whole(openai_server)
+    assert "request_finished" not in _scheduler_events(openai_server, "http-timeout")
 
 
 def test_http_requests_are_counted_and_logged(client, openai_server):

@@ -19,11 +19,12 @@ from tests.e2e.harness import assert_pool_whole, token_request, wait_for
 
 PROMPT = [7 + i % 50 for i in range(40)]  # 40 tokens: three blocks of 16
 LONG = 900  # far more tokens than any test waits for
+DEADLINE_S = 2.0  # ample for the call to reach the scheduler; no token comes while the workers are paused
 
 
 def _long_request(request_id: str, max_tokens: int = LONG):
-    # three choices (three sequences, the most the pool holds at this length): one sequence of the
-    # toy model decodes 900 tokens in about half a second, too fast to cancel reliably
+    # three choices (three sequences, the most the pool holds at this length); the tests cancel it
+    # while the workers are paused, so it cannot finish first however fast the host decodes
     request = token_request(PROMPT, max_tokens=max_tokens, ignore_eos=True, n=3)
     request.request_id = request_id
     return request
@@ -43,39 +44,45 @@ def test_cancelled_stream_is_aborted_and_its_blocks_freed(service_server):
     assert next(call).completions[0].token_ids
     held = service_server.stats()
     assert held.num_running == 1 and held.num_gpu_blocks_used >= 3
-    call.cancel()
-    with pytest.raises(grpc.RpcError) as info:
-        list(call)
+    with service_server.workers_paused():  # no step runs between the check above and the cancel
+        call.cancel()
+        with pytest.raises(grpc.RpcError) as info:
+            list(call)
+        assert _was_aborted(service_server, "cancel-stream")
     assert info.value.code() == grpc.StatusCode.CANCELLED
     assert_pool_whole(service_server)
-    assert _was_aborted(service_server, "cancel-stream")
     assert "request_finished" not in _scheduler_events(service_server, "cancel-stream")
 
 
 def test_cancelled_unary_call_is_aborted_and_its_blocks_freed(service_server):
     future = service_server.stub.Generate.future(_long_request("cancel-unary"), timeout=120)
     assert wait_for(lambda: service_server.stats().num_gpu_blocks_used >= 3, timeout=30)
-    future.cancel()
-    assert future.cancelled()
+    with service_server.workers_paused():  # no step runs between the check above and the cancel
+        future.cancel()
+        assert future.cancelled()
+        assert _was_aborted(service_server, "cancel-unary")
     assert_pool_whole(service_server)
-    assert _was_aborted(service_server, "cancel-unary")
+    assert "request_finished" not in _scheduler_events(service_server, "cancel-unary")
 
 
 @pytest.mark.parametrize("streaming", [False, True])
 def test_deadline_exceeded_is_reported_and_the_request_aborted(service_server, streaming):
+    """The call waits on paused workers: no token can come before its deadline, on any host."""
     request_id = f"deadline-{'stream' if streaming else 'unary'}"
     request = _long_request(request_id)
     num_tokens = 0
-    with pytest.raises(grpc.RpcError) as info:
-        if streaming:
-            for message in service_server.stub.GenerateStream(request, timeout=0.5):
-                num_tokens += len(message.completions[0].token_ids)
-        else:
-            service_server.stub.Generate(request, timeout=0.5)
+    with service_server.workers_paused():
+        with pytest.raises(grpc.RpcError) as info:
+            if streaming:
+                for message in service_server.stub.GenerateStream(request, timeout=DEADLINE_S):
+                    num_tokens += len(message.completions[0].token_ids)
+            else:
+                service_server.stub.Generate(request, timeout=DEADLINE_S)
+        assert _was_aborted(service_server, request_id)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert num_tokens < LONG
+    assert num_tokens == 0
     assert_pool_whole(service_server)
-    assert _was_aborted(service_server, request_id)
+    assert "request_finished" not in _scheduler_events(service_server, request_id)
     frontend_codes = wait_for(lambda: any(
         event.get("request_id") == request_id and event.get("process") == "frontend"
         and (event["event"] == "request_deadline_exceeded" or event.get("code") == "DEADLINE_EXCEEDED")
@@ -110,15 +117,16 @@ def test_killed_frontend_has_its_requests_aborted(service_server, llama_checkpoi
         for call in calls:
             assert next(call).completions[0].token_ids
         assert service_server.stats().num_running == 3
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
-        for call in calls:
-            with pytest.raises(grpc.RpcError) as info:
-                list(call)
-            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        with service_server.workers_paused():  # none can finish between the check and the kill
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+            for call in calls:
+                with pytest.raises(grpc.RpcError) as info:
+                    list(call)
+                assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            for i in range(3):
+                assert _was_aborted(service_server, f"orphan-{i}")
         assert_pool_whole(service_server)
-        for i in range(3):
-            assert _was_aborted(service_server, f"orphan-{i}")
     finally:
         channel.close()
         if proc.poll() is None:

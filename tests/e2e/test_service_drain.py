@@ -11,14 +11,14 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from tests.e2e.conftest import start_server
-from tests.e2e.harness import token_request, wait_for
+from tests.e2e.harness import PAUSE_ARGS, token_request, wait_for
 
 NUM_STREAMS = 3
-MAX_TOKENS = 800
+MAX_TOKENS = 200  # the drain is observed while the workers are paused: no need for long streams
 
 
 def test_sigterm_finishes_running_streams_and_refuses_new_ones(llama_checkpoint, tmp_path_factory):
-    server = start_server(llama_checkpoint, tmp_path_factory, "drain", "--shutdown-timeout", "60")
+    server = start_server(llama_checkpoint, tmp_path_factory, "drain", "--shutdown-timeout", "60", *PAUSE_ARGS)
     try:
         first_tokens = threading.Barrier(NUM_STREAMS + 1)
         results: dict[int, dict] = {}
@@ -43,16 +43,17 @@ def test_sigterm_finishes_running_streams_and_refuses_new_ones(llama_checkpoint,
         for thread in threads:
             thread.start()
         first_tokens.wait(60)
-        server.proc.send_signal(signal.SIGTERM)
-
-        assert wait_for(lambda: server.health() == health_pb2.HealthCheckResponse.NOT_SERVING, timeout=10)
-        assert server.health("") == health_pb2.HealthCheckResponse.SERVING, "alive while draining"
-        try:
-            server.stub.Generate(token_request([1, 2, 3], max_tokens=2), timeout=10)
-            refused_code = grpc.StatusCode.OK
-        except grpc.RpcError as exc:
-            refused_code, details = exc.code(), exc.details()
-        refused_at = time.monotonic()
+        # the streams cannot end while the drain is observed, however fast the host decodes
+        with server.workers_paused():
+            server.proc.send_signal(signal.SIGTERM)
+            assert wait_for(lambda: server.health() == health_pb2.HealthCheckResponse.NOT_SERVING, timeout=30)
+            assert server.health("") == health_pb2.HealthCheckResponse.SERVING, "alive while draining"
+            try:
+                server.stub.Generate(token_request([1, 2, 3], max_tokens=2), timeout=10)
+                refused_code = grpc.StatusCode.OK
+            except grpc.RpcError as exc:
+                refused_code, details = exc.code(), exc.details()
+            refused_at = time.monotonic()
         assert refused_code == grpc.StatusCode.UNAVAILABLE
         assert "shutting down" in details
 

@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.v1 import generation_pb2_grpc
 from tests.e2e.conftest import start_server
-from tests.e2e.harness import assert_pool_whole, token_request, wait_for
+from tests.e2e.harness import PAUSE_ARGS, assert_pool_whole, token_request, wait_for
 
 MAX_CONCURRENT_RPCS = 32
 WRITE_TIMEOUT_S = 3.0
@@ -26,7 +26,7 @@ SLOW_CHANNEL_OPTIONS = [("grpc.http2.bdp_probe", 0)]
 def slow_server(llama_checkpoint, tmp_path_factory):
     server = start_server(llama_checkpoint, tmp_path_factory, "slow", "--num-kv-blocks", "2200",
                           "--max-num-seqs", "64", "--max-concurrent-rpcs", str(MAX_CONCURRENT_RPCS),
-                          "--stream-write-timeout", str(WRITE_TIMEOUT_S))
+                          "--stream-write-timeout", str(WRITE_TIMEOUT_S), *PAUSE_ARGS)
     yield server
     code = server.stop()
     assert code == 0, f"serve exited with {code}:\n{server.logs()[-3000:]}"
@@ -42,9 +42,13 @@ def test_unread_streams_leave_health_answering_and_are_cut_after_the_write_timeo
     serving = health_pb2.HealthCheckResponse.SERVING
     with grpc.insecure_channel(slow_server.address, options=SLOW_CHANNEL_OPTIONS) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
-        calls = [stub.GenerateStream(token_request([5, 6, 7], max_tokens=1000, ignore_eos=True, logprobs=20,
-                                                   temperature=1.0, seed=index))
-                 for index in range(MAX_CONCURRENT_RPCS)]
+        requests = [token_request([5, 6, 7], max_tokens=1000, ignore_eos=True, logprobs=20, temperature=1.0,
+                                  seed=index) for index in range(MAX_CONCURRENT_RPCS)]
+        for index, request in enumerate(requests):
+            request.request_id = f"unread-{index}"
+        with slow_server.workers_paused():  # all 32 start in the same step, whatever the host's speed
+            calls = [stub.GenerateStream(request) for request in requests]
+            slow_server.wait_submitted(*(request.request_id for request in requests))
         started = time.monotonic()
         assert wait_for(lambda: slow_server.stats().num_running == MAX_CONCURRENT_RPCS, timeout=30)
         # every Generation slot is taken: health and readiness answer, a further call is refused

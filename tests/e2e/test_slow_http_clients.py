@@ -15,14 +15,17 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.conftest import start_server
-from tests.e2e.harness import assert_pool_whole, wait_for
+from tests.e2e.harness import PAUSE_ARGS, assert_pool_whole, wait_for
 
 WRITE_TIMEOUT_S = 3.0
 MAX_UNDELIVERED = 16
 # 64 choices (the most a request may ask for) of 1000 tokens with 20 alternatives each: far more
 # frames than the socket buffers hold (4 MiB at most here), so the server's writes stall on a
-# client that does not read; and 1000 steps of 64 sequences take well over WRITE_TIMEOUT_S, so the
-# request cannot finish before the timeout cuts it
+# client that does not read. Each step's frames are tens of KiB (64 choices of 20 alternatives), so
+# the output of STALLED_AFTER_STEPS steps is more than every buffer on the way holds: once that many
+# have run (or the timeout has cut it already), the write timeout test pauses the workers, and the
+# request cannot finish before the timeout cuts it, however fast the host decodes.
+STALLED_AFTER_STEPS = 200
 BODY = {"model": "demo", "prompt": [5, 6, 7], "max_tokens": 1000, "ignore_eos": True, "n": 64, "temperature": 1.0,
         "seed": 1, "logprobs": 20, "stream": True}
 
@@ -71,7 +74,7 @@ def _holds_socket(pid: int, inode: int) -> bool:
 @pytest.fixture
 def server(request, llama_checkpoint, tmp_path_factory):
     server = start_server(llama_checkpoint, tmp_path_factory, "slow-http", "--num-kv-blocks", "4400",
-                          "--served-model-name", "demo", *request.param, http_port=True)
+                          "--served-model-name", "demo", *PAUSE_ARGS, *request.param, http_port=True)
     yield server
     code = server.stop()
     assert code == 0, f"serve exited with {code}:\n{server.logs()[-3000:]}"
@@ -82,8 +85,13 @@ def test_an_sse_stream_not_read_is_cut_after_the_write_timeout(server):
     started = time.monotonic()
     sock = _start_unread_stream(server.http_port)
     try:
-        assert wait_for(lambda: server.log_events_named("stream_write_timeout") == 1, timeout=WRITE_TIMEOUT_S + 60), \
-            server.logs()[-3000:]
+        # paused once the writes must stall (or have already been cut): no more steps, so it cannot finish
+        assert wait_for(lambda: server.log_events_named("stream_write_timeout") == 1
+                        or server.stats().num_steps >= STALLED_AFTER_STEPS, timeout=120)
+        with server.workers_paused():
+            assert wait_for(lambda: server.log_events_named("stream_write_timeout") == 1,
+                            timeout=WRITE_TIMEOUT_S + 60), server.logs()[-3000:]
+            assert wait_for(lambda: server.log_events_named("request_cancelled") == 1, timeout=30)
         assert time.monotonic() - started >= WRITE_TIMEOUT_S
         assert_pool_whole(server)  # aborted before its 1000 tokens: its blocks are free
         rest = _read_rest(sock)  # what was buffered, then the connection closes: no [DONE]

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.e2e.conftest import VOCAB_SIZE, build_checkpoint, start_server
-from tests.e2e.harness import token_request
+from tests.e2e.harness import PAUSE_ARGS, token_request
 
 MAX_TOKENS = 40
 SPEC_ARGS = ("--speculative-method", "ngram", "--num-speculative-tokens", "4", "--ngram-min", "1",
@@ -34,14 +34,25 @@ def _prompts() -> list[list[int]]:
 
 def _generate_all(server, prompts: list[list[int]]) -> list[list[int]]:
     """The two shared-prefix prompts one after the other (the second hits the cache), then the
-    others at once (the pool is too small for all of them: preemption)."""
-    def generate(prompt: list[int]) -> list[int]:
-        response = server.stub.Generate(token_request(prompt, max_tokens=MAX_TOKENS), timeout=300)
+    others all queued before their second step, whatever the speed of the host: they are submitted
+    while the workers are paused, one at a time in a fixed order (longest first: its prefill alone
+    fills the first step's token budget), so every run schedules the same steps. The pool is too
+    small for all of them (their prompts alone need 28 blocks of 16 tokens, the tests' pools hold
+    22): preemption."""
+    def generate(prompt: list[int], request_id: str = "") -> list[int]:
+        request = token_request(prompt, max_tokens=MAX_TOKENS)
+        request.request_id = request_id
+        response = server.stub.Generate(request, timeout=300)
         return list(response.completions[0].token_ids)
 
     shared = [generate(prompts[-2]), generate(prompts[-1])]
-    with ThreadPoolExecutor(len(prompts) - 2) as pool:
-        return list(pool.map(generate, prompts[:-2])) + shared
+    burst = prompts[:-2]
+    futures = {}
+    with ThreadPoolExecutor(len(burst)) as pool, server.workers_paused():
+        for index in sorted(range(len(burst)), key=lambda index: -len(burst[index])):
+            futures[index] = pool.submit(generate, burst[index], f"burst-{index}")
+            server.wait_submitted(f"burst-{index}")
+    return [futures[index].result() for index in range(len(burst))] + shared
 
 
 def _counter(text: str, name: str) -> float:
@@ -51,7 +62,7 @@ def _counter(text: str, name: str) -> float:
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_ngram_speculation_gives_hf_greedy_tokens_under_pressure(mode, llama_checkpoint, hf_reference,
                                                                  tmp_path_factory):
-    server = start_server(llama_checkpoint, tmp_path_factory, f"spec-{mode}", *SPEC_ARGS,
+    server = start_server(llama_checkpoint, tmp_path_factory, f"spec-{mode}", *SPEC_ARGS, *PAUSE_ARGS,
                           "--num-kv-blocks", "22", "--preemption-mode", mode, "--max-num-batched-tokens", "48", "--max-num-seqs", "16",
                           metrics=True)
     try:
