@@ -61,6 +61,11 @@ class FrontendConfig:
         DEFAULT_SCHEDULER_RECOVERY_TIMEOUT_S, metavar="S", serve=True,
         help="when the scheduler dies mid-request: how long the request waits for a restarted scheduler, "
              "then goes on from the tokens already streamed; past it, or with 0, it fails with UNAVAILABLE")
+    generation_config: str = option(
+        "auto", metavar="auto|vllm|FOLDER", serve=True,
+        help="sampling defaults for the fields a request leaves out (HTTP and gRPC): auto, the model's own "
+             "(generation_config.json, GGUF metadata, or a known model's published ones); vllm, the neutral "
+             "ones (HTTP temperature 1, gRPC greedy); FOLDER, FOLDER/generation_config.json")
     transport: TransportConfig = nested(TransportConfig, title="public port transport")
     http: HttpConfig = nested(HttpConfig, title="OpenAI-compatible HTTP")
 
@@ -81,6 +86,7 @@ class FrontendConfig:
         require(math.isfinite(self.stream_write_timeout) and self.stream_write_timeout > 0, "stream_write_timeout",
                 "must be > 0")
         require(self.max_undelivered_messages >= 1, "max_undelivered_messages", "must be >= 1")
+        require(bool(self.generation_config.strip()), "generation_config", "must be auto, vllm or a folder")
 
     @property
     def scheduler_addresses(self) -> list[str]:

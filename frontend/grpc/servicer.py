@@ -40,6 +40,7 @@ from pagedserve.frontend.generation.stream_watchdog import StreamWatch, StreamWa
 from pagedserve.frontend.upstream.scheduler_client import SchedulerClient, SchedulerError, SubmitCancelled
 from pagedserve.frontend.tokenization.tokenizer import Tokenizer
 from pagedserve.frontend.tokenization.chat_template import ChatTemplate
+from pagedserve.checkpoints.generation_defaults import NEUTRAL, SamplingDefaults
 from pagedserve.frontend.grpc.validation import check_text_bytes, is_printable_ascii, validate_request
 from pagedserve.contracts.sampling_params import InvalidParameter
 from pagedserve.v1 import generation_pb2
@@ -104,15 +105,18 @@ class GenerationServicer:
     def __init__(self, tokenizer: Tokenizer, client: SchedulerClient, readiness: ReadinessMonitor,
                  metrics: FrontendMetrics, in_flight: InFlight | None = None,
                  recovery: SchedulerRecovery | None = None, chat: ChatTemplate | None = None, *,
-                 max_concurrent_calls: int | None = None, watchdog: StreamWatchdog | None = None) -> None:
+                 max_concurrent_calls: int | None = None, watchdog: StreamWatchdog | None = None,
+                 sampling_defaults: SamplingDefaults = NEUTRAL) -> None:
         """recovery: how requests ride out a scheduler restart (None: they fail with UNAVAILABLE);
         chat: renders `messages` prompts (None: such requests are INVALID_ARGUMENT);
         max_concurrent_calls: calls of this service at once, beyond it RESOURCE_EXHAUSTED (None: no
-        limit; health and reflection never count); watchdog: cuts streams whose client stops reading."""
+        limit; health and reflection never count); watchdog: cuts streams whose client stops reading;
+        sampling_defaults: the model's, for the optional sampling fields a request leaves unset."""
         self._slots = CallSlots(max_concurrent_calls)
         self._watchdog = watchdog
         self._tokenizer = tokenizer
         self._chat = chat
+        self._sampling_defaults = sampling_defaults
         self._client = client
         self._metrics = metrics
         self.in_flight = in_flight if in_flight is not None else InFlight()
@@ -225,7 +229,7 @@ class GenerationServicer:
         limits = self._admission.limits()
         if not request.request_id:
             request.request_id = _metadata_request_id(context)
-        validated = validate_request(request, self._tokenizer, limits, self._chat)
+        validated = validate_request(request, self._tokenizer, limits, self._chat, self._sampling_defaults)
         remaining = context.time_remaining()
         timeout = remaining if remaining is not None and remaining < NO_DEADLINE_S else None
         generation = self._admission.start(validated, timer, timeout=timeout)

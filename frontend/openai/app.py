@@ -175,7 +175,8 @@ def build_app(admission: Admission, serving: OpenAIServing, chat_template: ChatT
     @app.get("/v1/models")
     async def models() -> Response:
         info = admission.readiness.info
-        card = model_card(serving.served_model_name, started, info.max_model_len if info else None)
+        card = model_card(serving.served_model_name, started, info.max_model_len if info else None,
+                          serving.sampling_defaults)
         return JSONResponse({"object": "list", "data": [card]})
 
     @app.get("/v1/models/{model:path}")
@@ -183,7 +184,8 @@ def build_app(admission: Admission, serving: OpenAIServing, chat_template: ChatT
         async def answer() -> Response:
             serving.check_model(model)
             info = admission.readiness.info
-            return JSONResponse(model_card(model, started, info.max_model_len if info else None))
+            return JSONResponse(model_card(model, started, info.max_model_len if info else None,
+                                           serving.sampling_defaults))
         return await guarded(request, answer)
 
     @app.get("/health")

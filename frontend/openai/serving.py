@@ -45,6 +45,7 @@ from pagedserve.frontend.openai.streaming import ChunkWriter, WatchedStreamingRe
 from pagedserve.frontend.generation.stream_watchdog import DEFAULT_STREAM_WRITE_TIMEOUT_S
 from pagedserve.frontend.grpc.validation import ValidatedRequest, check_text_bytes, check_token_ids, validate_lengths
 from pagedserve.contracts.sampling_params import InvalidParameter
+from pagedserve.checkpoints.generation_defaults import NEUTRAL, SamplingDefaults
 
 log = structlog.get_logger()
 PROTOCOL = "http"  # the `protocol` label of the frontend metrics
@@ -88,8 +89,9 @@ class OpenAIServing:
     def __init__(self, admission: Admission, metrics: FrontendMetrics, chat_template: ChatTemplate,
                  served_model_name: str, executor: Executor, limit: ConcurrencyLimit, *,
                  stream_write_timeout_s: float = DEFAULT_STREAM_WRITE_TIMEOUT_S,
-                 max_undelivered_messages: int | None = None) -> None:
-        """stream_write_timeout_s: how long one SSE write may wait for a client that is not reading;
+                 max_undelivered_messages: int | None = None,
+                 sampling_defaults: SamplingDefaults = NEUTRAL) -> None:
+        """sampling_defaults: the model's, for what a request leaves out; stream_write_timeout_s: how long one SSE write may wait for a client that is not reading;
         max_undelivered_messages: updates of a request left unread before it is aborted."""
         self._admission = admission
         self._stream_write_timeout_s = stream_write_timeout_s
@@ -100,6 +102,7 @@ class OpenAIServing:
         self._executor = executor
         self._limit = limit
         self._token_text = TokenTexts(admission.tokenizer)
+        self.sampling_defaults = sampling_defaults
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.served_model_name:
@@ -122,7 +125,7 @@ class OpenAIServing:
             if unknown:
                 log.info("request_unknown_fields", fields=unknown)  # request_id is bound by the middleware
             self.check_model(parsed.model)
-            plan = generation_plan(parsed)
+            plan = generation_plan(parsed, self.sampling_defaults)
             if plan.user is not None:
                 log.info("request_user", user=plan.user)
             prepared = await loop.run_in_executor(self._executor, self._prepare, parsed, plan, request_id, is_chat)
