@@ -2,6 +2,7 @@
 
 ```
  POST /v1/completions  POST /v1/chat/completions   openai_serving.py (streamed or whole)
+ POST /v1/responses                                responses/ (stateless; streamed or whole)
  GET  /v1/models       GET  /v1/models/{model}     the one served model
  GET  /health                                      200 ready, 503 not ready or draining (no API key)
  POST /tokenize        POST /detokenize            vLLM's shapes
@@ -42,6 +43,7 @@ from pagedserve.frontend.openai.protocol import (
 from pagedserve.frontend.openai.bodies import error_body, model_card
 from pagedserve.frontend.grpc.validation import check_text_bytes
 from pagedserve.frontend.openai.serving import OpenAIServing
+from pagedserve.frontend.openai.responses.serving import ResponsesServing
 from pagedserve.contracts.sampling_params import InvalidParameter
 
 log = structlog.get_logger()
@@ -171,6 +173,12 @@ def build_app(admission: Admission, serving: OpenAIServing, chat_template: ChatT
     async def _generate(request: Request, handler) -> Response:
         return await handler(request, lambda: read_json(request, max_request_bytes),
                              request.scope["state"]["request_id"])
+
+    responses_serving = ResponsesServing(serving)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await guarded(request, lambda: _generate(request, responses_serving.responses))
 
     @app.get("/v1/models")
     async def models() -> Response:
