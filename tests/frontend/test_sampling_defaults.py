@@ -115,3 +115,18 @@ def test_beam_search_takes_no_sampling_defaults():
     assert (plan.params.temperature, plan.params.top_p) == (0.0, 1.0)
     plan = generation_plan(CompletionBody(prompt="x"), defaults)
     assert (plan.params.temperature, plan.params.top_p) == (0.2, 0.9)
+
+
+def test_a_gguf_files_sampling_metadata(tmp_path):
+    from pagedserve.checkpoints.tiny_checkpoint import build_tiny_checkpoint
+    from pagedserve.testing.tiny_gguf import write_gguf
+
+    checkpoint = build_tiny_checkpoint(tmp_path / "tiny", architecture="llama", vocab_size=64, hidden_size=32,
+                                       num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=48)
+    plain = write_gguf(checkpoint, tmp_path / "plain.gguf")
+    assert load_sampling_defaults("auto", plain) == NEUTRAL
+    sampled = write_gguf(checkpoint, tmp_path / "sampled.gguf", extra_metadata={
+        "general.sampling.temp": 0.7, "general.sampling.top_k": 40, "general.sampling.penalty_repeat": 1.25})
+    defaults = load_sampling_defaults("auto", sampled, "smollm2")  # the file's own win over a known model's
+    assert defaults.fields() == {"temperature": pytest.approx(0.7), "top_k": 40, "repetition_penalty": 1.25}
+    assert load_sampling_defaults("vllm", sampled) == NEUTRAL
