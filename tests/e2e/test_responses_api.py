@@ -138,3 +138,16 @@ def test_an_agent_runs_over_the_responses_api(smollm2, greedy):
     by_default, whole, streamed = asyncio.run(run())
     assert isinstance(by_default, str) and by_default.strip()
     assert whole == streamed == greedy.output_text
+
+
+def test_generation_config_vllm_keeps_the_neutral_defaults(tmp_path_factory):
+    server = start_server("smollm2", tmp_path_factory, "responses-smollm2-vllm", "--num-kv-blocks", "128",
+                          "--generation-config", "vllm", http_port=True)
+    try:
+        client = OpenAI(base_url=server.http_url + "/v1", api_key="-", max_retries=0, timeout=240)
+        response = client.responses.create(model="smollm2", input=QUESTION, max_output_tokens=4)
+        card = client.models.retrieve("smollm2").model_dump()
+    finally:
+        assert server.stop() == 0, server.logs()[-3000:]
+    assert (response.temperature, response.top_p) == (1.0, 1.0)  # OpenAI's, as before
+    assert card["sampling_defaults"] == {"source": "none (neutral defaults)"}
