@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import structlog
 from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -31,7 +30,6 @@ from pagedserve.frontend.openai.serving import (
 )
 from pagedserve.frontend.openai.streaming import WatchedStreamingResponse
 
-log = structlog.get_logger()
 # chat-completions field (as an error names it) -> the Responses field the client sent
 RESPONSES_NAMES = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
                    "response_format": "text.format", "json_schema": "text.format.schema", "messages": "input"}
