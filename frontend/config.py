@@ -71,6 +71,11 @@ class FrontendConfig:
     enable_auto_tool_choice: bool = option(
         False, serve=True, help='serve tool_choice "auto" (the default with tools): the model decides whether '
                                 "to call a tool (needs --tool-call-parser)")
+    generation_config: str = option(
+        "auto", metavar="auto|vllm|FOLDER", serve=True,
+        help="sampling defaults for the fields a request leaves out (HTTP and gRPC): auto, the model's own "
+             "(generation_config.json, GGUF metadata, or a known model's published ones); vllm, the neutral "
+             "ones (HTTP temperature 1, gRPC greedy); FOLDER, FOLDER/generation_config.json")
     transport: TransportConfig = nested(TransportConfig, title="public port transport")
     http: HttpConfig = nested(HttpConfig, title="OpenAI-compatible HTTP")
 
@@ -97,6 +102,7 @@ class FrontendConfig:
         require(math.isfinite(self.stream_write_timeout) and self.stream_write_timeout > 0, "stream_write_timeout",
                 "must be > 0")
         require(self.max_undelivered_messages >= 1, "max_undelivered_messages", "must be >= 1")
+        require(bool(self.generation_config.strip()), "generation_config", "must be auto, vllm or a folder")
 
     @property
     def scheduler_addresses(self) -> list[str]:

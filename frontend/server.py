@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
+from pagedserve.checkpoints.generation_defaults import GenerationConfigError, load_sampling_defaults
+from pagedserve.checkpoints.resolve import served_model_name
 from pagedserve.frontend.generation.admission import Admission
 from pagedserve.frontend.tools.tool_templates import family_template
 from pagedserve.frontend.tokenization.chat_template import ChatTemplate, ChatTemplateError, read_chat_template
@@ -118,7 +120,9 @@ def serve_frontend(config: FrontendConfig, *, health_poll_interval_s: float = DE
         template_file = config.http.chat_template_file
         chat = ChatTemplate(tokenizer, read_chat_template(template_file) if template_file else None,
                             tools_template=family_template(config.tool_call_parser))
-    except (TokenizerLoadError, TransportConfigError, ChatTemplateError) as exc:
+        sampling_defaults = load_sampling_defaults(config.generation_config, config.model_path,
+                                                   served_model_name(config.model_path))
+    except (TokenizerLoadError, TransportConfigError, ChatTemplateError, GenerationConfigError) as exc:
         raise FrontendStartError(str(exc)) from exc
     frontend_id = frontend_id or f"{socket.gethostname()}:{os.getpid()}"
     metrics = FrontendMetrics()
@@ -136,7 +140,8 @@ def serve_frontend(config: FrontendConfig, *, health_poll_interval_s: float = DE
                           SchedulerRecovery(readiness, config.scheduler_recovery_timeout))
     watchdog = StreamWatchdog(config.stream_write_timeout)
     servicer = GenerationServicer(admission, metrics, chat, max_concurrent_calls=config.max_concurrent_rpcs,
-                                  watchdog=watchdog, tool_settings=config.tool_settings)
+                                  watchdog=watchdog, tool_settings=config.tool_settings,
+                                  sampling_defaults=sampling_defaults)
 
     # Each streaming call holds a worker thread. The Generation service limits its own calls to
     # max_concurrent_rpcs (RESOURCE_EXHAUSTED beyond); the server takes HEALTH_HEADROOM_RPCS more, so
@@ -165,7 +170,8 @@ def serve_frontend(config: FrontendConfig, *, health_poll_interval_s: float = DE
                     model_path=config.model_path, transport=transport,
                     max_concurrent_requests=config.max_concurrent_rpcs, grace_s=CUT_GRACE_S,
                     stream_write_timeout_s=config.stream_write_timeout,
-                    max_undelivered_messages=config.max_undelivered_messages, tool_settings=config.tool_settings)
+                    max_undelivered_messages=config.max_undelivered_messages, tool_settings=config.tool_settings,
+                    sampling_defaults=sampling_defaults)
             except HttpStartError as exc:
                 raise FrontendStartError(str(exc)) from exc
     except FrontendStartError:

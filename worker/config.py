@@ -6,7 +6,6 @@ derived from the fields' metadata (pagedserve.config.flags).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from pagedserve.config.flags import option, require

@@ -44,6 +44,7 @@ from pagedserve.frontend.generation.errors import CANCELLED, ErrorKind, RequestE
 from pagedserve.frontend.generation.stream_watchdog import StreamWatch, StreamWatchdog
 from pagedserve.frontend.upstream.scheduler_client import SchedulerError
 from pagedserve.frontend.tokenization.chat_template import ChatTemplate
+from pagedserve.checkpoints.generation_defaults import NEUTRAL, SamplingDefaults
 from pagedserve.frontend.grpc.validation import check_text_bytes, is_printable_ascii, validate_request
 from pagedserve.contracts.sampling_params import InvalidParameter
 from pagedserve.v1 import generation_pb2
@@ -98,16 +99,19 @@ class GenerationServicer:
 
     def __init__(self, admission: Admission, metrics: FrontendMetrics, chat: ChatTemplate | None = None, *,
                  max_concurrent_calls: int | None = None, watchdog: StreamWatchdog | None = None,
-                 tool_settings: ToolSettings = ToolSettings()) -> None:
+                 tool_settings: ToolSettings = ToolSettings(),
+                 sampling_defaults: SamplingDefaults = NEUTRAL) -> None:
         """admission: the request lifecycle shared with the HTTP API (readiness, drain, recovery);
         chat: renders `messages` prompts (None: such requests are INVALID_ARGUMENT);
         max_concurrent_calls: calls of this service at once, beyond it RESOURCE_EXHAUSTED (None: no
-        limit; health and reflection never count); watchdog: cuts streams whose client stops reading."""
+        limit; health and reflection never count); watchdog: cuts streams whose client stops reading;
+        sampling_defaults: the model's, for the optional sampling fields a request leaves unset."""
         self._slots = CallSlots(max_concurrent_calls)
         self._tool_settings = tool_settings  # --tool-call-parser, --enable-auto-tool-choice
         self._watchdog = watchdog
         self._tokenizer = admission.tokenizer
         self._chat = chat
+        self._sampling_defaults = sampling_defaults
         self._client = admission.client
         self._metrics = metrics
         self._admission = admission
@@ -226,7 +230,8 @@ class GenerationServicer:
         limits = self._admission.limits()
         if not request.request_id:
             request.request_id = _metadata_request_id(context)
-        validated = validate_request(request, self._tokenizer, limits, self._chat, self._tool_settings)
+        validated = validate_request(request, self._tokenizer, limits, self._chat, self._tool_settings,
+                                     self._sampling_defaults)
         remaining = context.time_remaining()
         timeout = remaining if remaining is not None and remaining < NO_DEADLINE_S else None
         generation = self._admission.start(validated, timer, timeout=timeout)

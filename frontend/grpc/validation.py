@@ -2,6 +2,7 @@
 
 proto3 zeros resolve to defaults exactly as the public contract pins them: max_tokens 0 -> 16,
 temperature 0 -> greedy, top_p 0 -> 1, top_k 0 -> off, repetition_penalty 0 -> 1, n 0 -> 1,
+(those five, and min_p, are `optional`: unset, they take the model's default where it has one),
 beam_width 0 -> 1 (no beam search), length_penalty unset -> 1.0, seed unset -> none; no constraint
 oneof -> unconstrained (json_object false counts as unset).
 """
@@ -12,6 +13,7 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from pagedserve.checkpoints.generation_defaults import NEUTRAL, SamplingDefaults
 from pagedserve.contracts.constraint_grammar import check_constraint
 from pagedserve.contracts.sampling_params import DEFAULT_MAX_TOKENS, InvalidParameter, SamplingParams
 from pagedserve.contracts.scheduler_codec import constraint_from_proto
@@ -77,17 +79,29 @@ class ValidatedRequest:
     tools: ToolRequest | None = None  # a chat request with tools (tool_choice none included)
 
 
-def sampling_params_from_proto(msg: generation_pb2.SamplingParams) -> SamplingParams:
-    """Resolves proto3 zeros to defaults; does not validate."""
+def sampling_params_from_proto(msg: generation_pb2.SamplingParams,
+                               defaults: SamplingDefaults = NEUTRAL) -> SamplingParams:
+    """Resolves proto3 zeros to defaults; does not validate. The optional sampling fields
+    (temperature, top_p, top_k, min_p, repetition_penalty) left unset take the model's default
+    (`defaults`, --generation-config) where it has one, else the proto3 zero's meaning; a value set,
+    0 included, is the request's (beam search takes no sampling defaults)."""
+    if msg.beam_width > 1:
+        defaults = NEUTRAL
+
+    def optional(name: str):
+        return getattr(msg, name) if msg.HasField(name) else getattr(defaults, name)
+
+    temperature, top_p, top_k = optional("temperature"), optional("top_p"), optional("top_k")
+    min_p, repetition_penalty = optional("min_p"), optional("repetition_penalty")
     return SamplingParams(
         max_tokens=msg.max_tokens or DEFAULT_MAX_TOKENS,
         min_tokens=msg.min_tokens,
-        temperature=msg.temperature,
-        top_p=msg.top_p or 1.0,
-        top_k=msg.top_k,
-        min_p=msg.min_p,
+        temperature=temperature or 0.0,
+        top_p=top_p or 1.0,
+        top_k=top_k or 0,
+        min_p=min_p or 0.0,
         seed=msg.seed if msg.HasField("seed") else None,
-        repetition_penalty=msg.repetition_penalty or 1.0,
+        repetition_penalty=repetition_penalty or 1.0,
         presence_penalty=msg.presence_penalty,
         frequency_penalty=msg.frequency_penalty,
         stop=list(msg.stop),
@@ -104,11 +118,12 @@ def sampling_params_from_proto(msg: generation_pb2.SamplingParams) -> SamplingPa
 
 
 def validate_request(msg: generation_pb2.GenerateRequest, encoder: Encoder, limits: ModelLimits,
-                     chat: ChatEncoder | None = None, tool_settings: ToolSettings = ToolSettings()) -> ValidatedRequest:
+                     chat: ChatEncoder | None = None, tool_settings: ToolSettings = ToolSettings(),
+                     defaults: SamplingDefaults = NEUTRAL) -> ValidatedRequest:
     """Checks every field and tokenizes a text prompt (or renders chat messages with `chat`, and
     the tools); raises InvalidParameter naming the field."""
     request_id = request_id_or_new(msg.request_id)
-    params = sampling_params_from_proto(msg.params)
+    params = sampling_params_from_proto(msg.params, defaults)
     tools = tool_request_from_proto(msg, tool_settings)
     if tools is not None and tools.is_forced:
         if params.constraint is not None:

@@ -2,6 +2,7 @@
 
 ```
  POST /v1/completions  POST /v1/chat/completions   serving.py (streamed or whole)
+ POST /v1/responses                                responses/ (stateless; streamed or whole)
  GET  /v1/models       GET  /v1/models/{model}     the one served model
  GET  /health                                      200 ready, 503 not ready or draining (no API key)
  POST /tokenize        POST /detokenize            vLLM's shapes
@@ -38,6 +39,7 @@ from pagedserve.frontend.openai.errors import HttpError, error_response, unautho
 from pagedserve.frontend.openai.protocol import DetokenizeBody, TokenizeBody, parse_body
 from pagedserve.frontend.openai.bodies import error_body, model_card
 from pagedserve.frontend.openai.serving import OpenAIServing
+from pagedserve.frontend.openai.responses.serving import ResponsesServing
 from pagedserve.contracts.sampling_params import InvalidParameter
 
 log = structlog.get_logger()
@@ -172,16 +174,22 @@ def build_app(admission: Admission, serving: OpenAIServing, executor: Executor, 
         return await handler(request, lambda: read_json(request, max_request_bytes),
                              request.scope["state"]["request_id"])
 
+    responses_serving = ResponsesServing(serving)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await guarded(request, lambda: _generate(request, responses_serving.responses))
+
     @app.get("/v1/models")
     async def models() -> Response:
-        card = model_card(serving.served_model_name, started, max_model_len())
+        card = model_card(serving.served_model_name, started, max_model_len(), serving.sampling_defaults)
         return JSONResponse({"object": "list", "data": [card]})
 
     @app.get("/v1/models/{model:path}")
     async def model(request: Request, model: str) -> Response:
         async def answer() -> Response:
             serving.check_model(model)
-            return JSONResponse(model_card(model, started, max_model_len()))
+            return JSONResponse(model_card(model, started, max_model_len(), serving.sampling_defaults))
         return await guarded(request, answer)
 
     @app.get("/health")

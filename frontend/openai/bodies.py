@@ -124,8 +124,12 @@ def chat_choice(index: int, text: str | None, finish: CompletionFinish | None, l
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
 
 
-def model_card(name: str, created: int, max_model_len: int | None) -> dict:
+def model_card(name: str, created: int, max_model_len: int | None, defaults=None) -> dict:
+    """The model's card; `sampling_defaults` shows what a request that leaves a field out gets
+    (--generation-config) and where it comes from."""
     card = {"id": name, "object": "model", "created": created, "owned_by": "pagedserve"}
     if max_model_len is not None:
         card["max_model_len"] = max_model_len
+    if defaults is not None:
+        card["sampling_defaults"] = {**defaults.fields(), "source": defaults.source}
     return card

@@ -10,11 +10,13 @@ OpenAI API and vLLM's extensions mean in our terms:
  max_completion_tokens | max_tokens     max_tokens                     the former wins; default 16
                                                                        (completions) or the rest of
                                                                        the context (chat)
- temperature, top_p                     temperature, top_p             default 1.0 (OpenAI's), beam
-                                                                       search: temperature 0
+ temperature, top_p, top_k, min_p,      the same                       left out: the model's default
+   repetition_penalty                                                  (--generation-config), else
+                                                                       OpenAI's (temperature, top_p 1)
+                                                                       and off; beam search: neutral
  n, seed, stop, presence_penalty,       the same
-   frequency_penalty, top_k (-1: off),
-   min_p, repetition_penalty, min_tokens,
+   frequency_penalty, top_k -1 (off),
+   min_tokens,
    ignore_eos, include_stop_str_in_output,
    stop_token_ids
  logprobs (completions: int k;          logprobs = max(1, k)           k alternatives are returned
@@ -37,6 +39,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from pagedserve.checkpoints.generation_defaults import NEUTRAL, SamplingDefaults
 from pagedserve.contracts.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParams
 from pagedserve.frontend.openai.request_fields import check_fields
 from pagedserve.frontend.openai.structured_output import parse_constraint, parse_logit_bias
@@ -225,9 +228,10 @@ def _check_int(name: str, value: int, low: int, high: int = INT32_MAX) -> None:
         raise InvalidParameter(name, f"must be in [{low}, {high}]")
 
 
-def generation_plan(body: CompletionBody | ChatCompletionBody,
+def generation_plan(body: CompletionBody | ChatCompletionBody, defaults: SamplingDefaults = NEUTRAL, *,
                     tool_settings: ToolSettings = ToolSettings()) -> GenerationPlan:
-    """The plan of a parsed body; raises InvalidParameter for what we do not serve."""
+    """The plan of a parsed body; raises InvalidParameter for what we do not serve. `defaults`:
+    the model's, for the sampling fields the body leaves out (not with beam search)."""
     is_chat = isinstance(body, ChatCompletionBody)
     _refuse_unsupported(body, is_chat)
     tools = parse_tool_request(body.tools, body.tool_choice, body.parallel_tool_calls, tool_settings) \
@@ -254,24 +258,27 @@ def generation_plan(body: CompletionBody | ChatCompletionBody,
             raise InvalidParameter("best_of", "only 1 is supported without use_beam_search (no best-of sampling)")
         if best_of < n:
             raise InvalidParameter("best_of", "must be at least n")
-    top_k = 0 if body.top_k in (None, -1) else body.top_k
+    if is_beam_search:
+        defaults = NEUTRAL  # beam search is deterministic: no sampling defaults
+    top_k = body.top_k
+    if top_k is None:
+        top_k = defaults.top_k or 0
+    top_k = 0 if top_k == -1 else top_k
     _check_int("top_k", top_k, 0)
     min_tokens = body.min_tokens or 0
     _check_int("min_tokens", min_tokens, 0)
     num_top_logprobs, logprobs_field = _logprobs(body, is_chat)
     beam_width = max(n, best_of or 1) if is_beam_search else 1
-    temperature = body.temperature
-    if temperature is None:
-        temperature = 0.0 if is_beam_search else 1.0
+    temperature = _or_default(body.temperature, defaults.temperature, 0.0 if is_beam_search else 1.0)
     params = SamplingParams(
         max_tokens=max_tokens or 1,
         min_tokens=min_tokens,
         temperature=temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
+        top_p=_or_default(body.top_p, defaults.top_p, 1.0),
         top_k=top_k,
-        min_p=body.min_p or 0.0,
+        min_p=_or_default(body.min_p, defaults.min_p, 0.0),
         seed=body.seed,
-        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        repetition_penalty=_or_default(body.repetition_penalty, defaults.repetition_penalty, 1.0),
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
         stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
@@ -296,6 +303,13 @@ def generation_plan(body: CompletionBody | ChatCompletionBody,
         echo=bool(getattr(body, "echo", False)), user=body.user, priority=body.priority or 0, tools=tools,
         param_names={"max_tokens": max_tokens_field, "beam_width": "use_beam_search", "logprobs": logprobs_field,
                      "n": "n"})
+
+
+def _or_default(value, model_default, neutral):
+    """The request's value, else the model's default, else the protocol's neutral one."""
+    if value is not None:
+        return value
+    return neutral if model_default is None else model_default
 
 
 def _logprobs(body, is_chat: bool) -> tuple[int | None, str]:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import uvicorn
 
+from pagedserve.checkpoints.generation_defaults import NEUTRAL, SamplingDefaults
 from pagedserve.checkpoints.resolve import served_model_name
 from pagedserve.frontend.generation.admission import Admission
 from pagedserve.frontend.tokenization.chat_template import ChatTemplate
@@ -67,13 +68,15 @@ def start_http_server(admission: Admission, metrics: FrontendMetrics, config: Ht
                       chat_template: ChatTemplate, *, host: str, model_path: str | Path,
                       transport: TransportConfig, max_concurrent_requests: int, grace_s: float,
                       stream_write_timeout_s: float, max_undelivered_messages: int | None,
-                      tool_settings: ToolSettings = ToolSettings()) -> HttpServer:
+                      tool_settings: ToolSettings = ToolSettings(),
+                      sampling_defaults: SamplingDefaults = NEUTRAL) -> HttpServer:
     """Binds host:config.port and serves the OpenAI-compatible API; returns once it accepts."""
     executor = ThreadPoolExecutor(max_workers=max_concurrent_requests + EXTRA_THREADS, thread_name_prefix="http-gen")
     serving = OpenAIServing(admission, metrics, chat_template, config.served_model_name or served_model_name(model_path),
                             executor, ConcurrencyLimit(max_concurrent_requests),
                             stream_write_timeout_s=stream_write_timeout_s,
-                            max_undelivered_messages=max_undelivered_messages, tool_settings=tool_settings)
+                            max_undelivered_messages=max_undelivered_messages, tool_settings=tool_settings,
+                            sampling_defaults=sampling_defaults)
     app = build_app(admission, serving, executor, api_key=config.resolved_api_key(),
                     max_request_bytes=config.max_request_bytes)
     uvicorn_config = uvicorn.Config(

@@ -49,6 +49,7 @@ from pagedserve.frontend.tools.tool_parsers import get_parser
 from pagedserve.frontend.tools.tool_request import ToolSettings
 from pagedserve.frontend.tools.tool_stream import message_content, tool_call_body
 from pagedserve.contracts.sampling_params import InvalidParameter
+from pagedserve.checkpoints.generation_defaults import NEUTRAL, SamplingDefaults
 
 log = structlog.get_logger()
 PROTOCOL = "http"  # the `protocol` label of the frontend metrics
@@ -92,20 +93,23 @@ class OpenAIServing:
     def __init__(self, admission: Admission, metrics: FrontendMetrics, chat_template: ChatTemplate,
                  served_model_name: str, executor: Executor, limit: ConcurrencyLimit, *,
                  stream_write_timeout_s: float = DEFAULT_STREAM_WRITE_TIMEOUT_S,
-                 max_undelivered_messages: int | None = None, tool_settings: ToolSettings = ToolSettings()) -> None:
+                 max_undelivered_messages: int | None = None, tool_settings: ToolSettings = ToolSettings(),
+                 sampling_defaults: SamplingDefaults = NEUTRAL) -> None:
         """stream_write_timeout_s: how long one SSE write may wait for a client that is not reading;
         max_undelivered_messages: updates of a request left unread before it is aborted;
-        tool_settings: --tool-call-parser and --enable-auto-tool-choice."""
+        tool_settings: --tool-call-parser and --enable-auto-tool-choice; sampling_defaults: the
+        model's, for what a request leaves out."""
         self._admission = admission
         self._tool_settings = tool_settings
-        self._stream_write_timeout_s = stream_write_timeout_s
+        self.stream_write_timeout_s = stream_write_timeout_s
         self._max_undelivered_messages = max_undelivered_messages
-        self._metrics = metrics
+        self.metrics = metrics
         self._chat_template = chat_template
         self.served_model_name = served_model_name
-        self._executor = executor
+        self.executor = executor
         self._limit = limit
         self._token_text = TokenTexts(admission.tokenizer)
+        self.sampling_defaults = sampling_defaults
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.served_model_name:
@@ -118,7 +122,7 @@ class OpenAIServing:
         return await self._serve(request, read_body, request_id, is_chat=True)
 
     async def _serve(self, request: Request, read_body: BodyReader, request_id: str, *, is_chat: bool) -> Response:
-        timer = self._metrics.start_request(PROTOCOL)
+        timer = self.metrics.start_request(PROTOCOL)
         loop = asyncio.get_running_loop()
         try:
             body = await read_body()
@@ -128,18 +132,18 @@ class OpenAIServing:
             if unknown:
                 log.info("request_unknown_fields", fields=unknown)  # request_id is bound by the middleware
             self.check_model(parsed.model)
-            plan = generation_plan(parsed, self._tool_settings)
+            plan = generation_plan(parsed, self.sampling_defaults, tool_settings=self._tool_settings)
             if plan.user is not None:
                 log.info("request_user", user=plan.user)
-            prepared = await loop.run_in_executor(self._executor, self._prepare, parsed, plan, request_id, is_chat)
-            run = self._start(prepared, timer, loop)
+            prepared = await loop.run_in_executor(self.executor, self.prepare, parsed, plan, request_id, is_chat)
+            run = self.start_run(prepared, timer, loop)
         except Exception as exc:
-            return self._refused(exc, timer)
+            return self.refused(exc, timer)
         header = ResponseHeader(f"{'chatcmpl' if is_chat else 'cmpl'}-{request_id}", int(time.time()),
                                 self.served_model_name)
         try:
             if plan.is_stream:
-                first = await _unless_disconnected(request, run.next())
+                first = await unless_disconnected(request, run.next())
                 writer = ChunkWriter(header, is_chat=is_chat, num_choices=plan.num_choices,
                                      num_top_logprobs=plan.num_top_logprobs, include_usage=plan.include_usage,
                                      token_text=self._token_text, echo_texts=prepared.echo_texts,
@@ -149,9 +153,9 @@ class OpenAIServing:
                 return WatchedStreamingResponse(
                     sse_frames(first, run, writer, lambda exc: error_parts(exc)[1]), media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                    background=BackgroundTask(_cancel_unless_finished, run),
-                    write_timeout_s=self._stream_write_timeout_s, on_timeout=self._on_write_timeout(run, request_id))
-            await _unless_disconnected(request, run.collect())
+                    background=BackgroundTask(cancel_unless_finished, run),
+                    write_timeout_s=self.stream_write_timeout_s, on_timeout=self.on_write_timeout(run, request_id))
+            await unless_disconnected(request, run.collect())
             return JSONResponse(self._whole(header, run, plan, prepared, is_chat))
         except ClientGone:
             run.cancel()
@@ -164,21 +168,21 @@ class OpenAIServing:
         """The parser of a chat request whose output may hold tool calls, else None."""
         return self._tool_settings.parser if plan.tools is not None and plan.tools.is_active else None
 
-    def _on_write_timeout(self, run: GenerationRun, request_id: str) -> Callable[[], None]:
+    def on_write_timeout(self, run: GenerationRun, request_id: str) -> Callable[[], None]:
         def on_timeout() -> None:
             log.warning("stream_write_timeout", request_id=request_id,
-                        stream_write_timeout=self._stream_write_timeout_s)
+                        stream_write_timeout=self.stream_write_timeout_s)
             run.cancel()  # aborted in the scheduler: its blocks are freed
 
         return on_timeout
 
-    def _start(self, prepared: PreparedRequest, timer, loop: asyncio.AbstractEventLoop) -> GenerationRun:
+    def start_run(self, prepared: PreparedRequest, timer, loop: asyncio.AbstractEventLoop) -> GenerationRun:
         """One Generation per prompt, running; each holds a slot of the limit until its pump ends."""
         num_prompts = len(prepared.requests)
         self._limit.acquire(num_prompts)
-        run = GenerationRun(self._admission, self._executor, loop, on_pump_end=self._limit.release_one,
+        run = GenerationRun(self._admission, self.executor, loop, on_pump_end=self._limit.release_one,
                             max_undelivered=self._max_undelivered_messages)
-        timers = [timer] + [self._metrics.start_request(PROTOCOL) for _ in range(num_prompts - 1)]
+        timers = [timer] + [self.metrics.start_request(PROTOCOL) for _ in range(num_prompts - 1)]
         try:
             run.start(prepared.requests, timers)
         except BaseException:
@@ -186,7 +190,7 @@ class OpenAIServing:
             raise
         return run
 
-    def _refused(self, exc: Exception, timer) -> Response:
+    def refused(self, exc: Exception, timer) -> Response:
         """A request that failed before its run started."""
         if isinstance(exc, HttpError):  # the HTTP API's own refusals (unknown model, too many requests)
             timer.on_done("rejected")
@@ -207,7 +211,7 @@ class OpenAIServing:
         check_text_bytes(field_name, [text], max_bytes)
         return self._admission.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def _prepare(self, parsed, plan: GenerationPlan, request_id: str, is_chat: bool) -> PreparedRequest:
+    def prepare(self, parsed, plan: GenerationPlan, request_id: str, is_chat: bool) -> PreparedRequest:
         """On a worker thread: limits (draining, readiness), chat template, tokens, validation."""
         limits = self._admission.limits()
         tokenizer = self._admission.tokenizer
@@ -269,12 +273,12 @@ class OpenAIServing:
         return (chat_response if is_chat else completion_response)(header, choices, usage)
 
 
-async def _cancel_unless_finished(run: GenerationRun) -> None:
+async def cancel_unless_finished(run: GenerationRun) -> None:
     if not run.is_finished:
         run.cancel()
 
 
-async def _unless_disconnected(request: Request, awaitable):
+async def unless_disconnected(request: Request, awaitable):
     """Awaits `awaitable`, or raises ClientGone as soon as the client disconnects."""
     task = asyncio.ensure_future(awaitable)
     watcher = asyncio.ensure_future(_disconnected(request))

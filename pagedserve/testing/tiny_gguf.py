@@ -74,9 +74,10 @@ def _type_picker(tensor_types: dict[str, str] | Callable[[str], str]) -> Callabl
 def write_gguf(checkpoint: str | Path, out_file: str | Path, *,
                tensor_types: dict[str, str] | Callable[[str], str] = MIXED_TYPES,
                chat_template: str | None = None, architecture: str | None = None,
-               exclude: Container[str] = ()) -> Path:
+               exclude: Container[str] = (), extra_metadata: dict[str, int | float] | None = None) -> Path:
     """Converts `checkpoint` (config.json, model.safetensors, optional tokenizer.json) to `out_file`.
 
+    extra_metadata: more keys (an int as uint32, a float as float32), e.g. general.sampling.temp.
     architecture overrides general.architecture and `exclude` leaves the named GGUF tensors out
     (tests use them to write files we must refuse)."""
     import gguf
@@ -92,6 +93,8 @@ def write_gguf(checkpoint: str | Path, out_file: str | Path, *,
         _write_tokenizer(writer, checkpoint, config)
     if chat_template:
         writer.add_chat_template(chat_template)
+    for key, value in (extra_metadata or {}).items():
+        (writer.add_uint32 if isinstance(value, int) else writer.add_float32)(key, value)
     pick = _type_picker(tensor_types)
     num_heads, num_kv_heads = config["num_attention_heads"], config.get("num_key_value_heads")
     for hf_name, values in sorted(load_file(checkpoint / "model.safetensors").items()):

@@ -37,7 +37,7 @@ def test_smollm2_answers_a_chat_question(tmp_path):
         assert list(info.eos_token_ids) == list(tokenizer.eos_token_ids)
         tokens = server.stub.Tokenize(generation_pb2.TokenizeRequest(text=prompt), timeout=10).token_ids
         assert list(tokens) == tokenizer.encode(prompt)
-        response = server.stub.Generate(text_request(prompt, max_tokens=20), timeout=120)
+        response = server.stub.Generate(text_request(prompt, max_tokens=20, temperature=0), timeout=120)
         completion = response.completions[0]
         assert "Paris" in completion.text, completion.text
         assert completion.finish_reason == generation_pb2.FINISH_REASON_STOP
@@ -45,7 +45,7 @@ def test_smollm2_answers_a_chat_question(tmp_path):
 
         messages = generation_pb2.ChatMessages(messages=[generation_pb2.ChatMessage(role="user", content=QUESTION)])
         rendered = server.stub.Generate(generation_pb2.GenerateRequest(
-            messages=messages, params=generation_pb2.SamplingParams(max_tokens=20)), timeout=120)
+            messages=messages, params=generation_pb2.SamplingParams(max_tokens=20, temperature=0)), timeout=120)
         assert rendered.completions[0].text == completion.text
         assert rendered.usage.prompt_tokens == len(tokens)
 

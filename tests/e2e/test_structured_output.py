@@ -98,7 +98,7 @@ def test_json_object_regex_choice_and_grammars_constrain(client):
 
 def test_logit_bias_bans_and_forces_tokens(smollm2, client):
     prompt = "The capital of France is"
-    greedy = smollm2.stub.Generate(text_request(prompt, max_tokens=3), timeout=120).completions[0]
+    greedy = smollm2.stub.Generate(text_request(prompt, max_tokens=3, temperature=0), timeout=120).completions[0]
     first = greedy.token_ids[0]
     banned = smollm2.stub.Generate(text_request(prompt, max_tokens=3, logit_bias={first: -100.0}),
                                    timeout=120).completions[0]

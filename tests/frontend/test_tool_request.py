@@ -79,7 +79,7 @@ def test_parameters_the_constraint_cannot_enforce_are_refused_at_once():
 def test_forced_choice_with_another_constraint_is_refused():
     body = parse_body(ChatCompletionBody, {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
                                            "tool_choice": "required", "response_format": {"type": "json_object"}})
-    assert _error(lambda: generation_plan(body, AUTO))[0] == "tool_choice"
+    assert _error(lambda: generation_plan(body, tool_settings=AUTO))[0] == "tool_choice"
 
 
 def test_history_messages_are_checked_and_converted():
