@@ -14,9 +14,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 TOPIC_PAGES = {"architecture.md", "operations.md", "openai-api.md", "security.md", "scaling.md", "memory.md",
-               "speculation.md", "quantization.md", "kernels.md", "performance.md"}
-PAGES_OF_OTHER_TOPICS = {"structured-output.md", "reliability.md", "kv-tiers.md", "performance-tables.md",
-                         "cpu-limits.md"}
+               "speculation.md", "quantization.md", "kernels.md", "performance.md", "performance-tables.md",
+               "cpu-limits.md", "structured-output.md", "tool-calling.md", "responses-api.md", "kv-tiers.md",
+               "reliability.md", "request-failures.md", "kernel-interface.md", "quantization-accuracy.md",
+               "testing.md"}
+PAGES_OF_OTHER_TOPICS: set[str] = set()
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 HEADING = re.compile(r"^#+ (.+)$")
 FENCE = re.compile(r"^```")
