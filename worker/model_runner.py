@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from pagedserve.adapters.lora_config import LoraConfig
 from pagedserve.kernels.cache.kv_dtype import resolve_kv_cache_dtype
 from pagedserve.checkpoints.model_config import load_model_info
 from pagedserve.contracts.step_plan import SampleSpec, ScheduledSeq, StepPlan, StepResult
@@ -40,6 +41,7 @@ from pagedserve.worker.speculation.draft_verify import sample_verifying_drafts
 from pagedserve.worker.loading.hf_checkpoint import resolve_dtype
 from pagedserve.worker.model_input import PlanError, build_model_input
 from pagedserve.worker.loading.build import load_model
+from pagedserve.worker.lora.slots import LoraSlots
 from pagedserve.worker.models.llama import LlamaForCausalLM
 from pagedserve.worker.models.llama_config import LlamaModelConfig
 from pagedserve.worker.quantization.quantizers import QuantizationConfig
@@ -72,13 +74,17 @@ class ModelRunner:
     speculative_model: a draft model's checkpoint (folder or GGUF) for draft-model speculation,
     loaded with the same dtype and sharding, quantized per speculative_quantization (with
     quantization_group_size); its KV cache dtype follows kv_cache_dtype.
+
+    lora: serve LoRA adapters (pagedserve.worker.lora.slots): the plan's lora_loads fill slots,
+    each sequence's lora_slot picks the delta added to its rows.
     """
 
     def __init__(self, model_path: str | Path, *, device: str | torch.device = "cpu",
                  dtype: str | torch.dtype = "auto", block_size: int = 16, rank: int = 0, world_size: int = 1,
                  max_model_len: int | None = None, seed: int | None = None, quantization: str = "none",
                  quantization_group_size: int | None = None, kv_cache_dtype: str = "auto",
-                 speculative_model: str | Path | None = None, speculative_quantization: str = "none") -> None:
+                 speculative_model: str | Path | None = None, speculative_quantization: str = "none",
+                 lora: LoraConfig | None = None) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, not {block_size}")
         if max_model_len is not None and max_model_len <= 0:
@@ -107,6 +113,8 @@ class ModelRunner:
             self.draft = DraftModel(speculative_model, quantization=speculative_quantization,
                                     quantization_group_size=quantization_group_size)
         self.draft_proposer: DraftProposer | None = None
+        self.lora_config = lora
+        self.lora: LoraSlots | None = None
 
     def load(self) -> None:
         """Reads config.json, builds this rank's shard of the model and loads its weights."""
@@ -126,6 +134,9 @@ class ModelRunner:
         self.num_prepacked_bytes = loaded.num_prepacked_bytes
         if self.rank == 0:
             self.sampler = Sampler(self.device, seed=self.seed)
+        if self.lora_config is not None:
+            self.lora = LoraSlots(self.model, self.lora_config, model_path=self.model_path, dtype=self.dtype,
+                                  device=self.device)
         if self.draft is not None:
             self.draft.load(target_config=self.config, tp=tp, dtype=self.dtype, device=self.device,
                             max_positions=self.model.max_positions, kv_cache_dtype=self.requested_kv_cache_dtype)
@@ -240,8 +251,23 @@ class ModelRunner:
                             "(--speculative-model)")
         self.cache.execute_block_ops(plan.blocks_to_swap_out, plan.blocks_to_swap_in, plan.blocks_to_copy)
         result = StepResult(step_id=plan.step_id, epoch=plan.epoch)
+        if plan.lora_loads or any(seq.lora_slot >= 0 for seq in plan.seqs):
+            if self.lora is None:
+                raise PlanError("the plan uses LoRA adapters, and this worker was started without --enable-lora")
+            with torch.inference_mode():
+                for load in plan.lora_loads:
+                    self.lora.load(load)
         if not plan.seqs:
             return result
+        try:
+            if self.lora is not None:
+                self.lora.rows_for_step(plan.seqs)
+            return self._forward_and_sample(plan, model, result)
+        finally:
+            if self.lora is not None:
+                self.lora.clear_step()
+
+    def _forward_and_sample(self, plan: StepPlan, model: LlamaForCausalLM, result: StepResult) -> StepResult:
         with torch.inference_mode():
             seqs, draft_probs, draft_seconds = plan.seqs, {}, 0.0
             if plan.drafts_from_worker:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from itertools import chain
 
 from pagedserve.internal import step_pb2
-from pagedserve.contracts.step_plan import SampleSpec, ScheduledSeq, SeqFailure, SeqSample, StepPlan, StepResult
+from pagedserve.contracts.step_plan import LoraLoad, SampleSpec, ScheduledSeq, SeqFailure, SeqSample, StepPlan, StepResult
 
 
 def _pairs_to_proto(pairs: list[tuple[int, int]], out: step_pb2.BlockPair) -> None:
@@ -110,6 +110,10 @@ def plan_to_proto(plan: StepPlan) -> step_pb2.StepPlan:
         msg.draft_start_positions.extend([seq.draft_start_position for seq in seqs])
         msg.num_draft_context_tokens.extend([len(seq.draft_context_ids) for seq in seqs])
         msg.draft_context_ids.extend(list(chain.from_iterable(seq.draft_context_ids for seq in seqs)))
+    if any(seq.lora_slot >= 0 for seq in seqs):
+        msg.lora_slots.extend([seq.lora_slot + 1 for seq in seqs])
+    for load in plan.lora_loads:
+        msg.lora_loads.add(slot=load.slot, name=load.name, path=load.path, digest=load.digest)
     _pairs_to_proto(plan.blocks_to_swap_out, msg.blocks_to_swap_out)
     _pairs_to_proto(plan.blocks_to_swap_in, msg.blocks_to_swap_in)
     _pairs_to_proto(plan.blocks_to_copy, msg.blocks_to_copy)
@@ -138,6 +142,8 @@ def plan_from_proto(msg: step_pb2.StepPlan) -> StepPlan:
             seq.draft_start_position = start_position
             seq.draft_context_ids = context_ids[context_start:context_start + num_context]
             context_start += num_context
+    for seq, slot in zip(seqs, msg.lora_slots):
+        seq.lora_slot = slot - 1
     return StepPlan(
         step_id=msg.step_id,
         seqs=seqs,
@@ -146,6 +152,7 @@ def plan_from_proto(msg: step_pb2.StepPlan) -> StepPlan:
         blocks_to_copy=_pairs_from_proto(msg.blocks_to_copy),
         epoch=msg.epoch,
         drafts_from_worker=msg.drafts_from_worker,
+        lora_loads=[LoraLoad(load.slot, load.name, load.path, load.digest) for load in msg.lora_loads],
     )
 
 

@@ -55,6 +55,7 @@ class ScheduledSeq:
     # runs the last real token and its own proposals d1 .. d(k-1) (same slots as the target).
     draft_context_ids: list[int] = field(default_factory=list)
     draft_start_position: int = 0
+    lora_slot: int = -1  # the worker's adapter slot whose LoRA delta this sequence adds; -1: the base model
 
     @property
     def num_new_tokens(self) -> int:
@@ -63,6 +64,16 @@ class ScheduledSeq:
     @property
     def context_len(self) -> int:
         return self.start_position + len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class LoraLoad:
+    """Put the adapter at path (content digest) in the worker's LoRA slot before this step."""
+
+    slot: int
+    name: str
+    path: str
+    digest: str
 
 
 @dataclass(slots=True)
@@ -76,6 +87,7 @@ class StepPlan:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src gpu, dst gpu)
     epoch: int = 0
     drafts_from_worker: bool = False  # the drafts of this step are for the worker's draft model to propose
+    lora_loads: list[LoraLoad] = field(default_factory=list)  # run before the forward
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,147 @@
+"""The worker's adapter slots and the LoRA delta added to each projection of a mixed batch.
+
+The scheduler assigns each sequence a slot (ScheduledSeq.lora_slot, -1: the base model) and says
+which adapter each slot holds (StepPlan.lora_loads). Before a forward, `rows_for_step` groups the
+token rows by slot; forward hooks on every qkv/o/gate_up/down layer then add, for each slot s
+with rows R_s (Punica's gather, done as one matmul pair per slot on CPU):
+
+    y[R_s, part] += (x[R_s] @ A_s^T) @ B_s^T          column layers, per fused part (q, k, v / gate, up)
+    y[R_s]       += all_reduce(x[R_s] @ A_s^T) @ B_s^T  row layers (A sliced by input columns)
+
+The base layers are left as they are (hooks add after their forward, quantized or not). Adapters
+stay in host memory after they leave a slot, up to max_cpu_loras (LRU), keyed by content digest.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from pagedserve.adapters.lora_config import LoraConfig
+from pagedserve.adapters.peft_folder import AdapterError, model_shapes, read_adapter
+from pagedserve.checkpoints.model_config import load_model_info
+from pagedserve.contracts.step_plan import LoraLoad, ScheduledSeq
+from pagedserve.worker.lora.adapter_weights import AdapterWeights, load_adapter_weights, model_shards
+
+_Groups = list[tuple[int, torch.Tensor]]  # (slot, token rows of that slot)
+
+
+class LoraSlots:
+    def __init__(self, model, config: LoraConfig, *, model_path, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.model = model
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.tp = model.tp
+        self.shapes = model_shapes(load_model_info(model_path))
+        self.shards = model_shards(model)
+        self.slots: list[AdapterWeights | None] = [None] * config.max_loras
+        self.host: OrderedDict[str, AdapterWeights] = OrderedDict()  # digest -> weights, LRU first
+        self.num_loads = 0  # adapters read from disk
+        self._groups: _Groups = []
+        for index, layer in enumerate(model.layers):
+            attention, mlp = layer.self_attn, layer.mlp
+            self._column(attention.qkv_proj, index, ("q_proj", "k_proj", "v_proj"))
+            self._column(mlp.gate_up_proj, index, ("gate_proj", "up_proj"))
+            self._row(attention.o_proj, index, "o_proj")
+            self._row(mlp.down_proj, index, "down_proj")
+
+    # -- slots ---------------------------------------------------------------------------------
+
+    def load(self, load: LoraLoad) -> None:
+        """Puts the adapter in its slot (from host memory when it is there, else from its folder)."""
+        if not 0 <= load.slot < len(self.slots):
+            raise AdapterError(f"LoRA slot {load.slot} is outside [0, {len(self.slots)})")
+        current = self.slots[load.slot]
+        if current is not None and current.spec.digest == load.digest:
+            return
+        weights = self.host.pop(load.digest, None)
+        if weights is None:
+            spec = read_adapter(load.name, load.path, self.shapes, max_rank=self.config.max_lora_rank)
+            if spec.digest != load.digest:
+                raise AdapterError(f"adapter {load.name!r} at {load.path} changed since it was registered "
+                                   f"(digest {spec.digest[:12]}, expected {load.digest[:12]}); load it again")
+            weights = load_adapter_weights(spec, self.shards, dtype=self.dtype, device=self.device)
+            self.num_loads += 1
+        self.host[load.digest] = weights
+        self.slots[load.slot] = weights
+        resident = {w.spec.digest for w in self.slots if w is not None}
+        while len(self.host) > max(self.config.num_cpu_loras, len(resident)):
+            evictable = next((d for d in self.host if d not in resident), None)
+            if evictable is None:
+                break
+            del self.host[evictable]
+
+    def rows_for_step(self, seqs: list[ScheduledSeq]) -> None:
+        """Groups the step's token rows by slot (for the hooks); sets model.lora_active."""
+        groups: dict[int, list[int]] = {}
+        row = 0
+        for seq in seqs:
+            count = len(seq.token_ids)
+            if seq.lora_slot >= 0:
+                if seq.lora_slot >= len(self.slots) or self.slots[seq.lora_slot] is None:
+                    raise AdapterError(f"sequence {seq.seq_id} uses LoRA slot {seq.lora_slot}, which holds no adapter")
+                groups.setdefault(seq.lora_slot, []).extend(range(row, row + count))
+            row += count
+        self._groups = [(slot, torch.tensor(rows, dtype=torch.int64, device=self.device))
+                        for slot, rows in sorted(groups.items())]
+        self.model.lora_active = bool(self._groups)
+
+    def clear_step(self) -> None:
+        self._groups = []
+        self.model.lora_active = False
+
+    # -- the deltas ----------------------------------------------------------------------------
+
+    def _column(self, module, layer: int, parts: tuple[str, ...]) -> None:
+        offsets, offset = [], 0
+        for projection, shard in zip(parts, module.shards):
+            offsets.append((projection, offset, shard.size))
+            offset += shard.size
+
+        def add_delta(_module, args, output):
+            if not self._groups:
+                return None
+            x = args[0]
+            for slot, rows in self._groups:
+                adapter = self.slots[slot]
+                xs = x.index_select(0, rows)
+                for projection, start, size in offsets:
+                    delta = adapter.deltas.get((layer, projection))
+                    if delta is not None:
+                        update = (xs @ delta.a.T) @ delta.b.T  # [R, size]
+                        output[:, start: start + size].index_add_(0, rows, update.to(output.dtype))
+            return output
+
+        module.register_forward_hook(add_delta)
+
+    def _row(self, module, layer: int, projection: str) -> None:
+        max_rank = self.config.max_lora_rank
+
+        def add_delta(_module, args, output):
+            if not self._groups:
+                return None
+            x = args[0]
+            if self.tp.world_size == 1:
+                for slot, rows in self._groups:
+                    delta = self.slots[slot].deltas.get((layer, projection))
+                    if delta is not None:
+                        update = (x.index_select(0, rows) @ delta.a.T) @ delta.b.T  # [R, out]
+                        output.index_add_(0, rows, update.to(output.dtype))
+                return output
+            shrunk = x.new_zeros((x.shape[0], max_rank))  # [T, r_max]: each row's x_local @ A_local^T
+            for slot, rows in self._groups:
+                delta = self.slots[slot].deltas.get((layer, projection))
+                if delta is not None:
+                    shrunk[rows, : delta.a.shape[0]] = x.index_select(0, rows) @ delta.a.T
+            shrunk = self.tp.all_reduce(shrunk)  # every rank runs it: the slots are the same on all
+            for slot, rows in self._groups:
+                delta = self.slots[slot].deltas.get((layer, projection))
+                if delta is not None:
+                    update = shrunk[rows, : delta.a.shape[0]] @ delta.b.T
+                    output.index_add_(0, rows, update.to(output.dtype))
+            return output
+
+        module.register_forward_hook(add_delta)
