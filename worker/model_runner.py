@@ -25,7 +25,7 @@ import torch
 from pagedserve.adapters.lora_config import LoraConfig
 from pagedserve.kernels.cache.kv_dtype import resolve_kv_cache_dtype
 from pagedserve.checkpoints.model_config import load_model_info
-from pagedserve.contracts.step_plan import SampleSpec, ScheduledSeq, StepPlan, StepResult
+from pagedserve.contracts.step_plan import SampleSpec, ScheduledSeq, SeqFailure, StepPlan, StepResult
 from pagedserve.worker.cache_engine import (
     GIB,
     CacheEngine,
@@ -256,13 +256,18 @@ class ModelRunner:
                 raise PlanError("the plan uses LoRA adapters, and this worker was started without --enable-lora")
             with torch.inference_mode():
                 for load in plan.lora_loads:
-                    self.lora.load(load)
+                    self.lora.load_or_fail(load)
         if not plan.seqs:
             return result
         try:
             if self.lora is not None:
                 self.lora.rows_for_step(plan.seqs)
-            return self._forward_and_sample(plan, model, result)
+            result = self._forward_and_sample(plan, model, result)
+            if self.lora is not None and self.lora.failed_seqs:  # their adapter could not be loaded
+                failed = self.lora.failed_seqs
+                result.samples = [sample for sample in result.samples if sample.seq_id not in failed]
+                result.failures += [SeqFailure(seq_id, message) for seq_id, message in failed.items()]
+            return result
         finally:
             if self.lora is not None:
                 self.lora.clear_step()

@@ -103,12 +103,28 @@ def test_plan_errors(checkpoint_dir, adapters, tmp_path):
     runner = _runner(checkpoint_dir(NAME), lora=LoraConfig(max_loras=2, max_lora_rank=8))
     with pytest.raises(AdapterError, match="holds no adapter"):
         runner.execute(StepPlan(step_id=1, seqs=[seq]))
+
+
+def test_an_adapter_that_cannot_be_loaded_fails_only_its_sequences(checkpoint_dir, adapters, references):
+    """Its folder changed since it was checked (other digest): the sequences on its slot fail with
+    the reason, the base sequence beside them is answered, and a later good load clears the slot."""
+    runner = _runner(checkpoint_dir(NAME), lora=LoraConfig(max_loras=2, max_lora_rank=8))
+    prompt = make_prompts(seed=35, lengths=(9,))[0]
     stale = LoraLoad(0, "a0", str(adapters[0]), "0" * 64)
-    with pytest.raises(AdapterError, match="changed since"):
-        runner.execute(StepPlan(step_id=2, lora_loads=[stale]))
-    small = LoraConfig(max_loras=1, max_lora_rank=4)
-    with pytest.raises(AdapterError, match="above --max-lora-rank 4"):
-        _runner(checkpoint_dir(NAME), lora=small).execute(StepPlan(step_id=1, lora_loads=_loads(adapters[:1])))
+    plan = StepPlan(step_id=1, lora_loads=[stale], seqs=[
+        ScheduledSeq(1, prompt, 0, [0], sample=SampleSpec(), lora_slot=0),
+        ScheduledSeq(2, prompt, 0, [1], sample=SampleSpec())])
+    result = runner.execute(plan)
+    assert [failure.seq_id for failure in result.failures] == [1]
+    assert "changed since it was registered" in result.failures[0].message
+    assert [sample.seq_id for sample in result.samples] == [2]
+    assert result.samples[0].token_id == greedy(references[0], prompt, 1)[0]
+    result = runner.execute(StepPlan(step_id=2, lora_loads=_loads(adapters[:1]), seqs=[
+        ScheduledSeq(3, prompt, 0, [2], sample=SampleSpec(), lora_slot=0)]))
+    assert not result.failures and result.samples[0].token_id == greedy(references[1], prompt, 1)[0]
+    small = _runner(checkpoint_dir(NAME), lora=LoraConfig(max_loras=1, max_lora_rank=4))
+    small.execute(StepPlan(step_id=1, lora_loads=_loads(adapters[:1])))
+    assert "above --max-lora-rank 4" in small.lora.failed[0]
 
 
 def _rank_main(rank, folder, init_file, prompts, loads, out_file, world_size):

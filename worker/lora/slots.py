@@ -10,6 +10,10 @@ with rows R_s (Punica's gather, done as one matmul pair per slot on CPU):
 
 The base layers are left as they are (hooks add after their forward, quantized or not). Adapters
 stay in host memory after they leave a slot, up to max_cpu_loras (LRU), keyed by content digest.
+
+An adapter that cannot be loaded (its folder changed or vanished since the frontend checked it)
+leaves its slot failed: the sequences that use the slot run as the base model and are reported as
+failed (StepResult.failures), so their requests fail with the reason and every other goes on.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ class LoraSlots:
         self.slots: list[AdapterWeights | None] = [None] * config.max_loras
         self.host: OrderedDict[str, AdapterWeights] = OrderedDict()  # digest -> weights, LRU first
         self.num_loads = 0  # adapters read from disk
+        self.failed: dict[int, str] = {}  # slot -> why its adapter could not be loaded
+        self.failed_seqs: dict[int, str] = {}  # this step's sequences on a failed slot -> why
         self._groups: _Groups = []
         for index, layer in enumerate(model.layers):
             attention, mlp = layer.self_attn, layer.mlp
@@ -50,10 +56,19 @@ class LoraSlots:
 
     # -- slots ---------------------------------------------------------------------------------
 
+    def load_or_fail(self, load: LoraLoad) -> None:
+        """load(), and on an AdapterError the slot is marked failed instead of raising."""
+        try:
+            self.load(load)
+            self.failed.pop(load.slot, None)
+        except AdapterError as exc:
+            self.slots[load.slot] = None
+            self.failed[load.slot] = str(exc)
+
     def load(self, load: LoraLoad) -> None:
         """Puts the adapter in its slot (from host memory when it is there, else from its folder)."""
         if not 0 <= load.slot < len(self.slots):
-            raise AdapterError(f"LoRA slot {load.slot} is outside [0, {len(self.slots)})")
+            raise ValueError(f"LoRA slot {load.slot} is outside [0, {len(self.slots)})")
         current = self.slots[load.slot]
         if current is not None and current.spec.digest == load.digest:
             return
@@ -77,10 +92,13 @@ class LoraSlots:
     def rows_for_step(self, seqs: list[ScheduledSeq]) -> None:
         """Groups the step's token rows by slot (for the hooks); sets model.lora_active."""
         groups: dict[int, list[int]] = {}
+        self.failed_seqs = {}
         row = 0
         for seq in seqs:
             count = len(seq.token_ids)
-            if seq.lora_slot >= 0:
+            if seq.lora_slot in self.failed:
+                self.failed_seqs[seq.seq_id] = self.failed[seq.lora_slot]
+            elif seq.lora_slot >= 0:
                 if seq.lora_slot >= len(self.slots) or self.slots[seq.lora_slot] is None:
                     raise AdapterError(f"sequence {seq.seq_id} uses LoRA slot {seq.lora_slot}, which holds no adapter")
                 groups.setdefault(seq.lora_slot, []).extend(range(row, row + count))
@@ -91,6 +109,7 @@ class LoraSlots:
 
     def clear_step(self) -> None:
         self._groups = []
+        self.failed_seqs = {}
         self.model.lora_active = False
 
     # -- the deltas ----------------------------------------------------------------------------
