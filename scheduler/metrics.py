@@ -54,6 +54,11 @@ class SchedulerMetrics:
         self.spec_unspeculated = Counter(
             "pagedserve_spec_decode_unspeculated_requests",
             "Requests served without speculation although it is on, by reason", ["reason"], registry=r)
+        self.lora_loads = Counter("pagedserve_lora_adapter_loads",
+                                  "LoRA adapters put in a worker slot", registry=r)
+        self.lora_evictions = Counter("pagedserve_lora_adapter_evictions",
+                                      "LoRA adapter loads that evicted another adapter from its slot (LRU)",
+                                      registry=r)
         self._last = {"swap": 0, "recompute": 0, "queries": 0, "hits": 0, "drafts": 0, "draft_tokens": 0,
                       "accepted": 0}
 
@@ -71,6 +76,8 @@ class SchedulerMetrics:
                       stats.num_preemptions_recompute)
         self._advance(self.prefix_queries, "queries", stats.num_prefix_cache_queries)
         self._advance(self.prefix_hits, "hits", stats.num_prefix_cache_hits)
+        self._advance(self.lora_loads, "lora_loads", stats.num_lora_loads)
+        self._advance(self.lora_evictions, "lora_evictions", stats.num_lora_evictions)
         self._advance(self.spec_drafts, "drafts", stats.num_spec_drafts)
         self._advance(self.spec_draft_tokens, "draft_tokens", stats.num_spec_draft_tokens)
         self._advance(self.spec_accepted_tokens, "accepted", stats.num_spec_accepted_tokens)

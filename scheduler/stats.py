@@ -38,3 +38,5 @@ class SchedulerStats:
     num_spec_accepted_tokens: int = 0  # of those, accepted
     num_spec_accepted_per_position: tuple[int, ...] = ()  # [i]: proposal i + 1 accepted
     num_spec_unspeculated_requests: int = 0  # requests a speculating scheduler serves without (beam search)
+    num_lora_loads: int = 0  # adapters put in a worker slot
+    num_lora_evictions: int = 0  # of those, loads that replaced another adapter (LRU)

@@ -62,6 +62,7 @@ class Sequence:
     # as draft context; 0 after any preemption, a reset or a prefix-cache hit (cached blocks
     # may lack draft KV). Never more than num_computed_tokens between steps.
     num_draft_computed: int = 0
+    key_root: bytes | None = None  # parent key of the first block (LoRA: from the adapter's digest)
 
     @property
     def num_tokens(self) -> int:
@@ -103,6 +104,7 @@ class Sequence:
             block_keys=list(self.block_keys),
             num_registered_blocks=self.num_registered_blocks,
             num_draft_computed=self.num_draft_computed,
+            key_root=self.key_root,
             cumulative_logprob=self.cumulative_logprob,
             output_logprobs=list(self.output_logprobs),
         )
