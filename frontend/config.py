@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from pagedserve.config.flags import nested, option, require
+from pagedserve.frontend.lora.config import LoraFrontendConfig
 from pagedserve.frontend.openai.config import HttpConfig
 from pagedserve.frontend.upstream.router import ROUTING_POLICIES
 from pagedserve.frontend.generation.stream_watchdog import DEFAULT_STREAM_WRITE_TIMEOUT_S
@@ -63,6 +64,7 @@ class FrontendConfig:
              "then goes on from the tokens already streamed; past it, or with 0, it fails with UNAVAILABLE")
     transport: TransportConfig = nested(TransportConfig, title="public port transport")
     http: HttpConfig = nested(HttpConfig, title="OpenAI-compatible HTTP")
+    lora: LoraFrontendConfig = nested(LoraFrontendConfig, title="LoRA adapters")
 
     @property
     def resolved_metrics_host(self) -> str:

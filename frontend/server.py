@@ -49,6 +49,11 @@ from pagedserve.frontend.grpc.transport import TransportConfigError
 from pagedserve.security.bearer_auth import HEALTH_PREFIX, REFLECTION_PREFIX, BearerTokenInterceptor
 from pagedserve.config.grpc_options import DEFAULT_SHUTDOWN_TIMEOUT_S
 from pagedserve.log import configure_logging
+from pagedserve.adapters.peft_folder import AdapterError
+from pagedserve.checkpoints.model_config import ModelConfigError
+from pagedserve.checkpoints.resolve import served_model_name
+from pagedserve.frontend.lora.registry import AdapterRegistry
+from pagedserve.frontend.openai.config import API_KEY_ENV
 
 if TYPE_CHECKING:
     from pagedserve.frontend.openai.server import HttpServer
@@ -118,6 +123,7 @@ def serve_frontend(config: FrontendConfig, *, health_poll_interval_s: float = DE
         chat = ChatTemplate(tokenizer, read_chat_template(template_file) if template_file else None)
     except (TokenizerLoadError, TransportConfigError, ChatTemplateError) as exc:
         raise FrontendStartError(str(exc)) from exc
+    adapters = _adapter_registry(config)
     frontend_id = frontend_id or f"{socket.gethostname()}:{os.getpid()}"
     metrics = FrontendMetrics()
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
@@ -132,7 +138,8 @@ def serve_frontend(config: FrontendConfig, *, health_poll_interval_s: float = DE
     recovery = SchedulerRecovery(readiness, config.scheduler_recovery_timeout)
     watchdog = StreamWatchdog(config.stream_write_timeout)
     servicer = GenerationServicer(tokenizer, client, readiness, metrics, in_flight, recovery, chat,
-                                  max_concurrent_calls=config.max_concurrent_rpcs, watchdog=watchdog)
+                                  max_concurrent_calls=config.max_concurrent_rpcs, watchdog=watchdog,
+                                  adapters=adapters)
 
     # Each streaming call holds a worker thread. The Generation service limits its own calls to
     # max_concurrent_rpcs (RESOURCE_EXHAUSTED beyond); the server takes HEALTH_HEADROOM_RPCS more, so
@@ -178,7 +185,8 @@ def serve_frontend(config: FrontendConfig, *, health_poll_interval_s: float = DE
                 model_path=config.model_path, transport=transport,
                 max_concurrent_requests=config.max_concurrent_rpcs, grace_s=CUT_GRACE_S,
                 stream_write_timeout_s=config.stream_write_timeout,
-                max_undelivered_messages=config.max_undelivered_messages)
+                max_undelivered_messages=config.max_undelivered_messages, adapters=adapters,
+                allow_runtime_lora_updating=config.lora.allow_runtime_lora_updating)
         except HttpStartError as exc:
             client.close()
             metrics.stop()
@@ -187,6 +195,22 @@ def serve_frontend(config: FrontendConfig, *, health_poll_interval_s: float = DE
     readiness.start()
     return FrontendServer(server, bound_port, metrics, bound_metrics_port, readiness, client, in_flight,
                           http_server, watchdog)
+
+
+def _adapter_registry(config: FrontendConfig) -> AdapterRegistry | None:
+    """The LoRA adapters of --lora-modules, checked against the model (None without --enable-lora)."""
+    lora = config.lora
+    if not lora.enable_lora:
+        return None
+    if lora.allow_runtime_lora_updating and not config.http.resolved_api_key():
+        raise FrontendStartError("--allow-runtime-lora-updating needs an API key (--api-key or "
+                                 f"${API_KEY_ENV}): loading an adapter reads folders on this host")
+    base_name = config.http.served_model_name or served_model_name(config.model_path)
+    try:
+        return AdapterRegistry.for_model(base_name, config.model_path, max_rank=lora.max_lora_rank,
+                                         modules=lora.modules)
+    except (AdapterError, ModelConfigError) as exc:
+        raise FrontendStartError(f"--lora-modules: {exc}") from exc
 
 
 def run_frontend(config: FrontendConfig) -> int:

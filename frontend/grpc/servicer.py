@@ -43,6 +43,8 @@ from pagedserve.frontend.tokenization.chat_template import ChatTemplate
 from pagedserve.frontend.grpc.validation import check_text_bytes, is_printable_ascii, validate_request
 from pagedserve.contracts.sampling_params import InvalidParameter
 from pagedserve.v1 import generation_pb2
+from pagedserve.contracts.request_types import AdapterRef
+from pagedserve.frontend.lora.registry import AdapterRegistry, UnknownAdapter
 
 log = structlog.get_logger()
 NO_DEADLINE_S = 1e6  # time_remaining() above this means the client set no deadline
@@ -104,11 +106,14 @@ class GenerationServicer:
     def __init__(self, tokenizer: Tokenizer, client: SchedulerClient, readiness: ReadinessMonitor,
                  metrics: FrontendMetrics, in_flight: InFlight | None = None,
                  recovery: SchedulerRecovery | None = None, chat: ChatTemplate | None = None, *,
-                 max_concurrent_calls: int | None = None, watchdog: StreamWatchdog | None = None) -> None:
+                 max_concurrent_calls: int | None = None, watchdog: StreamWatchdog | None = None,
+                 adapters: AdapterRegistry | None = None) -> None:
         """recovery: how requests ride out a scheduler restart (None: they fail with UNAVAILABLE);
         chat: renders `messages` prompts (None: such requests are INVALID_ARGUMENT);
         max_concurrent_calls: calls of this service at once, beyond it RESOURCE_EXHAUSTED (None: no
-        limit; health and reflection never count); watchdog: cuts streams whose client stops reading."""
+        limit; health and reflection never count); watchdog: cuts streams whose client stops reading;
+        adapters: the LoRA adapters a request's `adapter` may name (None: --enable-lora is off)."""
+        self._adapters = adapters
         self._slots = CallSlots(max_concurrent_calls)
         self._watchdog = watchdog
         self._tokenizer = tokenizer
@@ -225,12 +230,25 @@ class GenerationServicer:
         limits = self._admission.limits()
         if not request.request_id:
             request.request_id = _metadata_request_id(context)
+        adapter = self._adapter(request.adapter) if request.adapter else None
         validated = validate_request(request, self._tokenizer, limits, self._chat)
+        validated.adapter = adapter
         remaining = context.time_remaining()
         timeout = remaining if remaining is not None and remaining < NO_DEADLINE_S else None
         generation = self._admission.start(validated, timer, timeout=timeout)
         context.add_callback(generation.cancel)
         return generation
+
+    def _adapter(self, name: str) -> AdapterRef:
+        if self._adapters is None:
+            raise _StatusError(grpc.StatusCode.NOT_FOUND, f"adapter {name!r}: this server serves no LoRA adapters "
+                               "(--enable-lora)", "rejected")
+        try:
+            return self._adapters.resolve(name)
+        except UnknownAdapter:
+            served = ", ".join(sorted(spec.name for spec in self._adapters.adapters())) or "none"
+            raise _StatusError(grpc.StatusCode.NOT_FOUND, f"no LoRA adapter named {name!r} (served: {served})",
+                               "rejected") from None
 
     def _fail(self, exc: Exception, request, context, timer: RequestTimer, generation: Generation | None) -> None:
         request_id = generation.request.request_id if generation is not None else ""

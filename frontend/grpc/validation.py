@@ -11,6 +11,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Protocol
 
+from pagedserve.contracts.request_types import AdapterRef
 from pagedserve.contracts.sampling_params import DEFAULT_MAX_TOKENS, InvalidParameter, SamplingParams
 from pagedserve.v1 import generation_pb2
 
@@ -68,6 +69,7 @@ class ValidatedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0  # lower is served first under the scheduler's --scheduling-policy priority
+    adapter: AdapterRef | None = None  # the LoRA adapter the request names (None: the base model)
 
 
 def sampling_params_from_proto(msg: generation_pb2.SamplingParams) -> SamplingParams:

@@ -44,6 +44,8 @@ from pagedserve.frontend.openai.streaming import ChunkWriter, WatchedStreamingRe
 from pagedserve.frontend.generation.stream_watchdog import DEFAULT_STREAM_WRITE_TIMEOUT_S
 from pagedserve.frontend.grpc.validation import ValidatedRequest, check_text_bytes, check_token_ids, validate_lengths
 from pagedserve.contracts.sampling_params import InvalidParameter
+from pagedserve.contracts.request_types import AdapterRef
+from pagedserve.frontend.lora.registry import AdapterRegistry, UnknownAdapter
 
 log = structlog.get_logger()
 PROTOCOL = "http"  # the `protocol` label of the frontend metrics
@@ -87,9 +89,11 @@ class OpenAIServing:
     def __init__(self, admission: Admission, metrics: FrontendMetrics, chat_template: ChatTemplate,
                  served_model_name: str, executor: Executor, limit: ConcurrencyLimit, *,
                  stream_write_timeout_s: float = DEFAULT_STREAM_WRITE_TIMEOUT_S,
-                 max_undelivered_messages: int | None = None) -> None:
+                 max_undelivered_messages: int | None = None, adapters: AdapterRegistry | None = None) -> None:
         """stream_write_timeout_s: how long one SSE write may wait for a client that is not reading;
-        max_undelivered_messages: updates of a request left unread before it is aborted."""
+        max_undelivered_messages: updates of a request left unread before it is aborted;
+        adapters: the LoRA adapters `model` may name besides the base (None: --enable-lora is off)."""
+        self.adapters = adapters
         self._admission = admission
         self._stream_write_timeout_s = stream_write_timeout_s
         self._max_undelivered_messages = max_undelivered_messages
@@ -101,8 +105,19 @@ class OpenAIServing:
         self._token_text = TokenTexts(admission.tokenizer)
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.served_model_name:
+        self.resolve_model(name)
+
+    def resolve_model(self, name: str | None) -> AdapterRef | None:
+        """The LoRA adapter `model` names, None for the base model; 404 for an unknown name."""
+        if name is None or name == self.served_model_name:
+            return None
+        if self.adapters is None:
             raise unknown_model(name, self.served_model_name)
+        try:
+            return self.adapters.resolve(name)
+        except UnknownAdapter:
+            served = ", ".join([self.served_model_name, *sorted(spec.name for spec in self.adapters.adapters())])
+            raise unknown_model(name, served) from None
 
     async def completions(self, request: Request, read_body: BodyReader, request_id: str) -> Response:
         return await self._serve(request, read_body, request_id, is_chat=False)
@@ -116,16 +131,18 @@ class OpenAIServing:
         try:
             body = await read_body()
             parsed = parse_body(ChatCompletionBody if is_chat else CompletionBody, body)
-            self.check_model(parsed.model)
+            adapter = self.resolve_model(parsed.model)
             plan = generation_plan(parsed)
             if plan.user is not None:
                 log.info("request_user", user=plan.user)
             prepared = await loop.run_in_executor(self._executor, self._prepare, parsed, plan, request_id, is_chat)
+            for validated in prepared.requests:
+                validated.adapter = adapter
             run = self._start(prepared, timer, loop)
         except Exception as exc:
             return self._refused(exc, timer)
         header = ResponseHeader(f"{'chatcmpl' if is_chat else 'cmpl'}-{request_id}", int(time.time()),
-                                self.served_model_name)
+                                parsed.model if adapter is not None else self.served_model_name)
         try:
             if plan.is_stream:
                 first = await _unless_disconnected(request, run.next())

@@ -24,43 +24,43 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epagedserve/v1/generation.proto\x12\rpagedserve.v1\"\xa6\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x13\n\x0btemperature\x18\x03 \x01(\x02\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x00\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x12\t\n\x01n\x18\x0f \x01(\r\x12\x12\n\nbeam_width\x18\x10 \x01(\r\x12\x1b\n\x0elength_penalty\x18\x11 \x01(\x02H\x01\x88\x01\x01\x12\x10\n\x08logprobs\x18\x12 \x01(\rB\x07\n\x05_seedB\x11\n\x0f_length_penalty\"\xed\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x39\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x1d.pagedserve.v1.PromptTokenIdsH\x00\x12/\n\x08messages\x18\x05 \x01(\x0b\x32\x1b.pagedserve.v1.ChatMessagesH\x00\x12-\n\x06params\x18\x04 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x42\x07\n\x05input\"\x1d\n\x0ePromptTokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"z\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Y\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.pagedserve.v1.TopLogprob\"\xd2\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12\x1a\n\x12\x63umulative_logprob\x18\x05 \x01(\x01\x12\x32\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12\x15\n\rstop_sequence\x18\x07 \x01(\t\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"{\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x19.pagedserve.v1.Completion\x12#\n\x05usage\x18\x03 \x01(\x0b\x32\x14.pagedserve.v1.Usage\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x12\n\x10ModelInfoRequest\"\xb2\x01\n\x11ModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x07 \x01(\r*\x80\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x32\xcb\x02\n\nGeneration\x12K\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse\x12S\n\x0eGenerateStream\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.pagedserve.v1.TokenizeRequest\x1a\x1f.pagedserve.v1.TokenizeResponse\x12N\n\tModelInfo\x12\x1f.pagedserve.v1.ModelInfoRequest\x1a .pagedserve.v1.ModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epagedserve/v1/generation.proto\x12\rpagedserve.v1\"\xa6\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x13\n\x0btemperature\x18\x03 \x01(\x02\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x00\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x12\t\n\x01n\x18\x0f \x01(\r\x12\x12\n\nbeam_width\x18\x10 \x01(\r\x12\x1b\n\x0elength_penalty\x18\x11 \x01(\x02H\x01\x88\x01\x01\x12\x10\n\x08logprobs\x18\x12 \x01(\rB\x07\n\x05_seedB\x11\n\x0f_length_penalty\"\xfe\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x39\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x1d.pagedserve.v1.PromptTokenIdsH\x00\x12/\n\x08messages\x18\x05 \x01(\x0b\x32\x1b.pagedserve.v1.ChatMessagesH\x00\x12-\n\x06params\x18\x04 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x0f\n\x07\x61\x64\x61pter\x18\x14 \x01(\tB\x07\n\x05input\"\x1d\n\x0ePromptTokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"z\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Y\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.pagedserve.v1.TopLogprob\"\xd2\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12\x1a\n\x12\x63umulative_logprob\x18\x05 \x01(\x01\x12\x32\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12\x15\n\rstop_sequence\x18\x07 \x01(\t\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"{\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x19.pagedserve.v1.Completion\x12#\n\x05usage\x18\x03 \x01(\x0b\x32\x14.pagedserve.v1.Usage\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x12\n\x10ModelInfoRequest\"\xb2\x01\n\x11ModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x07 \x01(\r*\x80\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x32\xcb\x02\n\nGeneration\x12K\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse\x12S\n\x0eGenerateStream\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.pagedserve.v1.TokenizeRequest\x1a\x1f.pagedserve.v1.TokenizeResponse\x12N\n\tModelInfo\x12\x1f.pagedserve.v1.ModelInfoRequest\x1a .pagedserve.v1.ModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pagedserve.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1756
-  _globals['_FINISHREASON']._serialized_end=1884
+  _globals['_FINISHREASON']._serialized_start=1773
+  _globals['_FINISHREASON']._serialized_end=1901
   _globals['_SAMPLINGPARAMS']._serialized_start=50
   _globals['_SAMPLINGPARAMS']._serialized_end=472
   _globals['_GENERATEREQUEST']._serialized_start=475
-  _globals['_GENERATEREQUEST']._serialized_end=712
-  _globals['_PROMPTTOKENIDS']._serialized_start=714
-  _globals['_PROMPTTOKENIDS']._serialized_end=743
-  _globals['_CHATMESSAGE']._serialized_start=745
-  _globals['_CHATMESSAGE']._serialized_end=789
-  _globals['_CHATMESSAGES']._serialized_start=791
-  _globals['_CHATMESSAGES']._serialized_end=913
-  _globals['_TOPLOGPROB']._serialized_start=915
-  _globals['_TOPLOGPROB']._serialized_end=962
-  _globals['_TOKENLOGPROB']._serialized_start=964
-  _globals['_TOKENLOGPROB']._serialized_end=1053
-  _globals['_COMPLETION']._serialized_start=1056
-  _globals['_COMPLETION']._serialized_end=1266
-  _globals['_USAGE']._serialized_start=1268
-  _globals['_USAGE']._serialized_end=1355
-  _globals['_GENERATERESPONSE']._serialized_start=1357
-  _globals['_GENERATERESPONSE']._serialized_end=1480
-  _globals['_TOKENIZEREQUEST']._serialized_start=1482
-  _globals['_TOKENIZEREQUEST']._serialized_end=1513
-  _globals['_TOKENIZERESPONSE']._serialized_start=1515
-  _globals['_TOKENIZERESPONSE']._serialized_end=1552
-  _globals['_MODELINFOREQUEST']._serialized_start=1554
-  _globals['_MODELINFOREQUEST']._serialized_end=1572
-  _globals['_MODELINFORESPONSE']._serialized_start=1575
-  _globals['_MODELINFORESPONSE']._serialized_end=1753
-  _globals['_GENERATION']._serialized_start=1887
-  _globals['_GENERATION']._serialized_end=2218
+  _globals['_GENERATEREQUEST']._serialized_end=729
+  _globals['_PROMPTTOKENIDS']._serialized_start=731
+  _globals['_PROMPTTOKENIDS']._serialized_end=760
+  _globals['_CHATMESSAGE']._serialized_start=762
+  _globals['_CHATMESSAGE']._serialized_end=806
+  _globals['_CHATMESSAGES']._serialized_start=808
+  _globals['_CHATMESSAGES']._serialized_end=930
+  _globals['_TOPLOGPROB']._serialized_start=932
+  _globals['_TOPLOGPROB']._serialized_end=979
+  _globals['_TOKENLOGPROB']._serialized_start=981
+  _globals['_TOKENLOGPROB']._serialized_end=1070
+  _globals['_COMPLETION']._serialized_start=1073
+  _globals['_COMPLETION']._serialized_end=1283
+  _globals['_USAGE']._serialized_start=1285
+  _globals['_USAGE']._serialized_end=1372
+  _globals['_GENERATERESPONSE']._serialized_start=1374
+  _globals['_GENERATERESPONSE']._serialized_end=1497
+  _globals['_TOKENIZEREQUEST']._serialized_start=1499
+  _globals['_TOKENIZEREQUEST']._serialized_end=1530
+  _globals['_TOKENIZERESPONSE']._serialized_start=1532
+  _globals['_TOKENIZERESPONSE']._serialized_end=1569
+  _globals['_MODELINFOREQUEST']._serialized_start=1571
+  _globals['_MODELINFOREQUEST']._serialized_end=1589
+  _globals['_MODELINFORESPONSE']._serialized_start=1592
+  _globals['_MODELINFORESPONSE']._serialized_end=1770
+  _globals['_GENERATION']._serialized_start=1904
+  _globals['_GENERATION']._serialized_end=2235
 # @@protoc_insertion_point(module_scope)
