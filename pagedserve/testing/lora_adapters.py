@@ -16,6 +16,13 @@ ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 
 def build_peft_adapter(base: str | Path, out: str | Path, *, seed: int, rank: int = 8, alpha: int = 16,
                        b_std: float = 0.1, target_modules: list[str] | None = None) -> Path:
+    return build_peft_adapters(base, [(out, seed)], rank=rank, alpha=alpha, b_std=b_std,
+                               target_modules=target_modules)[0]
+
+
+def build_peft_adapters(base: str | Path, outs: list[tuple[str | Path, int]], *, rank: int = 8, alpha: int = 16,
+                        b_std: float = 0.1, target_modules: list[str] | None = None) -> list[Path]:
+    """One adapter per (folder, seed), the base model loaded once."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -24,16 +31,18 @@ def build_peft_adapter(base: str | Path, out: str | Path, *, seed: int, rank: in
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules or ALL_PROJECTIONS,
                         lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
     peft_model = get_peft_model(model, config)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_A" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) / param.shape[1] ** 0.5)
-            elif "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * b_std)
-    out = Path(out)
-    peft_model.save_pretrained(out)
-    return out
+    folders = []
+    for out, seed in outs:
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, param in peft_model.named_parameters():
+                if "lora_A" in name:
+                    param.copy_(torch.randn(param.shape, generator=generator) / param.shape[1] ** 0.5)
+                elif "lora_B" in name:
+                    param.copy_(torch.randn(param.shape, generator=generator) * b_std)
+        folders.append(Path(out))
+        peft_model.save_pretrained(folders[-1])
+    return folders
 
 
 def merged_model(base: str | Path, adapter: str | Path | None):

@@ -6,7 +6,11 @@ Tensor parallelism splits each delta like the layer it adds to:
     row layers (o, down)                y       += scale * all_reduce(x_local @ A[:, cols of this rank]^T) @ B^T
 
 so A is whole and B sliced for a column layer, A sliced and B whole for a row layer. The scale is
-folded into B when the adapter is loaded.
+folded into B when the adapter is loaded. The parts of a fused layer (q, k, v; gate, up) are
+fused too: their A stacked, their B block-diagonal, so one pair of matmuls serves the whole layer:
+
+    A_qkv = [A_q; A_k; A_v]            [3r, in]
+    B_qkv = diag(B_q, B_k, B_v)        [q_local + 2 kv_local, 3r]
 """
 
 from __future__ import annotations
@@ -29,10 +33,14 @@ class ModuleDelta:
     b: torch.Tensor  # [out_local, r], scale included
 
 
+FUSED_LAYERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+                "o_proj": ("o_proj",), "down_proj": ("down_proj",)}
+
+
 @dataclass(slots=True)
 class AdapterWeights:
     spec: AdapterSpec
-    deltas: dict[tuple[int, str], ModuleDelta]  # (layer, projection) -> this rank's delta
+    deltas: dict[tuple[int, str], ModuleDelta]  # (layer, layer name of FUSED_LAYERS) -> this rank's delta
 
     @property
     def num_bytes(self) -> int:
@@ -52,7 +60,7 @@ def model_shards(model) -> dict[str, ShardRange]:
 def load_adapter_weights(spec: AdapterSpec, shards: dict[str, ShardRange], *, dtype: torch.dtype,
                          device: torch.device) -> AdapterWeights:
     """Reads only this rank's slices of each lora_A / lora_B (the spec was checked by read_adapter)."""
-    deltas = {}
+    parts = {}
     with safe_open(f"{spec.path}/{WEIGHTS_FILE}", framework="pt") as f:
         for (layer, projection), (a_name, b_name) in spec.modules.items():
             shard = shards[projection]
@@ -65,5 +73,24 @@ def load_adapter_weights(spec: AdapterSpec, shards: dict[str, ShardRange], *, dt
                 b = b_full[shard.start: shard.start + shard.size, :]
             a = a.to(device=device, dtype=torch.float32)
             b = b.to(device=device, dtype=torch.float32) * spec.scale
-            deltas[(layer, projection)] = ModuleDelta(a.to(dtype).contiguous(), b.to(dtype).contiguous())
+            parts[(layer, projection)] = ModuleDelta(a, b)
+    deltas = {}
+    for layer in sorted({layer for layer, _ in parts}):
+        for name, projections in FUSED_LAYERS.items():
+            present = [(p, parts[(layer, p)]) for p in projections if (layer, p) in parts]
+            if not present:
+                continue
+            rank = spec.rank
+            in_size = present[0][1].a.shape[1]
+            out_sizes = [parts[(layer, p)].b.shape[0] if (layer, p) in parts else shards[p].size
+                         for p in projections]  # a column part's local rows; a row layer's whole output
+            a = torch.zeros(rank * len(projections), in_size, device=device)
+            b = torch.zeros(sum(out_sizes), rank * len(projections), device=device)
+            for index, projection in enumerate(projections):
+                if (layer, projection) in parts:
+                    delta = parts[(layer, projection)]
+                    row = sum(out_sizes[:index])
+                    a[index * rank:(index + 1) * rank] = delta.a
+                    b[row:row + out_sizes[index], index * rank:(index + 1) * rank] = delta.b
+            deltas[(layer, name)] = ModuleDelta(a.to(dtype).contiguous(), b.to(dtype).contiguous())
     return AdapterWeights(spec, deltas)

@@ -3,10 +3,13 @@
 The scheduler assigns each sequence a slot (ScheduledSeq.lora_slot, -1: the base model) and says
 which adapter each slot holds (StepPlan.lora_loads). Before a forward, `rows_for_step` groups the
 token rows by slot; forward hooks on every qkv/o/gate_up/down layer then add, for each slot s
-with rows R_s (Punica's gather, done as one matmul pair per slot on CPU):
+with rows R_s (Punica's gather, done as one matmul pair per slot and layer on CPU; the fused
+parts of a layer share it, see adapter_weights.py):
 
-    y[R_s, part] += (x[R_s] @ A_s^T) @ B_s^T          column layers, per fused part (q, k, v / gate, up)
-    y[R_s]       += all_reduce(x[R_s] @ A_s^T) @ B_s^T  row layers (A sliced by input columns)
+    y[R_s] += (x[R_s] @ A_s^T) @ B_s^T                  column layers (qkv, gate_up)
+    y[R_s] += all_reduce(x[R_s] @ A_s^T) @ B_s^T        row layers (o, down; A sliced by input columns)
+
+A step whose rows all use one slot skips the gather and the scatter.
 
 The base layers are left as they are (hooks add after their forward, quantized or not). Adapters
 stay in host memory after they leave a slot, up to max_cpu_loras (LRU), keyed by content digest.
@@ -28,7 +31,7 @@ from pagedserve.checkpoints.model_config import load_model_info
 from pagedserve.contracts.step_plan import LoraLoad, ScheduledSeq
 from pagedserve.worker.lora.adapter_weights import AdapterWeights, load_adapter_weights, model_shards
 
-_Groups = list[tuple[int, torch.Tensor]]  # (slot, token rows of that slot)
+_Groups = list[tuple[int, torch.Tensor | None]]  # (slot, its token rows; None: every row of the step)
 
 
 class LoraSlots:
@@ -49,8 +52,8 @@ class LoraSlots:
         self._groups: _Groups = []
         for index, layer in enumerate(model.layers):
             attention, mlp = layer.self_attn, layer.mlp
-            self._column(attention.qkv_proj, index, ("q_proj", "k_proj", "v_proj"))
-            self._column(mlp.gate_up_proj, index, ("gate_proj", "up_proj"))
+            self._column(attention.qkv_proj, index, "qkv_proj")
+            self._column(mlp.gate_up_proj, index, "gate_up_proj")
             self._row(attention.o_proj, index, "o_proj")
             self._row(mlp.down_proj, index, "down_proj")
 
@@ -103,8 +106,11 @@ class LoraSlots:
                     raise AdapterError(f"sequence {seq.seq_id} uses LoRA slot {seq.lora_slot}, which holds no adapter")
                 groups.setdefault(seq.lora_slot, []).extend(range(row, row + count))
             row += count
-        self._groups = [(slot, torch.tensor(rows, dtype=torch.int64, device=self.device))
-                        for slot, rows in sorted(groups.items())]
+        if len(groups) == 1 and len(next(iter(groups.values()))) == row:  # one slot for every row
+            self._groups = [(next(iter(groups)), None)]
+        else:
+            self._groups = [(slot, torch.tensor(rows, dtype=torch.int64, device=self.device))
+                            for slot, rows in sorted(groups.items())]
         self.model.lora_active = bool(self._groups)
 
     def clear_step(self) -> None:
@@ -114,53 +120,50 @@ class LoraSlots:
 
     # -- the deltas ----------------------------------------------------------------------------
 
-    def _column(self, module, layer: int, parts: tuple[str, ...]) -> None:
-        offsets, offset = [], 0
-        for projection, shard in zip(parts, module.shards):
-            offsets.append((projection, offset, shard.size))
-            offset += shard.size
-
+    def _column(self, module, layer: int, name: str) -> None:
         def add_delta(_module, args, output):
             if not self._groups:
                 return None
             x = args[0]
             for slot, rows in self._groups:
-                adapter = self.slots[slot]
-                xs = x.index_select(0, rows)
-                for projection, start, size in offsets:
-                    delta = adapter.deltas.get((layer, projection))
-                    if delta is not None:
-                        update = (xs @ delta.a.T) @ delta.b.T  # [R, size]
-                        output[:, start: start + size].index_add_(0, rows, update.to(output.dtype))
+                delta = self.slots[slot].deltas.get((layer, name))
+                if delta is None:
+                    continue
+                if rows is None:  # every row of the step: no gather, no scatter
+                    output.add_((x @ delta.a.T) @ delta.b.T)
+                else:
+                    output.index_add_(0, rows, (x.index_select(0, rows) @ delta.a.T) @ delta.b.T)
             return output
 
         module.register_forward_hook(add_delta)
 
-    def _row(self, module, layer: int, projection: str) -> None:
-        max_rank = self.config.max_lora_rank
+    def _row(self, module, layer: int, name: str) -> None:
+        if self.tp.world_size == 1:
+            self._column(module, layer, name)  # the whole input: the same as a column layer
+            return
 
         def add_delta(_module, args, output):
             if not self._groups:
                 return None
-            x = args[0]
-            if self.tp.world_size == 1:
-                for slot, rows in self._groups:
-                    delta = self.slots[slot].deltas.get((layer, projection))
-                    if delta is not None:
-                        update = (x.index_select(0, rows) @ delta.a.T) @ delta.b.T  # [R, out]
-                        output.index_add_(0, rows, update.to(output.dtype))
-                return output
-            shrunk = x.new_zeros((x.shape[0], max_rank))  # [T, r_max]: each row's x_local @ A_local^T
-            for slot, rows in self._groups:
-                delta = self.slots[slot].deltas.get((layer, projection))
+            x = args[0]  # this rank's input columns: the rank-r products are partial sums
+            deltas = [(self.slots[slot].deltas.get((layer, name)), rows) for slot, rows in self._groups]
+            width = max((delta.a.shape[0] for delta, _ in deltas if delta is not None), default=1)
+            shrunk = x.new_zeros((x.shape[0], width))  # [T, r]: each row belongs to one slot
+            for delta, rows in deltas:
                 if delta is not None:
-                    shrunk[rows, : delta.a.shape[0]] = x.index_select(0, rows) @ delta.a.T
-            shrunk = self.tp.all_reduce(shrunk)  # every rank runs it: the slots are the same on all
-            for slot, rows in self._groups:
-                delta = self.slots[slot].deltas.get((layer, projection))
+                    rank = delta.a.shape[0]
+                    if rows is None:
+                        shrunk[:, :rank] = x @ delta.a.T
+                    else:
+                        shrunk[rows, :rank] = x.index_select(0, rows) @ delta.a.T
+            shrunk = self.tp.all_reduce(shrunk)  # once for all slots; every rank runs it (same slots)
+            for delta, rows in deltas:
                 if delta is not None:
-                    update = shrunk[rows, : delta.a.shape[0]] @ delta.b.T
-                    output.index_add_(0, rows, update.to(output.dtype))
+                    rank = delta.a.shape[0]
+                    if rows is None:
+                        output.add_(shrunk[:, :rank] @ delta.b.T)
+                    else:
+                        output.index_add_(0, rows, shrunk.index_select(0, rows)[:, :rank] @ delta.b.T)
             return output
 
         module.register_forward_hook(add_delta)
