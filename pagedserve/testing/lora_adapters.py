@@ -15,19 +15,21 @@ ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 
 
 def build_peft_adapter(base: str | Path, out: str | Path, *, seed: int, rank: int = 8, alpha: int = 16,
-                       b_std: float = 0.1, target_modules: list[str] | None = None) -> Path:
+                       b_std: float = 0.1, target_modules: list[str] | None = None, **load_options) -> Path:
     return build_peft_adapters(base, [(out, seed)], rank=rank, alpha=alpha, b_std=b_std,
-                               target_modules=target_modules)[0]
+                               target_modules=target_modules, **load_options)[0]
 
 
 def build_peft_adapters(base: str | Path, outs: list[tuple[str | Path, int]], *, rank: int = 8, alpha: int = 16,
-                        b_std: float = 0.1, target_modules: list[str] | None = None) -> list[Path]:
-    """One adapter per (folder, seed), the base model loaded once."""
+                        b_std: float = 0.1, target_modules: list[str] | None = None,
+                        **load_options) -> list[Path]:
+    """One adapter per (folder, seed), the base model loaded once (load_options go to
+    from_pretrained, e.g. gguf_file=)."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, **load_options)
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules or ALL_PROJECTIONS,
                         lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
     peft_model = get_peft_model(model, config)
@@ -45,13 +47,13 @@ def build_peft_adapters(base: str | Path, outs: list[tuple[str | Path, int]], *,
     return folders
 
 
-def merged_model(base: str | Path, adapter: str | Path | None):
+def merged_model(base: str | Path, adapter: str | Path | None, **load_options):
     """The base model with the adapter merged into its weights (the base alone for None), eval, float32."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, **load_options)
     if adapter is not None:
         model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
     model.generation_config.eos_token_id = None

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import pytest
 from conftest import MAX_NEW_TOKENS, make_prompts
+from gguf_fixtures import gguf_model  # noqa: F401 (fixture)
 from plan_driver import DrivenSeq, PlanDriver
 
 from pagedserve.adapters.lora_config import LoraConfig
 from pagedserve.adapters.peft_folder import folder_digest
 from pagedserve.contracts.step_plan import LoraLoad
 from pagedserve.kernels import ops
-from pagedserve.testing.lora_adapters import build_peft_adapter
+from pagedserve.testing.lora_adapters import build_peft_adapter, greedy, merged_model
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.quantization.linear import QuantizableLinear
 from pagedserve.worker.quantization.quantizers import QuantizationConfig, quantize
@@ -60,3 +61,24 @@ def test_quantized_base_with_adapters_equals_dequantized_float32(method, group_s
                             quantization_group_size=group_size, lora=LORA)
     quantized.load()
     assert _mixed_batch(quantized, loads) == expected
+
+
+def test_gguf_quantized_base_with_adapter_equals_merged_transformers(gguf_model, tmp_path, monkeypatch):
+    """A GGUF's Q4/Q5/Q8 layers kept quantized (--quantization auto, reference kernels) plus an
+    adapter trained on transformers' view of the same GGUF: the greedy tokens of peft's merge."""
+    from gguf_fixtures import GGUF_FILE
+
+    folder = gguf_model("llama-mixed")
+    adapter = build_peft_adapter(folder, tmp_path / "adapter", seed=700, gguf_file=GGUF_FILE)
+    reference = merged_model(folder, adapter, gguf_file=GGUF_FILE)
+    monkeypatch.setenv(ops.KERNELS_ENV, "reference")
+    runner = ModelRunner(folder / GGUF_FILE, device="cpu", dtype="float32", block_size=16, quantization="auto",
+                         lora=LORA)
+    runner.load()
+    runner.init_cache(96, 0)
+    driver = PlanDriver(runner, 96)
+    prompts = make_prompts(seed=43, lengths=(7, 30))
+    seqs = [DrivenSeq(seq_id=i, prompt=prompt, max_new_tokens=MAX_NEW_TOKENS, lora_slot=0)
+            for i, prompt in enumerate(prompts)]
+    driver.run_to_completion(seqs, lora_loads=[LoraLoad(0, "g", str(adapter), folder_digest(adapter))])
+    assert [seq.generated for seq in seqs] == [greedy(reference, prompt, MAX_NEW_TOKENS) for prompt in prompts]
