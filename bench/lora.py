@@ -1,7 +1,7 @@
 """Multi-LoRA serving cost: 32 streams over 1, 4 and 16 adapters against the base model alone.
 
     python bench/lora.py [--streams 32] [--prompt-len 64] [--max-tokens 64] [--rank 8]
-                         [--dtype float32|bfloat16] [--threads 2] [--rounds 2]
+                         [--dtype float32|bfloat16] [--threads 2] [--rounds 2] [--device cpu|cuda]
 
 In-process, one ModelRunner of the benchmark model (bench/lib/workload.py) with --enable-lora's
 slots (max_loras 16): greedy prefill of every stream in one step, then one decode step per token
@@ -97,11 +97,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = build_model(BENCH_MODEL, "float32")
     folders = adapters_for(model, args.rank)
-    runner = ModelRunner(model, device="cpu", dtype=args.dtype, block_size=16,
+    runner = ModelRunner(model, device=args.device, dtype=args.dtype, block_size=16,
                          lora=LoraConfig(max_loras=max(NUM_ADAPTERS), max_lora_rank=args.rank))
     runner.load()
     per_seq = -(-(args.prompt_len + args.max_tokens) // 16)
@@ -129,7 +130,7 @@ def main() -> None:
     step_of = {k: totals[k]["decode_seconds"] / totals[k]["num_decode_steps"] for k in NUM_ADAPTERS}
     per_extra_ms = (step_of[16] - step_of[1]) / 15 * 1e3
     title = (f"{args.streams} streams, {args.prompt_len}-token prompts, {args.max_tokens} tokens, rank {args.rank}, "
-             f"{args.dtype}, {args.threads} threads; load {load[0]:.1f} -> {load_after[0]:.1f}")
+             f"{args.dtype}, {args.device}, {args.threads} threads; load {load[0]:.1f} -> {load_after[0]:.1f}")
     print_table(rows, ["adapters", ("decode tok/s", "decode_tok_s"), ("step ms", "step_ms"),
                        ("x base", "vs_base"), ("prefill ms", "prefill_ms")], title=title, float_format=",.2f")
     print(f"cost of one adapter over the base: {(step_of[1] / step_of[0] - 1) * 100:.1f} % of a decode step; "
