@@ -122,6 +122,10 @@ def test_an_adapter_that_cannot_be_loaded_fails_only_its_sequences(checkpoint_di
     result = runner.execute(StepPlan(step_id=2, lora_loads=_loads(adapters[:1]), seqs=[
         ScheduledSeq(3, prompt, 0, [2], sample=SampleSpec(), lora_slot=0)]))
     assert not result.failures and result.samples[0].token_id == greedy(references[1], prompt, 1)[0]
+    beyond = LoraLoad(7, "a1", str(adapters[1]), folder_digest(adapters[1]))  # the scheduler has more slots
+    result = runner.execute(StepPlan(step_id=3, lora_loads=[beyond], seqs=[
+        ScheduledSeq(4, prompt, 0, [3], sample=SampleSpec(), lora_slot=7)]))
+    assert "--max-loras differs" in result.failures[0].message and not result.samples
     small = _runner(checkpoint_dir(NAME), lora=LoraConfig(max_loras=1, max_lora_rank=4))
     small.execute(StepPlan(step_id=1, lora_loads=_loads(adapters[:1])))
     assert "above --max-lora-rank 4" in small.lora.failed[0]

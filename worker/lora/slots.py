@@ -60,18 +60,20 @@ class LoraSlots:
     # -- slots ---------------------------------------------------------------------------------
 
     def load_or_fail(self, load: LoraLoad) -> None:
-        """load(), and on an AdapterError the slot is marked failed instead of raising."""
+        """load(); when it cannot be done the slot is marked failed (its sequences fail) instead of raising."""
         try:
             self.load(load)
             self.failed.pop(load.slot, None)
-        except AdapterError as exc:
-            self.slots[load.slot] = None
+        except ValueError as exc:  # AdapterError, or a slot beyond this worker's --max-loras
+            if 0 <= load.slot < len(self.slots):
+                self.slots[load.slot] = None
             self.failed[load.slot] = str(exc)
 
     def load(self, load: LoraLoad) -> None:
         """Puts the adapter in its slot (from host memory when it is there, else from its folder)."""
         if not 0 <= load.slot < len(self.slots):
-            raise ValueError(f"LoRA slot {load.slot} is outside [0, {len(self.slots)})")
+            raise ValueError(f"LoRA slot {load.slot} is outside this worker's [0, {len(self.slots)}) "
+                             "(--max-loras differs between scheduler and worker)")
         current = self.slots[load.slot]
         if current is not None and current.spec.digest == load.digest:
             return
