@@ -242,6 +242,30 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Block operations, then the forward (the draft model's first when it proposes the drafts);
+        rank 0 returns the samples, other ranks none. forward_seconds covers the draft forwards too.
+        With LoRA adapters the plan's loads come first, and each sequence's rows get its slot's delta;
+        sequences whose adapter could not be loaded come back as failures."""
+        if plan.lora_loads or any(seq.lora_slot >= 0 for seq in plan.seqs):
+            if self.lora is None:
+                raise PlanError("the plan uses LoRA adapters, and this worker was started without --enable-lora")
+            with torch.inference_mode():
+                for load in plan.lora_loads:
+                    self.lora.load_or_fail(load)
+        if self.lora is None or not plan.seqs:
+            return self._execute_step(plan)
+        self.lora.rows_for_step(plan.seqs)
+        try:
+            result = self._execute_step(plan)
+        finally:
+            failed = self.lora.failed_seqs
+            self.lora.clear_step()
+        if failed:
+            result.samples = [sample for sample in result.samples if sample.seq_id not in failed]
+            result.failures += [SeqFailure(seq_id, message) for seq_id, message in failed.items()]
+        return result
+
+    def _execute_step(self, plan: StepPlan) -> StepResult:
+        """Block operations, then the forward (the draft model's first when it proposes the drafts);
         rank 0 returns the samples, other ranks none. forward_seconds covers the draft forwards too."""
         model = self._require_model()
         if self.cache is None:
@@ -251,28 +275,8 @@ class ModelRunner:
                             "(--speculative-model)")
         self.cache.execute_block_ops(plan.blocks_to_swap_out, plan.blocks_to_swap_in, plan.blocks_to_copy)
         result = StepResult(step_id=plan.step_id, epoch=plan.epoch)
-        if plan.lora_loads or any(seq.lora_slot >= 0 for seq in plan.seqs):
-            if self.lora is None:
-                raise PlanError("the plan uses LoRA adapters, and this worker was started without --enable-lora")
-            with torch.inference_mode():
-                for load in plan.lora_loads:
-                    self.lora.load_or_fail(load)
         if not plan.seqs:
             return result
-        try:
-            if self.lora is not None:
-                self.lora.rows_for_step(plan.seqs)
-            result = self._forward_and_sample(plan, model, result)
-            if self.lora is not None and self.lora.failed_seqs:  # their adapter could not be loaded
-                failed = self.lora.failed_seqs
-                result.samples = [sample for sample in result.samples if sample.seq_id not in failed]
-                result.failures += [SeqFailure(seq_id, message) for seq_id, message in failed.items()]
-            return result
-        finally:
-            if self.lora is not None:
-                self.lora.clear_step()
-
-    def _forward_and_sample(self, plan: StepPlan, model: LlamaForCausalLM, result: StepResult) -> StepResult:
         with torch.inference_mode():
             seqs, draft_probs, draft_seconds = plan.seqs, {}, 0.0
             if plan.drafts_from_worker:
