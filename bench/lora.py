@@ -1,7 +1,7 @@
 """Multi-LoRA serving cost: 32 streams over 1, 4 and 16 adapters against the base model alone.
 
     python bench/lora.py [--streams 32] [--prompt-len 64] [--max-tokens 64] [--rank 8]
-                         [--dtype float32|bfloat16] [--threads 2] [--rounds 2] [--device cpu|cuda]
+                         [--dtype float32|bfloat16] [--threads 1] [--rounds 2] [--device cpu|cuda]
 
 In-process, one ModelRunner of the benchmark model (bench/lib/workload.py) with --enable-lora's
 slots (max_loras 16): greedy prefill of every stream in one step, then one decode step per token
@@ -95,7 +95,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (two on two shared cores stall each other at every small matmul)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args()
