@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from pagedserve.config.flags import nested, option, require
+from pagedserve.frontend.lora.config import LoraFrontendConfig
 from pagedserve.frontend.openai.config import HttpConfig
 from pagedserve.frontend.upstream.router import ROUTING_POLICIES
 from pagedserve.frontend.tools.tool_parsers import PARSERS
@@ -78,6 +79,7 @@ class FrontendConfig:
              "ones (HTTP temperature 1, gRPC greedy); FOLDER, FOLDER/generation_config.json")
     transport: TransportConfig = nested(TransportConfig, title="public port transport")
     http: HttpConfig = nested(HttpConfig, title="OpenAI-compatible HTTP")
+    lora: LoraFrontendConfig = nested(LoraFrontendConfig, title="LoRA adapters")
 
     @property
     def tool_settings(self) -> ToolSettings:

@@ -52,6 +52,10 @@ from pagedserve.frontend.grpc.transport import TransportConfigError
 from pagedserve.security.bearer_auth import HEALTH_PREFIX, REFLECTION_PREFIX, BearerTokenInterceptor
 from pagedserve.config.grpc_options import DEFAULT_SHUTDOWN_TIMEOUT_S
 from pagedserve.log import configure_logging
+from pagedserve.adapters.peft_folder import AdapterError
+from pagedserve.checkpoints.model_config import ModelConfigError
+from pagedserve.frontend.lora.registry import AdapterRegistry
+from pagedserve.frontend.openai.config import API_KEY_ENV
 
 if TYPE_CHECKING:
     from pagedserve.frontend.openai.server import HttpServer
@@ -124,6 +128,7 @@ def serve_frontend(config: FrontendConfig, *, health_poll_interval_s: float = DE
                                                    served_model_name(config.model_path))
     except (TokenizerLoadError, TransportConfigError, ChatTemplateError, GenerationConfigError) as exc:
         raise FrontendStartError(str(exc)) from exc
+    adapters = _adapter_registry(config)
     frontend_id = frontend_id or f"{socket.gethostname()}:{os.getpid()}"
     metrics = FrontendMetrics()
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
@@ -141,7 +146,7 @@ def serve_frontend(config: FrontendConfig, *, health_poll_interval_s: float = DE
     watchdog = StreamWatchdog(config.stream_write_timeout)
     servicer = GenerationServicer(admission, metrics, chat, max_concurrent_calls=config.max_concurrent_rpcs,
                                   watchdog=watchdog, tool_settings=config.tool_settings,
-                                  sampling_defaults=sampling_defaults)
+                                  sampling_defaults=sampling_defaults, adapters=adapters)
 
     # Each streaming call holds a worker thread. The Generation service limits its own calls to
     # max_concurrent_rpcs (RESOURCE_EXHAUSTED beyond); the server takes HEALTH_HEADROOM_RPCS more, so
@@ -171,7 +176,8 @@ def serve_frontend(config: FrontendConfig, *, health_poll_interval_s: float = DE
                     max_concurrent_requests=config.max_concurrent_rpcs, grace_s=CUT_GRACE_S,
                     stream_write_timeout_s=config.stream_write_timeout,
                     max_undelivered_messages=config.max_undelivered_messages, tool_settings=config.tool_settings,
-                    sampling_defaults=sampling_defaults)
+                    sampling_defaults=sampling_defaults, adapters=adapters,
+                    allow_runtime_lora_updating=config.lora.allow_runtime_lora_updating)
             except HttpStartError as exc:
                 raise FrontendStartError(str(exc)) from exc
     except FrontendStartError:
@@ -207,6 +213,22 @@ def _serve_metrics(metrics: FrontendMetrics, config: FrontendConfig) -> int | No
     except OSError as exc:
         raise FrontendStartError(f"cannot serve metrics on {config.resolved_metrics_host}:{config.metrics_port}: "
                                  f"{exc}") from exc
+
+
+def _adapter_registry(config: FrontendConfig) -> AdapterRegistry | None:
+    """The LoRA adapters of --lora-modules, checked against the model (None without --enable-lora)."""
+    lora = config.lora
+    if not lora.enable_lora:
+        return None
+    if lora.allow_runtime_lora_updating and not config.http.resolved_api_key():
+        raise FrontendStartError("--allow-runtime-lora-updating needs an API key (--api-key or "
+                                 f"${API_KEY_ENV}): loading an adapter reads folders on this host")
+    base_name = config.http.served_model_name or served_model_name(config.model_path)
+    try:
+        return AdapterRegistry.for_model(base_name, config.model_path, max_rank=lora.max_lora_rank,
+                                         modules=lora.modules)
+    except (AdapterError, ModelConfigError) as exc:
+        raise FrontendStartError(f"--lora-modules: {exc}") from exc
 
 
 def run_frontend(config: FrontendConfig) -> int:

@@ -73,6 +73,11 @@ class SchedulerMetrics:
             self.kv_tier_evictions.labels(tier=tier)
             for direction in ("read", "write"):
                 self.kv_tier_bytes.labels(tier=tier, direction=direction)
+        self.lora_loads = Counter("pagedserve_lora_adapter_loads",
+                                  "LoRA adapters put in a worker slot", registry=r)
+        self.lora_evictions = Counter("pagedserve_lora_adapter_evictions",
+                                      "LoRA adapter loads that evicted another adapter from its slot (LRU)",
+                                      registry=r)
         self._last = {"swap": 0, "recompute": 0, "queries": 0, "hits": 0, "drafts": 0, "draft_tokens": 0,
                       "accepted": 0}
 
@@ -92,6 +97,8 @@ class SchedulerMetrics:
                       stats.num_preemptions_recompute)
         self._advance(self.prefix_queries, "queries", stats.num_prefix_cache_queries)
         self._advance(self.prefix_hits, "hits", stats.num_prefix_cache_hits)
+        self._advance(self.lora_loads, "lora_loads", stats.num_lora_loads)
+        self._advance(self.lora_evictions, "lora_evictions", stats.num_lora_evictions)
         self._advance(self.spec_drafts, "drafts", stats.num_spec_drafts)
         self._advance(self.spec_draft_tokens, "draft_tokens", stats.num_spec_draft_tokens)
         self._advance(self.spec_accepted_tokens, "accepted", stats.num_spec_accepted_tokens)

@@ -60,3 +60,5 @@ class SchedulerStats:
     num_spec_unspeculated_requests: int = 0  # requests a speculating scheduler serves without (beam
     # search; constrained requests under draft-model speculation)
     tiers: TierTotals = field(default_factory=TierTotals)
+    num_lora_loads: int = 0  # adapters put in a worker slot
+    num_lora_evictions: int = 0  # of those, loads that replaced another adapter (LRU)

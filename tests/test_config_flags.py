@@ -49,6 +49,10 @@ def _sample(flag: Flag, model: Path) -> tuple[list[str], object]:
         return [flag.name, str(model)], str(model)
     if flag.dest == "speculative_method":  # the one method a --speculative-model goes with
         return [flag.name, "draft"], "draft"
+    if flag.dest == "lora_modules":  # NAME=PATH
+        return [flag.name, f"a={model}"], f"a={model}"
+    if flag.dest == "max_cpu_loras":  # at least --max-loras (default + 3)
+        return [flag.name, "8"], 8
     if flag.kind is bool:
         value = not flag.default
         return [flag.name if value else "--no-" + flag.name.removeprefix("--")], value

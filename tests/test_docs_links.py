@@ -17,7 +17,7 @@ TOPIC_PAGES = {"architecture.md", "operations.md", "openai-api.md", "security.md
                "speculation.md", "quantization.md", "kernels.md", "performance.md", "performance-tables.md",
                "cpu-limits.md", "structured-output.md", "tool-calling.md", "responses-api.md", "kv-tiers.md",
                "reliability.md", "request-failures.md", "kernel-interface.md", "quantization-accuracy.md",
-               "testing.md"}
+               "testing.md", "lora.md"}
 PAGES_OF_OTHER_TOPICS: set[str] = set()
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 HEADING = re.compile(r"^#+ (.+)$")

@@ -123,3 +123,17 @@ def test_kv_tier_operations_round_trip_and_are_absent_when_empty() -> None:
     assert plan_from_proto(plan_to_proto(StepPlan(step_id=5))).tier_ops is None
     result = StepResult(step_id=4, epoch=2, failed_fetch_keys=[b"f" * 16])
     assert result_from_proto(result_to_proto(result)) == result
+
+
+def test_lora_slots_and_loads_round_trip_and_cost_nothing_without_adapters() -> None:
+    from pagedserve.contracts.step_plan import LoraLoad
+
+    spec = SampleSpec()
+    plan = StepPlan(step_id=7, lora_loads=[LoraLoad(1, "sql", "/adapters/sql", "ab" * 32)], seqs=[
+        ScheduledSeq(1, [5], 3, [0], spec, lora_slot=1), ScheduledSeq(2, [8], 4, [1], spec),
+        ScheduledSeq(3, [9], 5, [2], spec, lora_slot=0)])
+    msg = plan_to_proto(plan)
+    assert list(msg.lora_slots) == [2, 0, 1]
+    assert plan_from_proto(step_pb2.SchedulerMessage.FromString(encode_plan(plan)).step_plan) == plan
+    plain = plan_to_proto(StepPlan(step_id=8, seqs=[ScheduledSeq(2, [8], 4, [1], spec)]))
+    assert not plain.lora_slots and not plain.lora_loads

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedserve.config.flags import option, require
+from pagedserve.adapters.lora_config import LoraConfig
+from pagedserve.config.flags import ConfigError, option, require
 from pagedserve.config.shared_options import (
     DEFAULT_DIST_INIT_ADDRESS, SPECULATIVE_QUANTIZATIONS, allow_insecure_internal_transport_option, block_size_option,
     kv_cache_dir_option, model_option, plan_address_option, result_address_option, speculative_model_option,
-    speculative_quantization_option, tensor_parallel_size_option,
+    speculative_quantization_option, tensor_parallel_size_option, enable_lora_option, max_loras_option,
+    max_lora_rank_option, max_cpu_loras_option,
 )
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -66,6 +68,10 @@ class WorkerConfig:
                                       "blocks in the same memory")
     speculative_model: str | None = speculative_model_option()
     speculative_quantization: str = speculative_quantization_option()
+    enable_lora: bool = enable_lora_option()
+    max_loras: int = max_loras_option()
+    max_lora_rank: int = max_lora_rank_option()
+    max_cpu_loras: int | None = max_cpu_loras_option()
 
     @property
     def host_tier_gib(self) -> float:
@@ -99,3 +105,16 @@ class WorkerConfig:
                 "must name a model when given")
         require(self.speculative_quantization in SPECULATIVE_QUANTIZATIONS, "speculative_quantization",
                 f"must be one of {', '.join(SPECULATIVE_QUANTIZATIONS)}")
+        if self.enable_lora:
+            try:
+                self.lora_config
+            except ValueError as exc:
+                raise ConfigError("max_loras", str(exc)) from None
+
+    @property
+    def lora_config(self) -> LoraConfig | None:
+        """The adapter limits with --enable-lora, else None (raises ValueError when out of range)."""
+        if not self.enable_lora:
+            return None
+        return LoraConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                          max_cpu_loras=self.max_cpu_loras)

@@ -23,10 +23,11 @@ from pathlib import Path
 
 import torch
 
+from pagedserve.adapters.lora_config import LoraConfig
 from pagedserve.kernels.ops import resolve_kv_cache_dtype
 from pagedserve.checkpoints.model_config import load_model_info
 from pagedserve.contracts.plan_codec import attach_masks
-from pagedserve.contracts.step_plan import SampleSpec, ScheduledSeq, StepPlan, StepResult
+from pagedserve.contracts.step_plan import SampleSpec, ScheduledSeq, SeqFailure, StepPlan, StepResult
 from pagedserve.worker.cache_engine import (
     GIB,
     CacheEngine,
@@ -45,6 +46,7 @@ from pagedserve.worker.speculation.draft_verify import sample_verifying_drafts
 from pagedserve.worker.loading.hf_checkpoint import resolve_dtype
 from pagedserve.worker.model_input import PlanError, build_model_input, mask_rows
 from pagedserve.worker.loading.build import load_model
+from pagedserve.worker.lora.slots import LoraSlots
 from pagedserve.worker.models.llama import LlamaForCausalLM
 from pagedserve.worker.models.llama_config import LlamaModelConfig
 from pagedserve.worker.quantization.quantizers import QuantizationConfig
@@ -78,13 +80,17 @@ class ModelRunner:
     speculative_model: a draft model's checkpoint (folder or GGUF) for draft-model speculation,
     loaded with the same dtype and sharding, quantized per speculative_quantization (with
     quantization_group_size); its KV cache dtype follows kv_cache_dtype.
+
+    lora: serve LoRA adapters (pagedserve.worker.lora.slots): the plan's lora_loads fill slots,
+    each sequence's lora_slot picks the delta added to its rows.
     """
 
     def __init__(self, model_path: str | Path, *, device: str | torch.device = "cpu",
                  dtype: str | torch.dtype = "auto", block_size: int = 16, rank: int = 0, world_size: int = 1,
                  max_model_len: int | None = None, seed: int | None = None, quantization: str = "none",
                  quantization_group_size: int | None = None, kv_cache_dtype: str = "auto",
-                 speculative_model: str | Path | None = None, speculative_quantization: str = "none") -> None:
+                 speculative_model: str | Path | None = None, speculative_quantization: str = "none",
+                 lora: LoraConfig | None = None) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, not {block_size}")
         if max_model_len is not None and max_model_len <= 0:
@@ -115,6 +121,8 @@ class ModelRunner:
         self.draft_proposer: DraftProposer | None = None
         self.tp: TensorParallelGroup | None = None
         self.tiers: TierStore | None = None
+        self.lora_config = lora
+        self.lora: LoraSlots | None = None
 
     def load(self) -> None:
         """Reads config.json, builds this rank's shard of the model and loads its weights."""
@@ -135,6 +143,9 @@ class ModelRunner:
         self.num_prepacked_bytes = loaded.num_prepacked_bytes
         if self.rank == 0:
             self.sampler = Sampler(self.device, seed=self.seed)
+        if self.lora_config is not None:
+            self.lora = LoraSlots(self.model, self.lora_config, model_path=self.model_path, dtype=self.dtype,
+                                  device=self.device)
         if self.draft is not None:
             self.draft.load(target_config=self.config, tp=tp, dtype=self.dtype, device=self.device,
                             max_positions=self.model.max_positions, kv_cache_dtype=self.requested_kv_cache_dtype)
@@ -262,6 +273,30 @@ class ModelRunner:
                                    layout=layout.describe(), rank=self.rank, tp=self.tp)
 
     def execute(self, plan: StepPlan, receive_masks: Callable[[], bytes] | None = None) -> StepResult:
+        """Block operations, then the forward (the draft model's first when it proposes the drafts);
+        rank 0 returns the samples, other ranks none. forward_seconds covers the draft forwards too.
+        With LoRA adapters the plan's loads come first, and each sequence's rows get its slot's delta;
+        sequences whose adapter could not be loaded come back as failures."""
+        if plan.lora_loads or any(seq.lora_slot >= 0 for seq in plan.seqs):
+            if self.lora is None:
+                raise PlanError("the plan uses LoRA adapters, and this worker was started without --enable-lora")
+            with torch.inference_mode():
+                for load in plan.lora_loads:
+                    self.lora.load_or_fail(load)
+        if self.lora is None or not plan.seqs:
+            return self._execute_step(plan, receive_masks)
+        self.lora.rows_for_step(plan.seqs)
+        try:
+            result = self._execute_step(plan, receive_masks)
+        finally:
+            failed = self.lora.failed_seqs
+            self.lora.clear_step()
+        if failed:
+            result.samples = [sample for sample in result.samples if sample.seq_id not in failed]
+            result.failures += [SeqFailure(seq_id, message) for seq_id, message in failed.items()]
+        return result
+
+    def _execute_step(self, plan: StepPlan, receive_masks: Callable[[], bytes] | None = None) -> StepResult:
         """Block operations, then the forward (the draft model's first when it proposes the drafts);
         rank 0 returns the samples, other ranks none. forward_seconds covers the draft forwards too."""
         model = self._require_model()

@@ -137,7 +137,8 @@ def run_worker(config: WorkerConfig, *, adapts_threads: bool = False) -> int:
                          world_size=config.world_size, quantization=config.quantization,
                          quantization_group_size=config.quantization_group_size,
                          kv_cache_dtype=config.kv_cache_dtype, speculative_model=config.speculative_model,
-                         speculative_quantization=config.speculative_quantization)
+                         speculative_quantization=config.speculative_quantization,
+                         lora=config.lora_config)
     started = time.monotonic()
     with resident_memory.growth() as grown:
         runner.load()

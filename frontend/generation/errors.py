@@ -43,8 +43,13 @@ class UndeliveredOutputExceeded(RuntimeError):
         self.max_undelivered = max_undelivered
 
 
+class UnknownAdapterName(Exception):
+    """A request names a LoRA adapter the server does not serve."""
+
+
 class ErrorKind(enum.Enum):
     INVALID = "invalid"
+    NOT_FOUND = "not_found"
     BUSY = "busy"
     UNAVAILABLE = "unavailable"
     TIMEOUT = "timeout"
@@ -82,6 +87,8 @@ def classify(exc: BaseException) -> RequestError:
         return exc.error
     if isinstance(exc, InvalidParameter):
         return RequestError(ErrorKind.INVALID, str(exc), "rejected", exc.field_name)
+    if isinstance(exc, UnknownAdapterName):
+        return RequestError(ErrorKind.NOT_FOUND, str(exc), "rejected", "adapter")
     if isinstance(exc, SchedulerRejected):
         return RequestError(ErrorKind.INVALID, str(exc), "rejected")
     if isinstance(exc, SchedulerBusy):

@@ -154,7 +154,7 @@ class Generation:
     def _scheduler_request(self) -> Request:
         request = Request(request_id=self.request.request_id,
                           prompt_token_ids=self.request.prompt_token_ids, sampling=self.request.params,
-                          priority=self.request.priority)
+                          priority=self.request.priority, adapter=self.request.adapter)
         if self.num_resumes:
             request.continuations = self.continuations()
         return request

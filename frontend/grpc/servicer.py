@@ -40,7 +40,8 @@ from pagedserve.frontend.grpc.tool_calls import StreamedCalls, parse_whole
 from pagedserve.frontend.tools.tool_request import ToolSettings
 from pagedserve.frontend.upstream.readiness import GENERATION_SERVICE
 from pagedserve.frontend.grpc.request_decoding import UndecodableRequest, lenient_deserializer
-from pagedserve.frontend.generation.errors import CANCELLED, ErrorKind, RequestError, RequestFailed, classify
+from pagedserve.frontend.generation.errors import (
+    CANCELLED, ErrorKind, RequestError, RequestFailed, UnknownAdapterName, classify)
 from pagedserve.frontend.generation.stream_watchdog import StreamWatch, StreamWatchdog
 from pagedserve.frontend.upstream.scheduler_client import SchedulerError
 from pagedserve.frontend.tokenization.chat_template import ChatTemplate
@@ -48,6 +49,8 @@ from pagedserve.checkpoints.generation_defaults import NEUTRAL, SamplingDefaults
 from pagedserve.frontend.grpc.validation import check_text_bytes, is_printable_ascii, validate_request
 from pagedserve.contracts.sampling_params import InvalidParameter
 from pagedserve.v1 import generation_pb2
+from pagedserve.contracts.request_types import AdapterRef
+from pagedserve.frontend.lora.registry import AdapterRegistry, UnknownAdapter
 
 log = structlog.get_logger()
 NO_DEADLINE_S = 1e6  # time_remaining() above this means the client set no deadline
@@ -59,6 +62,7 @@ PROTOCOL = "grpc"  # the `protocol` label of the frontend metrics
 
 _CODE_OF_KIND = {
     ErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
     ErrorKind.BUSY: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     ErrorKind.TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -100,12 +104,15 @@ class GenerationServicer:
     def __init__(self, admission: Admission, metrics: FrontendMetrics, chat: ChatTemplate | None = None, *,
                  max_concurrent_calls: int | None = None, watchdog: StreamWatchdog | None = None,
                  tool_settings: ToolSettings = ToolSettings(),
-                 sampling_defaults: SamplingDefaults = NEUTRAL) -> None:
+                 sampling_defaults: SamplingDefaults = NEUTRAL,
+                 adapters: AdapterRegistry | None = None) -> None:
         """admission: the request lifecycle shared with the HTTP API (readiness, drain, recovery);
         chat: renders `messages` prompts (None: such requests are INVALID_ARGUMENT);
         max_concurrent_calls: calls of this service at once, beyond it RESOURCE_EXHAUSTED (None: no
         limit; health and reflection never count); watchdog: cuts streams whose client stops reading;
-        sampling_defaults: the model's, for the optional sampling fields a request leaves unset."""
+        sampling_defaults: the model's, for the optional sampling fields a request leaves unset;
+        adapters: the LoRA adapters a request's `adapter` may name (None: --enable-lora is off)."""
+        self._adapters = adapters
         self._slots = CallSlots(max_concurrent_calls)
         self._tool_settings = tool_settings  # --tool-call-parser, --enable-auto-tool-choice
         self._watchdog = watchdog
@@ -230,13 +237,24 @@ class GenerationServicer:
         limits = self._admission.limits()
         if not request.request_id:
             request.request_id = _metadata_request_id(context)
+        adapter = self._adapter(request.adapter) if request.adapter else None
         validated = validate_request(request, self._tokenizer, limits, self._chat, self._tool_settings,
                                      self._sampling_defaults)
+        validated.adapter = adapter
         remaining = context.time_remaining()
         timeout = remaining if remaining is not None and remaining < NO_DEADLINE_S else None
         generation = self._admission.start(validated, timer, timeout=timeout)
         context.add_callback(generation.cancel)
         return generation
+
+    def _adapter(self, name: str) -> AdapterRef:
+        if self._adapters is None:
+            raise UnknownAdapterName(f"adapter {name!r}: this server serves no LoRA adapters (--enable-lora)")
+        try:
+            return self._adapters.resolve(name)
+        except UnknownAdapter:
+            served = ", ".join(sorted(spec.name for spec in self._adapters.adapters())) or "none"
+            raise UnknownAdapterName(f"no LoRA adapter named {name!r} (served: {served})") from None
 
     def _fail(self, exc: Exception, request, context, timer: RequestTimer, generation: Generation | None) -> None:
         """Closes the failed request (Admission.failed) and ends the call with its status."""

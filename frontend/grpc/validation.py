@@ -15,6 +15,7 @@ from typing import Protocol
 
 from pagedserve.checkpoints.generation_defaults import NEUTRAL, SamplingDefaults
 from pagedserve.contracts.constraint_grammar import check_constraint
+from pagedserve.contracts.request_types import AdapterRef
 from pagedserve.contracts.sampling_params import DEFAULT_MAX_TOKENS, InvalidParameter, SamplingParams
 from pagedserve.contracts.scheduler_codec import constraint_from_proto
 from pagedserve.frontend.grpc.tool_calls import chat_message_dict, tool_request_from_proto
@@ -77,6 +78,7 @@ class ValidatedRequest:
     params: SamplingParams
     priority: int = 0  # lower is served first under the scheduler's --scheduling-policy priority
     tools: ToolRequest | None = None  # a chat request with tools (tool_choice none included)
+    adapter: AdapterRef | None = None  # the LoRA adapter the request names (None: the base model)
 
 
 def sampling_params_from_proto(msg: generation_pb2.SamplingParams,

@@ -3,7 +3,8 @@
 ```
  POST /v1/completions  POST /v1/chat/completions   serving.py (streamed or whole)
  POST /v1/responses                                responses/ (stateless; streamed or whole)
- GET  /v1/models       GET  /v1/models/{model}     the one served model
+ GET  /v1/models       GET  /v1/models/{model}     the served model and its LoRA adapters
+ POST /v1/load_lora_adapter  /v1/unload_lora_adapter    lora_routes.py (when allowed)
  GET  /health                                      200 ready, 503 not ready or draining (no API key)
  POST /tokenize        POST /detokenize            vLLM's shapes
  GET  /version
@@ -40,6 +41,7 @@ from pagedserve.frontend.openai.protocol import DetokenizeBody, TokenizeBody, pa
 from pagedserve.frontend.openai.bodies import error_body, model_card
 from pagedserve.frontend.openai.serving import OpenAIServing
 from pagedserve.frontend.openai.responses.serving import ResponsesServing
+from pagedserve.frontend.openai.lora_routes import adapter_cards, add_runtime_lora_routes
 from pagedserve.contracts.sampling_params import InvalidParameter
 
 log = structlog.get_logger()
@@ -144,7 +146,7 @@ def _reject_lone_surrogates(body) -> None:
 
 
 def build_app(admission: Admission, serving: OpenAIServing, executor: Executor, *,
-              api_key: str | None, max_request_bytes: int) -> HttpEdge:
+              api_key: str | None, max_request_bytes: int, allow_runtime_lora_updating: bool = False) -> HttpEdge:
     """The ASGI app of the HTTP port."""
     app = FastAPI(title="pagedserve", version=pagedserve.__version__, docs_url=None, redoc_url=None,
                   openapi_url=None)
@@ -183,14 +185,23 @@ def build_app(admission: Admission, serving: OpenAIServing, executor: Executor, 
     @app.get("/v1/models")
     async def models() -> Response:
         card = model_card(serving.served_model_name, started, max_model_len(), serving.sampling_defaults)
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list",
+                             "data": [card, *adapter_cards(serving.adapters, started, max_model_len())]})
 
     @app.get("/v1/models/{model:path}")
     async def model(request: Request, model: str) -> Response:
         async def answer() -> Response:
-            serving.check_model(model)
+            adapter = serving.resolve_model(model)
+            if adapter is not None:
+                cards = adapter_cards(serving.adapters, started, max_model_len())
+                return JSONResponse(next((card for card in cards if card["id"] == model),
+                                         model_card(model, started, max_model_len())))
             return JSONResponse(model_card(model, started, max_model_len(), serving.sampling_defaults))
         return await guarded(request, answer)
+
+    if allow_runtime_lora_updating and serving.adapters is not None:
+        add_runtime_lora_routes(app, serving.adapters, lambda request: read_json(request, max_request_bytes),
+                                guarded)
 
     @app.get("/health")
     async def health() -> Response:

@@ -30,6 +30,7 @@ RETRY_AFTER_S = 1
 
 _OF_KIND = {  # ErrorKind -> (status, type, code)
     ErrorKind.INVALID: (400, "invalid_request_error", None),
+    ErrorKind.NOT_FOUND: (404, "invalid_request_error", "model_not_found"),
     ErrorKind.BUSY: (429, "rate_limit_error", "rate_limit_exceeded"),
     ErrorKind.UNAVAILABLE: (503, "service_unavailable", "service_unavailable"),
     ErrorKind.TIMEOUT: (504, "timeout_error", "timeout"),

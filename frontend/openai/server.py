@@ -28,6 +28,7 @@ import uvicorn
 
 from pagedserve.checkpoints.generation_defaults import NEUTRAL, SamplingDefaults
 from pagedserve.checkpoints.resolve import served_model_name
+from pagedserve.frontend.lora.registry import AdapterRegistry
 from pagedserve.frontend.generation.admission import Admission
 from pagedserve.frontend.tokenization.chat_template import ChatTemplate
 from pagedserve.frontend.openai.app import build_app
@@ -69,16 +70,18 @@ def start_http_server(admission: Admission, metrics: FrontendMetrics, config: Ht
                       transport: TransportConfig, max_concurrent_requests: int, grace_s: float,
                       stream_write_timeout_s: float, max_undelivered_messages: int | None,
                       tool_settings: ToolSettings = ToolSettings(),
-                      sampling_defaults: SamplingDefaults = NEUTRAL) -> HttpServer:
+                      sampling_defaults: SamplingDefaults = NEUTRAL,
+                      adapters: AdapterRegistry | None = None, allow_runtime_lora_updating: bool = False) -> HttpServer:
     """Binds host:config.port and serves the OpenAI-compatible API; returns once it accepts."""
     executor = ThreadPoolExecutor(max_workers=max_concurrent_requests + EXTRA_THREADS, thread_name_prefix="http-gen")
     serving = OpenAIServing(admission, metrics, chat_template, config.served_model_name or served_model_name(model_path),
                             executor, ConcurrencyLimit(max_concurrent_requests),
                             stream_write_timeout_s=stream_write_timeout_s,
                             max_undelivered_messages=max_undelivered_messages, tool_settings=tool_settings,
-                            sampling_defaults=sampling_defaults)
+                            sampling_defaults=sampling_defaults, adapters=adapters)
     app = build_app(admission, serving, executor, api_key=config.resolved_api_key(),
-                    max_request_bytes=config.max_request_bytes)
+                    max_request_bytes=config.max_request_bytes,
+                    allow_runtime_lora_updating=allow_runtime_lora_updating)
     uvicorn_config = uvicorn.Config(
         expose_transport(app), log_config=None, access_log=False, lifespan="off", server_header=False,
         timeout_graceful_shutdown=max(1, int(grace_s)),

@@ -50,6 +50,8 @@ from pagedserve.frontend.tools.tool_request import ToolSettings
 from pagedserve.frontend.tools.tool_stream import message_content, tool_call_body
 from pagedserve.contracts.sampling_params import InvalidParameter
 from pagedserve.checkpoints.generation_defaults import NEUTRAL, SamplingDefaults
+from pagedserve.contracts.request_types import AdapterRef
+from pagedserve.frontend.lora.registry import AdapterRegistry, UnknownAdapter
 
 log = structlog.get_logger()
 PROTOCOL = "http"  # the `protocol` label of the frontend metrics
@@ -94,11 +96,13 @@ class OpenAIServing:
                  served_model_name: str, executor: Executor, limit: ConcurrencyLimit, *,
                  stream_write_timeout_s: float = DEFAULT_STREAM_WRITE_TIMEOUT_S,
                  max_undelivered_messages: int | None = None, tool_settings: ToolSettings = ToolSettings(),
-                 sampling_defaults: SamplingDefaults = NEUTRAL) -> None:
+                 sampling_defaults: SamplingDefaults = NEUTRAL, adapters: AdapterRegistry | None = None) -> None:
         """stream_write_timeout_s: how long one SSE write may wait for a client that is not reading;
         max_undelivered_messages: updates of a request left unread before it is aborted;
         tool_settings: --tool-call-parser and --enable-auto-tool-choice; sampling_defaults: the
-        model's, for what a request leaves out."""
+        model's, for what a request leaves out; adapters: the LoRA adapters `model` may name besides
+        the base (None: --enable-lora is off)."""
+        self.adapters = adapters
         self._admission = admission
         self._tool_settings = tool_settings
         self.stream_write_timeout_s = stream_write_timeout_s
@@ -112,8 +116,19 @@ class OpenAIServing:
         self.sampling_defaults = sampling_defaults
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.served_model_name:
+        self.resolve_model(name)
+
+    def resolve_model(self, name: str | None) -> AdapterRef | None:
+        """The LoRA adapter `model` names, None for the base model; 404 for an unknown name."""
+        if name is None or name == self.served_model_name:
+            return None
+        if self.adapters is None:
             raise unknown_model(name, self.served_model_name)
+        try:
+            return self.adapters.resolve(name)
+        except UnknownAdapter:
+            served = ", ".join([self.served_model_name, *sorted(spec.name for spec in self.adapters.adapters())])
+            raise unknown_model(name, served) from None
 
     async def completions(self, request: Request, read_body: BodyReader, request_id: str) -> Response:
         return await self._serve(request, read_body, request_id, is_chat=False)
@@ -131,16 +146,18 @@ class OpenAIServing:
             unknown = unknown_fields(body_class, body)
             if unknown:
                 log.info("request_unknown_fields", fields=unknown)  # request_id is bound by the middleware
-            self.check_model(parsed.model)
+            adapter = self.resolve_model(parsed.model)
             plan = generation_plan(parsed, self.sampling_defaults, tool_settings=self._tool_settings)
             if plan.user is not None:
                 log.info("request_user", user=plan.user)
             prepared = await loop.run_in_executor(self.executor, self.prepare, parsed, plan, request_id, is_chat)
+            for validated in prepared.requests:
+                validated.adapter = adapter
             run = self.start_run(prepared, timer, loop)
         except Exception as exc:
             return self.refused(exc, timer)
         header = ResponseHeader(f"{'chatcmpl' if is_chat else 'cmpl'}-{request_id}", int(time.time()),
-                                self.served_model_name)
+                                parsed.model if adapter is not None else self.served_model_name)
         try:
             if plan.is_stream:
                 first = await unless_disconnected(request, run.next())

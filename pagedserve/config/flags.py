@@ -55,6 +55,7 @@ class _Option:
     metavar: str | None = None
     serve: bool = False
     is_repeatable: bool = False
+    takes_several: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,12 +67,17 @@ _INTERNAL = "internal"
 
 
 def option(default: Any = MISSING, *, help: str, flag: str | None = None, choices: tuple | None = None,
-           metavar: str | None = None, serve: bool = False, is_repeatable: bool = False) -> Any:
+           metavar: str | None = None, serve: bool = False, is_repeatable: bool = False,
+           takes_several: bool = False) -> Any:
     """A field set by a command-line flag (see the module docstring). A flag without dashes is a
     positional argument (then the field has no default). is_repeatable (str fields): the flag may
     be given several times, the field holds the values joined by commas (`--scheduler-address A
-    --scheduler-address B` is "A,B"), and to_argv writes the flag once per value."""
-    spec = _Option(help, flag, tuple(choices) if choices is not None else None, metavar, serve, is_repeatable)
+    --scheduler-address B` is "A,B"), and to_argv writes the flag once per value. takes_several (with
+    is_repeatable): one use of the flag may also take several values (`--lora-modules A=x B=y`)."""
+    if takes_several and not is_repeatable:
+        raise TypeError("takes_several needs is_repeatable")
+    spec = _Option(help, flag, tuple(choices) if choices is not None else None, metavar, serve, is_repeatable,
+                   takes_several)
     return dataclasses.field(default=default, metadata={_KEY: spec})
 
 
@@ -196,6 +202,8 @@ def _add(parser, group, config_class: type, serve_only: bool, added: dict[str, F
             if flag.kind is not str:
                 raise TypeError(f"{flag.owner.__name__}.{flag.field_name}: only a str flag may be repeatable")
             kwargs["action"] = _JoinRepeats
+            if spec.takes_several:
+                kwargs["nargs"] = "+"
         if flag.kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
@@ -216,6 +224,8 @@ class _JoinRepeats(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         marker = f"_repeated_{self.dest}"
+        if isinstance(values, list):  # takes_several: one use with several values
+            values = ",".join(values)
         if getattr(namespace, marker, False):
             values = f"{getattr(namespace, self.dest)},{values}"
         setattr(namespace, self.dest, values)

@@ -8,6 +8,9 @@ addresses by which the processes find each other.
     --plan-address, --result-address    scheduler (binds), worker (connects)
     --metrics-host            frontend, scheduler
     --kv-cache-dir            scheduler (indexes the block files), worker (writes and reads them)
+    --enable-lora, --max-loras, --max-lora-rank    LoRA adapters (docs/lora.md): --enable-lora and
+                              --max-loras on frontend, scheduler and worker, --max-lora-rank on
+                              frontend and worker
     --speculative-model, --speculative-quantization    worker (serve checks them against the
                               scheduler's --speculative-method and passes them to every rank)
 
@@ -75,6 +78,27 @@ def metrics_host_option() -> Any:
 def allow_insecure_internal_transport_option() -> Any:
     return option(False, help="run a tcp:// ZeroMQ link without CURVE keys (unauthenticated, unencrypted: any "
                               "local process or host that reaches the port can read plans and forge results)")
+
+
+def enable_lora_option() -> Any:
+    return option(False, serve=True, help="serve LoRA adapters (--lora-modules, POST /v1/load_lora_adapter) "
+                                          "beside the base model")
+
+
+def max_loras_option() -> Any:
+    return option(1, metavar="N", serve=True,
+                  help="LoRA adapters one step may use (the workers' adapter slots); requests of other "
+                       "adapters wait for a slot, least recently used slots are reloaded")
+
+
+def max_cpu_loras_option() -> Any:
+    return option(None, metavar="N", serve=True,
+                  help="LoRA adapters each worker keeps in host memory, its slots included, least recently "
+                       "used dropped beyond it (default: --max-loras)")
+
+
+def max_lora_rank_option() -> Any:
+    return option(16, metavar="R", serve=True, help="the largest LoRA rank served (adapters above it are refused)")
 
 
 def speculative_model_option() -> Any:

@@ -11,7 +11,7 @@ from itertools import chain
 
 from pagedserve.internal import step_pb2
 from pagedserve.contracts.tier_ops import TierOps, TierSave
-from pagedserve.contracts.step_plan import SampleSpec, ScheduledSeq, SeqFailure, SeqSample, StepPlan, StepResult
+from pagedserve.contracts.step_plan import LoraLoad, SampleSpec, ScheduledSeq, SeqFailure, SeqSample, StepPlan, StepResult
 
 
 def _pairs_to_proto(pairs: list[tuple[int, int]], out: step_pb2.BlockPair) -> None:
@@ -121,6 +121,10 @@ def plan_to_proto(plan: StepPlan) -> step_pb2.StepPlan:
         msg.draft_start_positions.extend([seq.draft_start_position for seq in seqs])
         msg.num_draft_context_tokens.extend([len(seq.draft_context_ids) for seq in seqs])
         msg.draft_context_ids.extend(list(chain.from_iterable(seq.draft_context_ids for seq in seqs)))
+    if any(seq.lora_slot >= 0 for seq in seqs):
+        msg.lora_slots.extend([seq.lora_slot + 1 for seq in seqs])
+    for load in plan.lora_loads:
+        msg.lora_loads.add(slot=load.slot, name=load.name, path=load.path, digest=load.digest)
     _pairs_to_proto(plan.blocks_to_swap_out, msg.blocks_to_swap_out)
     _pairs_to_proto(plan.blocks_to_swap_in, msg.blocks_to_swap_in)
     _pairs_to_proto(plan.blocks_to_copy, msg.blocks_to_copy)
@@ -176,6 +180,8 @@ def plan_from_proto(msg: step_pb2.StepPlan) -> StepPlan:
             seq.draft_start_position = start_position
             seq.draft_context_ids = context_ids[context_start:context_start + num_context]
             context_start += num_context
+    for seq, slot in zip(seqs, msg.lora_slots):
+        seq.lora_slot = slot - 1
     return StepPlan(
         masks_follow=msg.masks_follow,
         step_id=msg.step_id,
@@ -186,6 +192,7 @@ def plan_from_proto(msg: step_pb2.StepPlan) -> StepPlan:
         epoch=msg.epoch,
         drafts_from_worker=msg.drafts_from_worker,
         tier_ops=_tier_ops_from_proto(msg.tier_ops) if msg.HasField("tier_ops") else None,
+        lora_loads=[LoraLoad(load.slot, load.name, load.path, load.digest) for load in msg.lora_loads],
     )
 
 

@@ -24,6 +24,12 @@ def hash_block(parent_key: bytes | None, token_ids: list[int]) -> bytes:
     return digest.digest()
 
 
+def adapter_root_key(digest: str) -> bytes:
+    """The parent key of the first block of a sequence run with the LoRA adapter of this content
+    digest: its KV never matches the base model's or another adapter's (or another version's)."""
+    return blake2b(b"pagedserve-lora:" + digest.encode(), digest_size=16).digest()
+
+
 def full_block_keys(token_ids: list[int], block_size: int, max_num_blocks: int | None = None) -> list[bytes]:
     """Keys of the full blocks of token_ids, first to last (at most max_num_blocks)."""
     num_blocks = len(token_ids) // block_size

@@ -31,6 +31,16 @@ class Continuation:
     cumulative_logprob: float = 0.0  # of token_ids, so the resumed completion reports the total
 
 
+@dataclass(frozen=True, slots=True)
+class AdapterRef:
+    """The LoRA adapter a request runs with: its name, PEFT folder and content digest (the
+    digest, never the name, keys its prefix cache and its worker slot)."""
+
+    name: str
+    path: str
+    digest: str
+
+
 @dataclass(slots=True)
 class Request:
     request_id: str
@@ -39,6 +49,7 @@ class Request:
     eos_token_ids: list[int] = field(default_factory=list)
     continuations: list[Continuation] = field(default_factory=list)  # empty: a fresh start
     priority: int = 0  # lower is served first under --scheduling-policy priority
+    adapter: AdapterRef | None = None  # None: the base model
 
 
 @dataclass(slots=True)

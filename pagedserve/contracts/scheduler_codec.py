@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from pagedserve.internal import scheduler_pb2
 from pagedserve.contracts.request_types import (
-    CompletionDelta, Continuation, FinishReason, Request, RequestOutput, TokenLogprob,
+    AdapterRef, CompletionDelta, Continuation, FinishReason, Request, RequestOutput, TokenLogprob,
 )
 from pagedserve.contracts.constraint import Constraint, ConstraintKind
 from pagedserve.contracts.sampling_params import SamplingParams
@@ -118,6 +118,9 @@ def request_to_proto(request: Request, frontend_id: str = "") -> scheduler_pb2.S
         frontend_id=frontend_id,
         priority=request.priority,
     )
+    if request.adapter is not None:
+        msg.adapter.name, msg.adapter.path, msg.adapter.digest = (request.adapter.name, request.adapter.path,
+                                                                  request.adapter.digest)
     for continuation in request.continuations:
         msg.continuations.add(index=continuation.index, token_ids=continuation.token_ids,
                               is_finished=continuation.is_finished,
@@ -137,6 +140,8 @@ def request_from_proto(msg: scheduler_pb2.SubmitRequest, eos_token_ids: list[int
                          cumulative_logprob=c.cumulative_logprob)
             for c in msg.continuations
         ],
+        adapter=(AdapterRef(msg.adapter.name, msg.adapter.path, msg.adapter.digest)
+                 if msg.HasField("adapter") else None),
     )
 
 

@@ -63,6 +63,7 @@ class ScheduledSeq:
     # i. 0 rows and b"": unconstrained.
     num_mask_rows: int = 0
     token_bitmask: bytes = b""
+    lora_slot: int = -1  # the worker's adapter slot whose LoRA delta this sequence adds; -1: the base model
 
     @property
     def num_new_tokens(self) -> int:
@@ -71,6 +72,16 @@ class ScheduledSeq:
     @property
     def context_len(self) -> int:
         return self.start_position + len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class LoraLoad:
+    """Put the adapter at path (content digest) in the worker's LoRA slot before this step."""
+
+    slot: int
+    name: str
+    path: str
+    digest: str
 
 
 @dataclass(slots=True)
@@ -88,6 +99,7 @@ class StepPlan:
     # Structured output: the sequences' num_mask_rows are set but their token_bitmask rows come
     # in a StepMasks message after the plan (computed while the workers run the forward).
     masks_follow: bool = False
+    lora_loads: list[LoraLoad] = field(default_factory=list)  # run before the forward
 
     @property
     def num_tokens(self) -> int:

@@ -25,6 +25,11 @@ its proposals d1 .. d(k-1), as a real draft model writes its KV. Its proposals a
 own next token three times in four and another allowed token otherwise, decided by a hash of the
 draft's value, so acceptance varies deterministically.
 
+LoRA: the plan's lora_loads fill the worker's adapter slots (at most max_loras of them); a
+sequence with a lora_slot starts its chain from a root made of that slot's adapter digest, so a
+KV block reused across adapters (a stale prefix-cache hit) changes the tokens like any mix-up, and
+a sequence whose slot holds no adapter raises DigestWorkerError.
+
 Candidates are ranked best first: by default a seeded shuffle of the vocabulary with random
 logprobs in decreasing order; with logit_std, seeded Gaussian logits over the vocabulary (a
 peaked, model-like distribution, which the memory benchmark's beam searches need) and their
@@ -62,7 +67,7 @@ class DigestWorker:
     def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int = 0, *,
                  vocab_size: int = 24, first_token_id: int = 0, logit_std: float | None = None,
                  has_draft_model: bool = False, num_host_blocks: int = 0,
-                 disk_folder: str | None = None) -> None:
+                 disk_folder: str | None = None, max_loras: int = 0) -> None:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.first_token_id = first_token_id
@@ -78,6 +83,8 @@ class DigestWorker:
         # values) in disk_folder, the layout folder the scheduler indexes; a test may damage them
         self.host: list[list[int | None] | None] = [None] * num_host_blocks
         self.disk_folder = disk_folder
+        self.max_loras = max_loras
+        self.lora_slots: dict[int, str] = {}  # slot -> adapter digest
 
     @classmethod
     def for_config(cls, config, **options) -> "DigestWorker":
@@ -85,6 +92,7 @@ class DigestWorker:
         options.setdefault("has_draft_model", config.speculative_method == "draft")
         options.setdefault("num_host_blocks", config.num_host_blocks)
         options.setdefault("disk_folder", config.kv_layout_folder)
+        options.setdefault("max_loras", config.max_loras if config.enable_lora else 0)
         return cls(config.block_size, config.num_gpu_blocks, config.num_cpu_blocks, **options)
 
     def run(self, plan: StepPlan) -> StepResult:
@@ -108,6 +116,13 @@ class DigestWorker:
         for gpu_blocks in (self.gpu, self.draft_gpu):
             for src, dst in plan.blocks_to_copy if gpu_blocks else ():
                 gpu_blocks[dst] = list(gpu_blocks[src])
+        for load in plan.lora_loads:
+            if not 0 <= load.slot < self.max_loras:
+                raise DigestWorkerError(f"step {plan.step_id} loads an adapter into slot {load.slot} of {self.max_loras}")
+            self.lora_slots[load.slot] = load.digest
+        for seq in plan.seqs:
+            if seq.lora_slot >= 0 and seq.lora_slot not in self.lora_slots:
+                raise DigestWorkerError(f"sequence {seq.seq_id} uses LoRA slot {seq.lora_slot}, which holds no adapter")
         seq_ids = [seq.seq_id for seq in plan.seqs]
         if len(set(seq_ids)) != len(seq_ids):
             raise DigestWorkerError(f"step {plan.step_id} schedules a sequence twice")
@@ -249,7 +264,7 @@ class DigestWorker:
         if len(seq.block_table) != -(-seq.context_len // self.block_size):
             raise DigestWorkerError(f"sequence {seq.seq_id}: {len(seq.block_table)} blocks for "
                                     f"{seq.context_len} tokens")
-        value = _ROOT if seq.start_position == 0 else self._read(seq, seq.start_position - 1, written)
+        value = self._root(seq) if seq.start_position == 0 else self._read(seq, seq.start_position - 1, written)
         for offset, token_id in enumerate(seq.token_ids):
             block, slot = self._slot(seq, seq.start_position + offset)
             if (block, slot) in written:
@@ -259,6 +274,11 @@ class DigestWorker:
             if self.draft_gpu and (block, slot) not in draft_written:
                 self.draft_gpu[block][slot] = None
             written[(block, slot)] = seq.seq_id
+
+    def _root(self, seq: ScheduledSeq) -> int:
+        if seq.lora_slot < 0:
+            return _ROOT
+        return hash((_ROOT, self.lora_slots[seq.lora_slot])) & _MASK
 
     def _read(self, seq: ScheduledSeq, position: int, written: dict[tuple[int, int], int]) -> int:
         block, slot = self._slot(seq, position)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epagedserve/v1/generation.proto\x12\rpagedserve.v1\"\x85\x06\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x06\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x12\t\n\x01n\x18\x0f \x01(\r\x12\x12\n\nbeam_width\x18\x10 \x01(\r\x12\x1b\n\x0elength_penalty\x18\x11 \x01(\x02H\x07\x88\x01\x01\x12\x10\n\x08logprobs\x18\x12 \x01(\r\x12\x15\n\x0bjson_schema\x18\x13 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x14 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x15 \x01(\tH\x00\x12+\n\x06\x63hoice\x18\x16 \x01(\x0b\x32\x19.pagedserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x17 \x01(\tH\x00\x12@\n\nlogit_bias\x18\x18 \x03(\x0b\x32,.pagedserve.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nconstraintB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x11\n\x0f_length_penalty\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xa6\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x39\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x1d.pagedserve.v1.PromptTokenIdsH\x00\x12/\n\x08messages\x18\x05 \x01(\x0b\x32\x1b.pagedserve.v1.ChatMessagesH\x00\x12-\n\x06params\x18\x04 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\"\n\x05tools\x18\x07 \x03(\x0b\x32\x13.pagedserve.v1.Tool\x12\x13\n\x0btool_choice\x18\x08 \x01(\tB\x07\n\x05input\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"\x1d\n\x0ePromptTokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"o\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12+\n\ntool_calls\x18\x03 \x03(\x0b\x32\x17.pagedserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"z\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Y\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.pagedserve.v1.TopLogprob\"\xff\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12\x1a\n\x12\x63umulative_logprob\x18\x05 \x01(\x01\x12\x32\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12\x15\n\rstop_sequence\x18\x07 \x01(\t\x12+\n\ntool_calls\x18\x08 \x03(\x0b\x32\x17.pagedserve.v1.ToolCall\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"{\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x19.pagedserve.v1.Completion\x12#\n\x05usage\x18\x03 \x01(\x0b\x32\x14.pagedserve.v1.Usage\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x12\n\x10ModelInfoRequest\"\xb2\x01\n\x11ModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x07 \x01(\r*\x9e\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x04\x32\xcb\x02\n\nGeneration\x12K\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse\x12S\n\x0eGenerateStream\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.pagedserve.v1.TokenizeRequest\x1a\x1f.pagedserve.v1.TokenizeResponse\x12N\n\tModelInfo\x12\x1f.pagedserve.v1.ModelInfoRequest\x1a .pagedserve.v1.ModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epagedserve/v1/generation.proto\x12\rpagedserve.v1\"\x85\x06\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x06\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08\x12\t\n\x01n\x18\x0f \x01(\r\x12\x12\n\nbeam_width\x18\x10 \x01(\r\x12\x1b\n\x0elength_penalty\x18\x11 \x01(\x02H\x07\x88\x01\x01\x12\x10\n\x08logprobs\x18\x12 \x01(\r\x12\x15\n\x0bjson_schema\x18\x13 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x14 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x15 \x01(\tH\x00\x12+\n\x06\x63hoice\x18\x16 \x01(\x0b\x32\x19.pagedserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x17 \x01(\tH\x00\x12@\n\nlogit_bias\x18\x18 \x03(\x0b\x32,.pagedserve.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nconstraintB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x11\n\x0f_length_penalty\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xb7\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x39\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x1d.pagedserve.v1.PromptTokenIdsH\x00\x12/\n\x08messages\x18\x05 \x01(\x0b\x32\x1b.pagedserve.v1.ChatMessagesH\x00\x12-\n\x06params\x18\x04 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\"\n\x05tools\x18\x07 \x03(\x0b\x32\x13.pagedserve.v1.Tool\x12\x13\n\x0btool_choice\x18\x08 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x14 \x01(\tB\x07\n\x05input\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"\x1d\n\x0ePromptTokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"o\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12+\n\ntool_calls\x18\x03 \x03(\x0b\x32\x17.pagedserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"z\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Y\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.pagedserve.v1.TopLogprob\"\xff\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12\x1a\n\x12\x63umulative_logprob\x18\x05 \x01(\x01\x12\x32\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12\x15\n\rstop_sequence\x18\x07 \x01(\t\x12+\n\ntool_calls\x18\x08 \x03(\x0b\x32\x17.pagedserve.v1.ToolCall\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"{\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x19.pagedserve.v1.Completion\x12#\n\x05usage\x18\x03 \x01(\x0b\x32\x14.pagedserve.v1.Usage\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x12\n\x10ModelInfoRequest\"\xb2\x01\n\x11ModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x07 \x01(\r*\x9e\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x04\x32\xcb\x02\n\nGeneration\x12K\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse\x12S\n\x0eGenerateStream\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.pagedserve.v1.TokenizeRequest\x1a\x1f.pagedserve.v1.TokenizeResponse\x12N\n\tModelInfo\x12\x1f.pagedserve.v1.ModelInfoRequest\x1a .pagedserve.v1.ModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2437
-  _globals['_FINISHREASON']._serialized_end=2595
+  _globals['_FINISHREASON']._serialized_start=2454
+  _globals['_FINISHREASON']._serialized_end=2612
   _globals['_SAMPLINGPARAMS']._serialized_start=50
   _globals['_SAMPLINGPARAMS']._serialized_end=823
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=664
@@ -42,35 +42,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHOICELIST']._serialized_start=825
   _globals['_CHOICELIST']._serialized_end=854
   _globals['_GENERATEREQUEST']._serialized_start=857
-  _globals['_GENERATEREQUEST']._serialized_end=1151
-  _globals['_TOOL']._serialized_start=1153
-  _globals['_TOOL']._serialized_end=1219
-  _globals['_TOOLCALL']._serialized_start=1221
-  _globals['_TOOLCALL']._serialized_end=1281
-  _globals['_PROMPTTOKENIDS']._serialized_start=1283
-  _globals['_PROMPTTOKENIDS']._serialized_end=1312
-  _globals['_CHATMESSAGE']._serialized_start=1314
-  _globals['_CHATMESSAGE']._serialized_end=1425
-  _globals['_CHATMESSAGES']._serialized_start=1427
-  _globals['_CHATMESSAGES']._serialized_end=1549
-  _globals['_TOPLOGPROB']._serialized_start=1551
-  _globals['_TOPLOGPROB']._serialized_end=1598
-  _globals['_TOKENLOGPROB']._serialized_start=1600
-  _globals['_TOKENLOGPROB']._serialized_end=1689
-  _globals['_COMPLETION']._serialized_start=1692
-  _globals['_COMPLETION']._serialized_end=1947
-  _globals['_USAGE']._serialized_start=1949
-  _globals['_USAGE']._serialized_end=2036
-  _globals['_GENERATERESPONSE']._serialized_start=2038
-  _globals['_GENERATERESPONSE']._serialized_end=2161
-  _globals['_TOKENIZEREQUEST']._serialized_start=2163
-  _globals['_TOKENIZEREQUEST']._serialized_end=2194
-  _globals['_TOKENIZERESPONSE']._serialized_start=2196
-  _globals['_TOKENIZERESPONSE']._serialized_end=2233
-  _globals['_MODELINFOREQUEST']._serialized_start=2235
-  _globals['_MODELINFOREQUEST']._serialized_end=2253
-  _globals['_MODELINFORESPONSE']._serialized_start=2256
-  _globals['_MODELINFORESPONSE']._serialized_end=2434
-  _globals['_GENERATION']._serialized_start=2598
-  _globals['_GENERATION']._serialized_end=2929
+  _globals['_GENERATEREQUEST']._serialized_end=1168
+  _globals['_TOOL']._serialized_start=1170
+  _globals['_TOOL']._serialized_end=1236
+  _globals['_TOOLCALL']._serialized_start=1238
+  _globals['_TOOLCALL']._serialized_end=1298
+  _globals['_PROMPTTOKENIDS']._serialized_start=1300
+  _globals['_PROMPTTOKENIDS']._serialized_end=1329
+  _globals['_CHATMESSAGE']._serialized_start=1331
+  _globals['_CHATMESSAGE']._serialized_end=1442
+  _globals['_CHATMESSAGES']._serialized_start=1444
+  _globals['_CHATMESSAGES']._serialized_end=1566
+  _globals['_TOPLOGPROB']._serialized_start=1568
+  _globals['_TOPLOGPROB']._serialized_end=1615
+  _globals['_TOKENLOGPROB']._serialized_start=1617
+  _globals['_TOKENLOGPROB']._serialized_end=1706
+  _globals['_COMPLETION']._serialized_start=1709
+  _globals['_COMPLETION']._serialized_end=1964
+  _globals['_USAGE']._serialized_start=1966
+  _globals['_USAGE']._serialized_end=2053
+  _globals['_GENERATERESPONSE']._serialized_start=2055
+  _globals['_GENERATERESPONSE']._serialized_end=2178
+  _globals['_TOKENIZEREQUEST']._serialized_start=2180
+  _globals['_TOKENIZEREQUEST']._serialized_end=2211
+  _globals['_TOKENIZERESPONSE']._serialized_start=2213
+  _globals['_TOKENIZERESPONSE']._serialized_end=2250
+  _globals['_MODELINFOREQUEST']._serialized_start=2252
+  _globals['_MODELINFOREQUEST']._serialized_end=2270
+  _globals['_MODELINFORESPONSE']._serialized_start=2273
+  _globals['_MODELINFORESPONSE']._serialized_end=2451
+  _globals['_GENERATION']._serialized_start=2615
+  _globals['_GENERATION']._serialized_end=2946
 # @@protoc_insertion_point(module_scope)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from pagedserve.config.flags import internal, option
 from pagedserve.scheduler.core.errors import SchedulerConfigError
-from pagedserve.config.shared_options import block_size_option, kv_cache_dir_option
+from pagedserve.config.shared_options import block_size_option, enable_lora_option, kv_cache_dir_option, max_loras_option
 from pagedserve.contracts.tier_ops import layout_dir
 
 PREEMPTION_MODES = ("auto", "swap", "recompute")
@@ -85,6 +85,8 @@ class SchedulerConfig:
     num_kv_block_bytes: int = internal(0)  # one block's KV on one rank
     num_kv_ranks: int = internal(1)
     tier_load_tokens_per_block: float = internal(1.0)  # step budget a block loaded from the host tier costs
+    enable_lora: bool = enable_lora_option()
+    max_loras: int = max_loras_option()
     swap_seconds_per_block: float = internal(3.3e-5)
     recompute_seconds_per_token: float = internal(5.4e-5)
     # The step loop (engine.py) and its admission control:
@@ -126,6 +128,7 @@ class SchedulerConfig:
         if self.ngram_max < self.ngram_min:
             raise SchedulerConfigError("ngram_max", f"must be >= ngram_min ({self.ngram_min})")
         _require_int("speculative_disable_batch_size", self.speculative_disable_batch_size, minimum=0)
+        _require_int("max_loras", self.max_loras, minimum=1)
         for name in ("swap_seconds_per_block", "recompute_seconds_per_token", "worker_recovery_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:

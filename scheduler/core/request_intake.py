@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from pagedserve.contracts.prefix_hash import adapter_root_key
 from pagedserve.contracts.request_types import Continuation, Request
 from pagedserve.contracts.sampling_params import InvalidParameter
 from pagedserve.scheduler.beam.search import BeamSearchState
@@ -53,6 +54,12 @@ def build_group(request: Request, config: SchedulerConfig, *, arrival_index: int
         sampling.validate()
     except InvalidParameter as error:
         raise RequestRejected(request_id, str(error)) from error
+    if request.adapter is not None and not config.enable_lora:
+        raise RequestRejected(request_id, f"LoRA adapter {request.adapter.name!r} asked for, and this scheduler "
+                                          "serves no adapters (--enable-lora)")
+    if request.adapter is not None and config.is_draft_model_speculation:
+        raise RequestRejected(request_id, f"LoRA adapter {request.adapter.name!r}: adapter requests are not served "
+                                          "with --speculative-method draft (the draft model has no adapter)")
     num_prompt_tokens = len(request.prompt_token_ids)
     if num_prompt_tokens == 0:
         raise RequestRejected(request_id, "the prompt is empty")
@@ -89,6 +96,10 @@ def build_group(request: Request, config: SchedulerConfig, *, arrival_index: int
             seqs.append(Sequence(seq_id=next_seq_id(), output_index=index,
                                  token_ids=prompt + continuation.token_ids, num_prompt_tokens=num_prompt_tokens,
                                  cumulative_logprob=continuation.cumulative_logprob))
+    if request.adapter is not None:
+        root = adapter_root_key(request.adapter.digest)
+        for seq in seqs:
+            seq.key_root = root
     group = SequenceGroup(request=request, arrival_index=arrival_index, seqs=seqs,
                           stop_token_ids=stop_token_ids, max_output_tokens=sampling.max_tokens,
                           priority=request.priority if config.is_priority_policy else 0)

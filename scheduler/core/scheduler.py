@@ -25,6 +25,7 @@ from pagedserve.scheduler.speculation.acceptance import SpecDecodeStats
 from pagedserve.scheduler.core.step_builder import ScheduledStep, StepBuilder
 from pagedserve.contracts.step_plan import StepResult
 from pagedserve.scheduler.structured_output.sequences import attach_matchers
+from pagedserve.scheduler.lora.slot_table import LoraSlotTable
 
 if TYPE_CHECKING:
     from pagedserve.scheduler.structured_output.compiler import GrammarCompiler
@@ -56,6 +57,7 @@ class Scheduler:
         self.num_preemptions_swap = 0
         self.num_preemptions_recompute = 0
         self.spec_stats = SpecDecodeStats()
+        self.lora_slots = LoraSlotTable(config.max_loras) if config.enable_lora else None
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -174,6 +176,8 @@ class Scheduler:
             group.status = GroupStatus.WAITING
         self.waiting, self.running, self.swapped = groups, [], []
         self._in_flight = None
+        if self.lora_slots is not None:
+            self.lora_slots.reset()  # the new workers' slots are empty
         self.epoch += 1
 
     # -- group and sequence transitions (used by StepBuilder and OutputProcessor) -------------
@@ -213,7 +217,10 @@ class Scheduler:
             num_spec_accepted_tokens=self.spec_stats.num_accepted_tokens,
             num_spec_accepted_per_position=tuple(self.spec_stats.num_accepted_per_position),
             num_spec_unspeculated_requests=self.spec_stats.num_beam_search_requests,
-            tiers=TierTotals.of(self.block_manager.tiers))
+            tiers=TierTotals.of(self.block_manager.tiers),
+
+            num_lora_loads=self.lora_slots.num_loads if self.lora_slots is not None else 0,
+            num_lora_evictions=self.lora_slots.num_evictions if self.lora_slots is not None else 0)
 
     def check_invariants(self) -> None:
         """Raises InvariantError when block accounting or queues are inconsistent."""

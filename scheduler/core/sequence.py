@@ -65,6 +65,7 @@ class Sequence:
     num_draft_computed: int = 0
     # Structured output: the grammar's state after exactly the real output tokens (matcher.py).
     matcher: SequenceMatcher | None = None
+    key_root: bytes | None = None  # parent key of the first block (LoRA: from the adapter's digest)
 
     @property
     def num_tokens(self) -> int:
@@ -106,6 +107,7 @@ class Sequence:
             block_keys=list(self.block_keys),
             num_registered_blocks=self.num_registered_blocks,
             num_draft_computed=self.num_draft_computed,
+            key_root=self.key_root,
             cumulative_logprob=self.cumulative_logprob,
             output_logprobs=list(self.output_logprobs),
             matcher=self.matcher.fork() if self.matcher is not None else None,

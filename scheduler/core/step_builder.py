@@ -35,6 +35,12 @@ Structured output: every constrained sequence that samples carries its token bit
 with defer_masks (the engine) by ScheduledStep.fill_masks() once the plan is on its way: the
 plan then only says how many rows each sequence has (masks_follow).
 
+LoRA (scheduler/lora/slot_table.py): a group of an adapter request is scheduled only in a step
+where its adapter has a worker slot; running groups claim slots first, oldest first, then
+swapped and waiting groups in their queue order, and a queued group that gets none stops its
+pass like one that lacks blocks. Each scheduled sequence names its slot, and the plan lists the
+adapters the workers load before the forward.
+
 Beam search steps all live beams together: a beam group samples only in a step where every beam
 computes its whole tail; otherwise its beams compute up to their last token and sample later.
 """
@@ -104,6 +110,10 @@ class StepBuilder:
         self.num_draft_tokens = 0  # speculative proposals verified in this step
         self.num_preemptions = 0
         self.num_priority_preemptions = 0  # of num_preemptions, those made for a higher priority
+        self.lora = scheduler.lora_slots
+        self.lora_slot_of: dict[int, int] = {}  # id(group) -> its adapter's slot in this step
+        if self.lora is not None:
+            self.lora.begin_step()
 
     def build(self, step_id: int, epoch: int) -> ScheduledStep | None:
         is_priority_policy = self.scheduler.config.is_priority_policy
@@ -127,12 +137,13 @@ class StepBuilder:
                 register(seq)
         tiers = self.block_manager.tiers
         tier_ops = tiers.take_ops(self.block_manager.gpu_pool) if tiers is not None else None
-        if not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or tier_ops):
+        lora_loads = self.lora.take_loads() if self.lora is not None else []
+        if not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or tier_ops or lora_loads):
             return None
         plan = StepPlan(step_id=step_id, seqs=self.scheduled, blocks_to_swap_out=self.blocks_to_swap_out,
                         blocks_to_swap_in=self.blocks_to_swap_in, blocks_to_copy=self.blocks_to_copy,
                         epoch=epoch, drafts_from_worker=self.drafts_from_worker, tier_ops=tier_ops,
-                        masks_follow=bool(self.pending_masks))
+                        masks_follow=bool(self.pending_masks), lora_loads=lora_loads)
         return ScheduledStep(plan=plan, sampled=self.sampled, groups=self.groups,
                              num_prefill_tokens=self.num_prefill_tokens,
                              num_decode_tokens=self.num_decode_tokens, num_preemptions=self.num_preemptions,
@@ -151,6 +162,9 @@ class StepBuilder:
         while index < len(running):
             group = running[index]
             num_reserved -= decode_tokens[index]
+            if not self._acquire_slot(group):
+                index += 1  # its adapter has no slot in this step: it keeps its blocks and waits
+                continue
             seqs = group.seqs
             is_drafting = drafter is not None and drafter.add_drafts(group, self.num_tokens_left - num_reserved)
             if not is_drafting and len(seqs) == 1 and group.fork_at is None and self.num_seqs_left > 0:
@@ -196,7 +210,8 @@ class StepBuilder:
         if spec is None or not group.is_sample_spec_static:
             spec = sample_spec_for(group, seq)
         self.sampled.append((group, seq))
-        scheduled = ScheduledSeq(seq.seq_id, seq.token_ids[-1:], computed, seq.block_table[:], spec)
+        scheduled = ScheduledSeq(seq.seq_id, seq.token_ids[-1:], computed, seq.block_table[:], spec,
+                                 lora_slot=self.lora_slot_of.get(id(group), -1))
         if seq.matcher is not None:
             self._masks(scheduled, seq)
         self.scheduled.append(scheduled)
@@ -239,8 +254,9 @@ class StepBuilder:
             return False
         num_needed = manager.num_distinct_blocks(group.seqs) + manager.count_blocks_needed(
             ((chunk.seq, chunk.num_tokens) for chunk in chunks), manager.cpu_pool)
-        if num_needed > manager.gpu_pool.num_available:
+        if num_needed > manager.gpu_pool.num_available or not self._can_acquire_slot(group):
             return False
+        self._acquire_slot(group)
         self.blocks_to_swap_in.extend(manager.swap_in(group.seqs))
         self.scheduler.swapped.remove(group)
         self._start_running(group)
@@ -266,6 +282,8 @@ class StepBuilder:
         if isolated and group.request_id in isolated and any(
                 other.request_id in isolated for other in self.groups):
             return False  # one suspect of a worker crash per step (see Scheduler.isolated_request_ids)
+        if not self._can_acquire_slot(group):
+            return False  # its adapter waits for a slot, and so does everyone behind it
         leader = group.seqs[0]
         limit = min(group.prefill_target(leader), len(leader.token_ids) - 1)
         num_queries, cached_blocks = prefix_cache.find_prefix(leader, limit)
@@ -293,6 +311,7 @@ class StepBuilder:
         if not chunks or num_needed > manager.gpu_pool.num_available:
             manager.drop_kv(group)
             return False
+        self._acquire_slot(group)
         num_hits = len(cached_blocks) + num_tier_hits  # every tier's hits count as cached
         prefix_cache.record(num_queries, num_hits)
         if tiers is not None:
@@ -361,6 +380,22 @@ class StepBuilder:
             num_free_slots -= group.max_num_running_seqs
 
     # -- shared -----------------------------------------------------------------------------
+    def _can_acquire_slot(self, group: SequenceGroup) -> bool:
+        adapter = group.request.adapter
+        return adapter is None or self.lora is None or self.lora.can_acquire(adapter)
+
+    def _acquire_slot(self, group: SequenceGroup) -> bool:
+        """Gives group's adapter a worker slot for this step (True without an adapter); False
+        when every slot is taken by other adapters of this step."""
+        adapter = group.request.adapter
+        if adapter is None or self.lora is None:
+            return True
+        slot = self.lora.acquire(adapter)
+        if slot is None:
+            return False
+        self.lora_slot_of[id(group)] = slot
+        return True
+
     def _start_running(self, group: SequenceGroup) -> None:
         group.status = GroupStatus.RUNNING
         insort(self.scheduler.running, group, key=_arrival)
@@ -381,7 +416,8 @@ class StepBuilder:
                 spec = sample_spec_for(group, seq)
                 self.sampled.append((group, seq))
             scheduled_seq = ScheduledSeq(seq.seq_id, seq.token_ids[start:start + num_tokens], start,
-                                         list(seq.block_table), spec, seq.num_draft_tokens)
+                                         list(seq.block_table), spec, seq.num_draft_tokens,
+                                         lora_slot=self.lora_slot_of.get(id(group), -1))
             if chunk.is_sampling and seq.matcher is not None:
                 self._masks(scheduled_seq, seq)
             scheduled.append(scheduled_seq)

@@ -10,7 +10,8 @@ pagedserve/contracts/prefix_hash.py, which the frontend's replica router uses to
 registered once its last token's KV is scheduled (steps run in order on the workers, so any later
 step that reuses it reads finished KV). A new sequence reuses the longest run of registered
 blocks that ends before its last token: that token is always computed again, so there are
-logits to sample from.
+logits to sample from. A sequence run with a LoRA adapter chains its keys from a root made of the
+adapter's content digest (Sequence.key_root), so no KV is shared across adapters or versions.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class PrefixCache:
         tokens = seq.token_ids
         while len(keys) < num_blocks:
             index = len(keys)
-            keys.append(hash_block(keys[-1] if keys else None, tokens[index * size:(index + 1) * size]))
+            keys.append(hash_block(keys[-1] if keys else seq.key_root, tokens[index * size:(index + 1) * size]))
         return keys
 
     def find_prefix(self, seq: Sequence, max_num_tokens: int) -> tuple[int, list[int]]:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedserve.testing.digest_worker import DigestWorker
-from pagedserve.contracts.request_types import FinishReason, Request, RequestOutput
+from pagedserve.contracts.request_types import AdapterRef, FinishReason, Request, RequestOutput
 from pagedserve.contracts.sampling_params import SamplingParams
 from pagedserve.scheduler.core.scheduler import Scheduler
 from pagedserve.scheduler.core.config import SchedulerConfig
@@ -33,10 +33,12 @@ class RequestSpec:
     finish_step: int | None = None  # finish_completion(finish_index) before this step
     finish_index: int = 0
     priority: int = 0  # lower first under scheduling_policy="priority"
+    adapter: AdapterRef | None = None  # a LoRA adapter (None: the base model)
 
     def request(self) -> Request:
         return Request(request_id=self.request_id, prompt_token_ids=list(self.prompt_token_ids),
-                       sampling=self.sampling, eos_token_ids=[EOS_TOKEN_ID], priority=self.priority)
+                       sampling=self.sampling, eos_token_ids=[EOS_TOKEN_ID], priority=self.priority,
+                       adapter=self.adapter)
 
 
 @dataclass

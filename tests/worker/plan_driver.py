@@ -25,6 +25,7 @@ class DrivenSeq:
     num_computed: int = 0  # tokens whose KV is in the cache
     block_table: list[int] = field(default_factory=list)
     spec: SampleSpec = field(default_factory=SampleSpec)
+    lora_slot: int = -1  # the worker's adapter slot (-1: the base model)
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt)
@@ -63,7 +64,8 @@ class PlanDriver:
         self.free_blocks.extend(reversed(seq.block_table))
         seq.block_table = []
 
-    def step(self, work: list[tuple[DrivenSeq, int]], *, swap_out=(), swap_in=(), copy=()) -> StepResult:
+    def step(self, work: list[tuple[DrivenSeq, int]], *, swap_out=(), swap_in=(), copy=(),
+             lora_loads=()) -> StepResult:
         """Computes `count` pending tokens of each (seq, count); samples where the prompt is done."""
         scheduled = []
         for seq, count in work:
@@ -74,10 +76,10 @@ class PlanDriver:
             samples = end == len(seq.tokens)
             scheduled.append(ScheduledSeq(seq_id=seq.seq_id, token_ids=seq.tokens[seq.num_computed:end],
                                           start_position=seq.num_computed, block_table=list(seq.block_table),
-                                          sample=seq.spec if samples else None))
+                                          sample=seq.spec if samples else None, lora_slot=seq.lora_slot))
         self.step_id += 1
         plan = StepPlan(step_id=self.step_id, seqs=scheduled, blocks_to_swap_out=list(swap_out),
-                        blocks_to_swap_in=list(swap_in), blocks_to_copy=list(copy))
+                        blocks_to_swap_in=list(swap_in), blocks_to_copy=list(copy), lora_loads=list(lora_loads))
         result = self.runner.execute(plan)
         self.plans.append(plan)
         sampled = {sample.seq_id: sample.token_id for sample in result.samples}
@@ -90,8 +92,9 @@ class PlanDriver:
         self.results.append(result)
         return result
 
-    def run_to_completion(self, seqs: list[DrivenSeq], token_budget: int | None = None) -> None:
-        """Steps until every seq is finished: decodes first, then prefill chunks within token_budget."""
+    def run_to_completion(self, seqs: list[DrivenSeq], token_budget: int | None = None, lora_loads=()) -> None:
+        """Steps until every seq is finished: decodes first, then prefill chunks within token_budget;
+        lora_loads go with the first step."""
         while not all(seq.is_finished for seq in seqs):
             work, budget = [], token_budget if token_budget is not None else 1 << 30
             decodes = [seq for seq in seqs if not seq.is_finished and seq.num_computed >= len(seq.prompt)]
@@ -101,7 +104,8 @@ class PlanDriver:
                 if count > 0:
                     work.append((seq, count))
                     budget -= count
-            self.step(work)
+            self.step(work, lora_loads=lora_loads)
+            lora_loads = ()
 
 
 @contextmanager

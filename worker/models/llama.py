@@ -134,6 +134,8 @@ class LlamaDecoderLayer(torch.nn.Module):
 class LlamaForCausalLM(torch.nn.Module):
     """`max_positions` bounds the positions the RoPE table covers (default: max_position_embeddings)."""
 
+    lora_active = False  # a step with LoRA rows (pagedserve.worker.lora.slots): the layers' hooks add deltas
+
     def __init__(self, config: LlamaModelConfig, *, tp: TensorParallelGroup | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  max_positions: int | None = None) -> None:
@@ -164,7 +166,7 @@ class LlamaForCausalLM(torch.nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"{len(kv_caches)} KV caches for {len(self.layers)} layers")
         hidden = self.embed_tokens(token_ids)  # [T, hidden]
-        native_step = NativeDecodeStep.for_step(self, metadata, kv_caches)
+        native_step = None if self.lora_active else NativeDecodeStep.for_step(self, metadata, kv_caches)
         if native_step is not None:  # a few decodes in bfloat16: one native call per layer
             hidden, residual = native_step.run(hidden)
         else:

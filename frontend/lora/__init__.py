@@ -1,0 +1,1 @@
+"""pagedserve.frontend.lora: see docs/architecture.md."""

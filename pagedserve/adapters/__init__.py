@@ -1,0 +1,1 @@
+"""pagedserve.adapters: see docs/architecture.md."""

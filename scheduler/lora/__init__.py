@@ -1,0 +1,1 @@
+"""pagedserve.scheduler.lora: see docs/architecture.md."""

@@ -1,0 +1,1 @@
+"""pagedserve.worker.lora: see docs/architecture.md."""
