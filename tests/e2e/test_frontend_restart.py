@@ -27,7 +27,7 @@ def _greedy(server, prompt: list[int]) -> list[int]:
 
 def _http_completion(server, prompt: list[int]) -> list[int]:
     body = json.dumps({"model": "demo", "prompt": prompt, "max_tokens": 16, "ignore_eos": True,
-                       "temperature": 0, "return_token_ids": True}).encode()
+                       "temperature": 0}).encode()
     request = urllib.request.Request(server.http_url + "/v1/completions", data=body,
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=120) as response:

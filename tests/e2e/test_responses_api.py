@@ -126,7 +126,7 @@ def test_an_agent_runs_over_the_responses_api(smollm2, greedy):
                                               timeout=240), use_for_tracing=False)
         set_default_openai_api("responses")
         # the SDK's default model settings (sampling left to the model's defaults), but a bounded answer
-        default = Agent(name="Assistant", model="smollm2", model_settings=ModelSettings(max_tokens=32))
+        default = Agent(name="Assistant", model="smollm2", model_settings=ModelSettings(max_tokens=160))
         by_default = await Runner.run(default, QUESTION)
         exact = Agent(name="Assistant", model="smollm2", model_settings=ModelSettings(temperature=0, max_tokens=24))
         whole = await Runner.run(exact, QUESTION)
