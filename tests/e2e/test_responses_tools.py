@@ -2,7 +2,7 @@
 smollm2 --enable-auto-tool-choice` with the official `openai` client (a round trip: a forced call
 whose arguments validate against the tool's schema, its function_call_output, a text answer;
 the streamed events of a call and their final response equal to the whole answer) and the OpenAI
-Agents SDK running an agent with one function tool over the Responses API."""
+Agents SDK running an agent with one function tool over the Responses API, whole and streamed."""
 
 from __future__ import annotations
 
@@ -103,10 +103,16 @@ def test_an_agent_with_a_function_tool_runs_over_the_responses_api(server):
         # tool_choice to auto after the call, and the second turn answers with the tool's result.
         agent = Agent(name="Assistant", model="smollm2", tools=[get_weather],
                       model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=48))
-        return await Runner.run(agent, QUESTION, max_turns=4)
+        whole = await Runner.run(agent, QUESTION, max_turns=4)
+        streamed = Runner.run_streamed(agent, QUESTION, max_turns=4)
+        kinds = [event.type async for event in streamed.stream_events()]
+        assert "raw_response_event" in kinds
+        assert [item.type for item in streamed.new_items] == [item.type for item in whole.new_items]
+        assert streamed.final_output == whole.final_output
+        return whole
 
     result = asyncio.run(run())
-    assert cities, "the tool was never called"
+    assert len(cities) >= 2, "the tool was not called in each run"
     kinds = [item.type for item in result.new_items]
     assert kinds[:2] == ["tool_call_item", "tool_call_output_item"], kinds
     assert isinstance(result.final_output, str) and result.final_output.strip(), result.final_output
