@@ -115,6 +115,14 @@ class OpenAIServing:
         self._token_text = TokenTexts(admission.tokenizer)
         self.sampling_defaults = sampling_defaults
 
+    @property
+    def tool_settings(self) -> ToolSettings:
+        return self._tool_settings
+
+    def tool_parser_name(self, plan: GenerationPlan) -> str | None:
+        """The parser of a chat request whose output may hold tool calls, else None."""
+        return self._tool_settings.parser if plan.tools is not None and plan.tools.is_active else None
+
     def check_model(self, name: str | None) -> None:
         self.resolve_model(name)
 
@@ -164,7 +172,7 @@ class OpenAIServing:
                 writer = ChunkWriter(header, is_chat=is_chat, num_choices=plan.num_choices,
                                      num_top_logprobs=plan.num_top_logprobs, include_usage=plan.include_usage,
                                      token_text=self._token_text, echo_texts=prepared.echo_texts,
-                                     tool_parser=self._tool_parser_name(plan))
+                                     tool_parser=self.tool_parser_name(plan))
                 # The background task also runs when the client left before the stream started
                 # (Starlette then never starts the frames' generator, so its cleanup cannot).
                 return WatchedStreamingResponse(
@@ -180,10 +188,6 @@ class OpenAIServing:
         except Exception as exc:
             run.cancel()
             return error_response(exc)
-
-    def _tool_parser_name(self, plan: GenerationPlan) -> str | None:
-        """The parser of a chat request whose output may hold tool calls, else None."""
-        return self._tool_settings.parser if plan.tools is not None and plan.tools.is_active else None
 
     def on_write_timeout(self, run: GenerationRun, request_id: str) -> Callable[[], None]:
         def on_timeout() -> None:
@@ -267,7 +271,7 @@ class OpenAIServing:
     def _whole(self, header: ResponseHeader, run: GenerationRun, plan: GenerationPlan, prepared: PreparedRequest,
                is_chat: bool) -> dict:
         choices = []
-        parser_name = self._tool_parser_name(plan)
+        parser_name = self.tool_parser_name(plan)
         for prompt_index, generation in enumerate(run.generations):
             states = sorted(generation.states, key=lambda state: state.index)[:plan.num_choices]
             for state in states:

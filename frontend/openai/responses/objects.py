@@ -1,4 +1,5 @@
-"""The JSON objects of the Responses API: the response, its output message item, its usage."""
+"""The JSON objects of the Responses API: the response, its output items (message, function
+calls), its usage."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ from dataclasses import dataclass
 from pagedserve.contracts.sampling_params import SamplingParams
 from pagedserve.frontend.generation.completion_state import CompletionFinish
 from pagedserve.frontend.generation.updates import Usage
+from pagedserve.frontend.openai.responses.function_tools import function_call_item
 from pagedserve.frontend.openai.responses.protocol import ResponsesRequest
+from pagedserve.frontend.tools.tool_parsers import get_parser
+from pagedserve.frontend.tools.tool_stream import message_content
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +40,17 @@ def message_item(identity: ResponseIdentity, text: str | None, status: str) -> d
     return {"type": "message", "id": identity.message_id, "status": status, "role": "assistant", "content": content}
 
 
+def output_items(identity: ResponseIdentity, text: str, status: str, tool_parser: str | None) -> list[dict]:
+    """A whole answer's output: the message; with tools (`tool_parser`), the message when there is
+    content around the calls, then one function_call item per call."""
+    if tool_parser is None:
+        return [message_item(identity, text, status)]
+    parsed = get_parser(tool_parser).parse(text)
+    content = message_content(parsed)
+    items = [] if content is None else [message_item(identity, content, status)]
+    return items + [function_call_item(call) for call in parsed.calls]
+
+
 def item_status(finish: CompletionFinish | None) -> str:
     return "incomplete" if finish is CompletionFinish.LENGTH else "completed"
 
@@ -52,7 +67,7 @@ def response_object(identity: ResponseIdentity, request: ResponsesRequest, param
         "output": output, "parallel_tool_calls": request.parallel_tool_calls, "previous_response_id": None,
         "reasoning": {"effort": None, "summary": None}, "service_tier": "default", "store": False,
         "temperature": params.temperature, "text": {"format": request.text_format, "verbosity": "medium"},
-        "tool_choice": request.tool_choice, "tools": [], "top_logprobs": 0, "top_p": params.top_p,
+        "tool_choice": request.tool_choice, "tools": request.tools, "top_logprobs": 0, "top_p": params.top_p,
         "truncation": "disabled", "usage": None if usage is None else usage_object(usage), "user": request.user,
         "metadata": request.metadata,
     }

@@ -14,12 +14,14 @@ A Responses request is served as one chat completion, stateless:
  text.format text|json_object|          response_format text | json_object |
    json_schema{name, schema, strict}      json_schema{name, schema, strict}
  stream                                 stream
+ tools (function), tool_choice,         tools, tool_choice, parallel_tool_calls; function_call and
+   parallel_tool_calls, function_call     function_call_output items as an assistant message with
+   and function_call_output items         tool_calls and a tool message (function_tools.py)
 ```
 
 Refused with a 400 naming the field: `store: true` and `previous_response_id` (nothing is kept),
-`tools` (function tools wait for tool calling; built-in tools are not served), `tool_choice`
-other than none/auto, input items other than messages (function_call, function_call_output,
-reasoning, ...), content parts other than text (images, files), `reasoning` with an effort,
+built-in tools (`tools[i].type`), input items other than messages and function calls and their
+outputs (reasoning, ...), content parts other than text (images, files), `reasoning` with an effort,
 `include`, `background`, `conversation`, `prompt`, `truncation: auto`, `top_logprobs`, and any
 field the API does not define.
 """
@@ -33,12 +35,13 @@ from pydantic import BaseModel, ConfigDict
 
 from pagedserve.contracts.sampling_params import InvalidParameter
 from pagedserve.frontend.openai.protocol import ChatCompletionBody, ChatMessage, TextPart, parse_body
+from pagedserve.frontend.openai.responses.function_tools import (
+    chat_tool_choice, chat_tools, history_call, tool_message,
+)
 
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PART_TYPES = ("input_text", "output_text", "text")
 TEXT_FORMAT_TYPES = ("text", "json_object", "json_schema")
-BUILT_IN_TOOLS = {"web_search", "web_search_preview", "file_search", "computer_use_preview", "code_interpreter",
-                  "image_generation", "mcp", "local_shell", "shell", "apply_patch", "custom"}
 
 
 class ResponsesBody(BaseModel):
@@ -83,11 +86,12 @@ class ResponsesRequest:
     instructions: str | None
     max_output_tokens: int | None
     text_format: dict
-    tool_choice: str
+    tool_choice: str | dict
     is_stream: bool
     metadata: dict[str, str] = field(default_factory=dict)
     user: str | None = None
     parallel_tool_calls: bool = True
+    tools: list[dict] = field(default_factory=list)  # the function tools, as the response echoes them
 
 
 def parse_responses(body: Any) -> ResponsesRequest:
@@ -97,6 +101,8 @@ def parse_responses(body: Any) -> ResponsesRequest:
     if extra:
         raise InvalidParameter(extra[0], "is not a field of the Responses API served here")
     _refuse_unsupported(parsed)
+    tools, echoed_tools = chat_tools(parsed.tools)
+    tool_choice = chat_tool_choice(parsed.tool_choice, tools)
     messages = []
     if parsed.instructions:
         messages.append(ChatMessage(role="system", content=parsed.instructions))
@@ -106,17 +112,20 @@ def parse_responses(body: Any) -> ResponsesRequest:
         raise InvalidParameter("max_output_tokens", "must be at least 1")
     chat = ChatCompletionBody(model=parsed.model, messages=messages, max_completion_tokens=parsed.max_output_tokens,
                               temperature=parsed.temperature, top_p=parsed.top_p, stream=parsed.stream,
-                              user=parsed.user or parsed.safety_identifier,
+                              user=parsed.user or parsed.safety_identifier, tools=tools, tool_choice=tool_choice,
+                              parallel_tool_calls=parsed.parallel_tool_calls if tools else None,
                               response_format=None if text_format["type"] == "text" else _response_format(text_format))
     return ResponsesRequest(chat=chat, instructions=parsed.instructions, max_output_tokens=parsed.max_output_tokens,
                             text_format=text_format, tool_choice=parsed.tool_choice or "auto",
+                            tools=echoed_tools,
                             is_stream=bool(parsed.stream), metadata=dict(parsed.metadata or {}), user=parsed.user,
                             parallel_tool_calls=True if parsed.parallel_tool_calls is None
                             else parsed.parallel_tool_calls)
 
 
 def input_messages(items: str | list[dict[str, Any]]) -> list[ChatMessage]:
-    """`input` as chat messages: a string is one user message; a list holds message items."""
+    """`input` as chat messages: a string is one user message; a list holds message items and
+    function calls (consecutive ones: one assistant message) and their outputs (tool messages)."""
     if isinstance(items, str):
         return [ChatMessage(role="user", content=items)]
     if not items:
@@ -125,10 +134,19 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[ChatMessage]:
     for index, item in enumerate(items):
         where = f"input[{index}]"
         kind = item.get("type", "message")
+        if kind == "function_call":
+            call = history_call(item, where)
+            if messages and messages[-1].role == "assistant":  # the text before the calls, or earlier calls
+                messages[-1].tool_calls = [*(messages[-1].tool_calls or []), call]
+            else:
+                messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+            continue
+        if kind == "function_call_output":
+            messages.append(tool_message(item, where))
+            continue
         if kind != "message":
-            reason = ("function calls need function tools, which are not served yet" if kind.startswith("function_call")
-                      else "only message items are supported")
-            raise InvalidParameter(f"{where}.type", f"{kind!r}: {reason}")
+            raise InvalidParameter(f"{where}.type", f"{kind!r}: only message, function_call and function_call_output "
+                                                    "items are supported")
         role = item.get("role")
         if role not in INPUT_ROLES:
             raise InvalidParameter(f"{where}.role", f"must be one of {', '.join(INPUT_ROLES)}")
@@ -156,14 +174,6 @@ def _refuse_unsupported(body: ResponsesBody) -> None:
     if body.previous_response_id is not None:
         raise InvalidParameter("previous_response_id", "responses are not stored here (stateless): send the "
                                                         "earlier turns in input")
-    for index, tool in enumerate(body.tools or []):
-        kind = tool.get("type")
-        if kind == "function":
-            raise InvalidParameter("tools", "function tools are not supported yet (they wait for tool calling)")
-        name = kind if kind in BUILT_IN_TOOLS else repr(kind)
-        raise InvalidParameter(f"tools[{index}]", f"the built-in tool {name} is not supported")
-    if body.tool_choice not in (None, "none", "auto"):
-        raise InvalidParameter("tool_choice", "only none and auto are supported (no tools are served)")
     if body.reasoning and any(value is not None for value in body.reasoning.values()):
         raise InvalidParameter("reasoning", "reasoning is not supported")
     if body.include:

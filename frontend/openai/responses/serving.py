@@ -21,7 +21,7 @@ from pagedserve.frontend.openai.errors import error_parts, error_response
 from pagedserve.frontend.openai.generation_run import GenerationRun
 from pagedserve.frontend.openai.protocol import generation_plan
 from pagedserve.frontend.openai.responses.objects import (
-    ResponseIdentity, item_status, message_item, response_object,
+    ResponseIdentity, item_status, output_items, response_object,
 )
 from pagedserve.frontend.openai.responses.protocol import ResponsesRequest, parse_responses
 from pagedserve.frontend.openai.responses.streaming import ResponseEventWriter, response_events
@@ -47,7 +47,7 @@ class ResponsesServing:
             parsed = parse_responses(await read_body())
             chat.check_model(parsed.chat.model)
             try:
-                plan = generation_plan(parsed.chat, chat.sampling_defaults)
+                plan = generation_plan(parsed.chat, chat.sampling_defaults, tool_settings=chat.tool_settings)
                 prepared = await loop.run_in_executor(chat.executor, chat.prepare, parsed.chat, plan, request_id, True)
             except InvalidParameter as exc:
                 raise _renamed(exc) from None
@@ -55,19 +55,20 @@ class ResponsesServing:
         except Exception as exc:
             return chat.refused(exc, timer)
         params = prepared.requests[0].params
+        parser_name = chat.tool_parser_name(plan)
         identity = ResponseIdentity(f"resp_{request_id}", f"msg_{request_id}", int(time.time()),
                                     chat.served_model_name)
         try:
             if parsed.is_stream:
                 first = await unless_disconnected(request, run.next())
-                writer = ResponseEventWriter(identity, parsed, params)
+                writer = ResponseEventWriter(identity, parsed, params, tool_parser=parser_name)
                 return WatchedStreamingResponse(
                     response_events(first, run, writer, lambda exc: error_parts(exc)[1]),
                     media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                     background=BackgroundTask(cancel_unless_finished, run),
                     write_timeout_s=chat.stream_write_timeout_s, on_timeout=chat.on_write_timeout(run, request_id))
             await unless_disconnected(request, run.collect())
-            return JSONResponse(_whole(identity, parsed, params, run))
+            return JSONResponse(_whole(identity, parsed, params, run, parser_name))
         except ClientGone:
             run.cancel()
             return Response(status_code=499)
@@ -76,13 +77,14 @@ class ResponsesServing:
             return error_response(exc)
 
 
-def _whole(identity: ResponseIdentity, parsed: ResponsesRequest, params, run: GenerationRun) -> dict:
+def _whole(identity: ResponseIdentity, parsed: ResponsesRequest, params, run: GenerationRun,
+           parser_name: str | None) -> dict:
     (generation,) = run.generations
     state = min(generation.states, key=lambda state: state.index)
     status = item_status(state.finish)
     usage = total_usage([run.usages[index] for index in sorted(run.usages)])
-    return response_object(identity, parsed, params, status=status, output=[message_item(identity, state.text, status)],
-                           usage=usage)
+    return response_object(identity, parsed, params, status=status,
+                           output=output_items(identity, state.text, status, parser_name), usage=usage)
 
 
 def _renamed(exc: InvalidParameter) -> InvalidParameter:
