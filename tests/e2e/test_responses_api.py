@@ -120,24 +120,32 @@ def test_what_is_not_served_is_a_400_naming_it(client, params, param):
 def test_an_agent_runs_over_the_responses_api(smollm2, greedy):
     from agents import Agent, ModelSettings, Runner, set_default_openai_api, set_default_openai_client
     from agents import set_tracing_disabled
+    from agents.exceptions import ModelBehaviorError
 
     async def run() -> tuple[object, object, object]:
         set_tracing_disabled(True)
         set_default_openai_client(AsyncOpenAI(base_url=smollm2.http_url + "/v1", api_key="-", max_retries=0,
                                               timeout=240), use_for_tracing=False)
         set_default_openai_api("responses")
-        # the SDK's default model settings (sampling left to the model's defaults), but a bounded answer
+        # the SDK's default model settings (sampling left to the model's defaults: temperature 0.2,
+        # top_p 0.9 for SmolLM2), with a bounded answer. Sampled, the 135M model sometimes rambles
+        # past any bound; the SDK then raises on the `incomplete` response, which is the protocol
+        # working as OpenAI's does, so that outcome is accepted only with that reason.
         default = Agent(name="Assistant", model="smollm2", model_settings=ModelSettings(max_tokens=160))
-        by_default = await Runner.run(default, QUESTION)
+        try:
+            by_default = (await Runner.run(default, QUESTION)).final_output
+        except ModelBehaviorError as exc:
+            assert "incomplete" in str(exc) and "max_output_tokens" in str(exc), exc
+            by_default = None
         exact = Agent(name="Assistant", model="smollm2", model_settings=ModelSettings(temperature=0, max_tokens=24))
         whole = await Runner.run(exact, QUESTION)
         streamed = Runner.run_streamed(exact, QUESTION)
         kinds = [event.type async for event in streamed.stream_events()]
         assert "raw_response_event" in kinds
-        return by_default.final_output, whole.final_output, streamed.final_output
+        return by_default, whole.final_output, streamed.final_output
 
     by_default, whole, streamed = asyncio.run(run())
-    assert isinstance(by_default, str) and by_default.strip()
+    assert by_default is None or (isinstance(by_default, str) and by_default.strip())
     assert whole == streamed == greedy.output_text
 
 
