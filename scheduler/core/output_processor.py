@@ -29,7 +29,7 @@ from pagedserve.scheduler.structured_output.sequences import consume_output
 
 if TYPE_CHECKING:
     from pagedserve.scheduler.core.scheduler import Scheduler
-    from pagedserve.scheduler.core.step_builder import ScheduledStep
+    from pagedserve.scheduler.core.scheduled_step import ScheduledStep
 
 
 class OutputProcessor:

@@ -22,7 +22,8 @@ from pagedserve.scheduler.core.config import SchedulerConfig
 from pagedserve.scheduler.stats import PoolStats, SchedulerStats, TierTotals
 from pagedserve.scheduler.core.sequence import GroupStatus, Sequence, SequenceGroup
 from pagedserve.scheduler.speculation.acceptance import SpecDecodeStats
-from pagedserve.scheduler.core.step_builder import ScheduledStep, StepBuilder
+from pagedserve.scheduler.core.scheduled_step import ScheduledStep
+from pagedserve.scheduler.core.step_builder import StepBuilder
 from pagedserve.contracts.step_plan import StepResult
 from pagedserve.scheduler.structured_output.sequences import attach_matchers
 from pagedserve.scheduler.lora.slot_table import LoraSlotTable

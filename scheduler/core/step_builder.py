@@ -48,42 +48,20 @@ computes its whole tail; otherwise its beams compute up to their last token and 
 from __future__ import annotations
 
 from bisect import insort
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagedserve.scheduler.core.chunk_planning import Chunk, num_decode_tokens, plan_chunks
 from pagedserve.scheduler.core.preemption import choose_victim, preempt
+from pagedserve.scheduler.core.scheduled_step import ScheduledStep
 from pagedserve.scheduler.core.sample_specs import sample_spec_for
 from pagedserve.scheduler.core.sequence import GroupStatus, Sequence, SequenceGroup
 from pagedserve.scheduler.speculation.drafting import Drafter, drop_group_drafts, drop_unscheduled_drafts
 from pagedserve.contracts.step_plan import ScheduledSeq, StepPlan
+from pagedserve.scheduler.lora.step_slots import StepAdapterSlots
 from pagedserve.scheduler.structured_output.sequences import fill_masks
 
 if TYPE_CHECKING:
     from pagedserve.scheduler.core.scheduler import Scheduler
-
-
-@dataclass(slots=True)
-class ScheduledStep:
-    """A StepPlan plus what process_result needs to interpret its StepResult."""
-
-    plan: StepPlan
-    sampled: list[tuple[SequenceGroup, Sequence]]  # aligned with the plan's sequences that sample
-    groups: list[SequenceGroup]  # every group with a sequence in the plan
-    num_prefill_tokens: int = 0  # tokens of sequences with more than one token in this step
-    num_decode_tokens: int = 0  # a sequence verifying drafts counts one, its drafts not
-    num_preemptions: int = 0
-    num_draft_tokens: int = 0
-    # Structured output with deferred masks: constrained sampling sequences whose bitmask rows
-    # fill_masks() computes after the plan was published (the plan says masks_follow).
-    pending_masks: list[tuple[ScheduledSeq, Sequence]] = field(default_factory=list)
-    vocab_size: int = 0
-
-    def fill_masks(self) -> None:
-        """Computes the deferred bitmask rows into the plan's sequences (nothing changes the
-        matchers between schedule() and process_result(), so they are those of the plan)."""
-        for scheduled, seq in self.pending_masks:
-            fill_masks(scheduled, seq, self.vocab_size)
 
 
 class StepBuilder:
@@ -110,10 +88,7 @@ class StepBuilder:
         self.num_draft_tokens = 0  # speculative proposals verified in this step
         self.num_preemptions = 0
         self.num_priority_preemptions = 0  # of num_preemptions, those made for a higher priority
-        self.lora = scheduler.lora_slots
-        self.lora_slot_of: dict[int, int] = {}  # id(group) -> its adapter's slot in this step
-        if self.lora is not None:
-            self.lora.begin_step()
+        self.adapter_slots = StepAdapterSlots(scheduler.lora_slots)
 
     def build(self, step_id: int, epoch: int) -> ScheduledStep | None:
         is_priority_policy = self.scheduler.config.is_priority_policy
@@ -137,7 +112,7 @@ class StepBuilder:
                 register(seq)
         tiers = self.block_manager.tiers
         tier_ops = tiers.take_ops(self.block_manager.gpu_pool) if tiers is not None else None
-        lora_loads = self.lora.take_loads() if self.lora is not None else []
+        lora_loads = self.adapter_slots.take_loads()
         if not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or tier_ops or lora_loads):
             return None
         plan = StepPlan(step_id=step_id, seqs=self.scheduled, blocks_to_swap_out=self.blocks_to_swap_out,
@@ -162,7 +137,7 @@ class StepBuilder:
         while index < len(running):
             group = running[index]
             num_reserved -= decode_tokens[index]
-            if not self._acquire_slot(group):
+            if not self.adapter_slots.acquire(group):
                 index += 1  # its adapter has no slot in this step: it keeps its blocks and waits
                 continue
             seqs = group.seqs
@@ -211,7 +186,7 @@ class StepBuilder:
             spec = sample_spec_for(group, seq)
         self.sampled.append((group, seq))
         scheduled = ScheduledSeq(seq.seq_id, seq.token_ids[-1:], computed, seq.block_table[:], spec,
-                                 lora_slot=self.lora_slot_of.get(id(group), -1))
+                                 lora_slot=self.adapter_slots.slot_of(group))
         if seq.matcher is not None:
             self._masks(scheduled, seq)
         self.scheduled.append(scheduled)
@@ -254,9 +229,9 @@ class StepBuilder:
             return False
         num_needed = manager.num_distinct_blocks(group.seqs) + manager.count_blocks_needed(
             ((chunk.seq, chunk.num_tokens) for chunk in chunks), manager.cpu_pool)
-        if num_needed > manager.gpu_pool.num_available or not self._can_acquire_slot(group):
+        if num_needed > manager.gpu_pool.num_available or not self.adapter_slots.can_acquire(group):
             return False
-        self._acquire_slot(group)
+        self.adapter_slots.acquire(group)
         self.blocks_to_swap_in.extend(manager.swap_in(group.seqs))
         self.scheduler.swapped.remove(group)
         self._start_running(group)
@@ -282,7 +257,7 @@ class StepBuilder:
         if isolated and group.request_id in isolated and any(
                 other.request_id in isolated for other in self.groups):
             return False  # one suspect of a worker crash per step (see Scheduler.isolated_request_ids)
-        if not self._can_acquire_slot(group):
+        if not self.adapter_slots.can_acquire(group):
             return False  # its adapter waits for a slot, and so does everyone behind it
         leader = group.seqs[0]
         limit = min(group.prefill_target(leader), len(leader.token_ids) - 1)
@@ -311,7 +286,7 @@ class StepBuilder:
         if not chunks or num_needed > manager.gpu_pool.num_available:
             manager.drop_kv(group)
             return False
-        self._acquire_slot(group)
+        self.adapter_slots.acquire(group)
         num_hits = len(cached_blocks) + num_tier_hits  # every tier's hits count as cached
         prefix_cache.record(num_queries, num_hits)
         if tiers is not None:
@@ -380,22 +355,6 @@ class StepBuilder:
             num_free_slots -= group.max_num_running_seqs
 
     # -- shared -----------------------------------------------------------------------------
-    def _can_acquire_slot(self, group: SequenceGroup) -> bool:
-        adapter = group.request.adapter
-        return adapter is None or self.lora is None or self.lora.can_acquire(adapter)
-
-    def _acquire_slot(self, group: SequenceGroup) -> bool:
-        """Gives group's adapter a worker slot for this step (True without an adapter); False
-        when every slot is taken by other adapters of this step."""
-        adapter = group.request.adapter
-        if adapter is None or self.lora is None:
-            return True
-        slot = self.lora.acquire(adapter)
-        if slot is None:
-            return False
-        self.lora_slot_of[id(group)] = slot
-        return True
-
     def _start_running(self, group: SequenceGroup) -> None:
         group.status = GroupStatus.RUNNING
         insort(self.scheduler.running, group, key=_arrival)
@@ -417,7 +376,7 @@ class StepBuilder:
                 self.sampled.append((group, seq))
             scheduled_seq = ScheduledSeq(seq.seq_id, seq.token_ids[start:start + num_tokens], start,
                                          list(seq.block_table), spec, seq.num_draft_tokens,
-                                         lora_slot=self.lora_slot_of.get(id(group), -1))
+                                         lora_slot=self.adapter_slots.slot_of(group))
             if chunk.is_sampling and seq.matcher is not None:
                 self._masks(scheduled_seq, seq)
             scheduled.append(scheduled_seq)
