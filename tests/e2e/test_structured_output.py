@@ -22,7 +22,7 @@ from tests.e2e.conftest import start_server
 from tests.e2e.harness import text_request, token_request
 
 QUESTION = "Describe a person called Anna who is 31 years old, as JSON."
-PHONE = r"\d{3}-\d{4}"
+PHONE = r"[0-9]{3}-[0-9]{4}"  # ASCII digits: \d also matches other scripts' decimal digits, as in Python
 
 
 class Person(BaseModel):
@@ -84,7 +84,7 @@ def test_json_object_regex_choice_and_grammars_constrain(client):
         assert isinstance(json.loads(answer.message.content), dict)
     else:
         assert answer.message.content.lstrip().startswith("{")
-    phone = _chat(client, "What is a phone number?", max_tokens=12, temperature=1.0,
+    phone = _chat(client, "What is a phone number?", max_tokens=12, temperature=1.0, seed=3,
                   extra_body={"structured_outputs": {"regex": PHONE}}).choices[0]
     assert re.fullmatch(PHONE, phone.message.content) and phone.finish_reason == "stop", phone
     mood = _chat(client, "Is 'I love it' positive or negative?", max_tokens=8, temperature=1.0,
