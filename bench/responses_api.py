@@ -28,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 
-from machine_info import machine  # noqa: E402
+from lib.machine_info import machine  # noqa: E402
 
 QUESTION = "What is the capital of France?"
 

@@ -108,8 +108,8 @@ def main() -> None:
     import sys
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from machine_info import machine
-    from output import save_report, timestamp
+    from lib.machine_info import machine
+    from lib.output import save_report, timestamp
     from perf_tables import save_kept
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -35,7 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 
-from machine_info import machine  # noqa: E402
+from lib.machine_info import machine  # noqa: E402
 
 DEFAULT_SCHEMAS = REPO / "tests" / "data" / "structured_output" / "schemas.json"
 LONG_SCHEMA = {"type": "array", "items": {"type": "string", "maxLength": 8}, "minItems": 60}

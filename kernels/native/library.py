@@ -23,6 +23,9 @@ build at the same time (tensor-parallel ranks) never load half a file. Parallel 
 the library links libgomp.so.1 by name, which resolves to the copy torch has already loaded, so the
 kernels share torch's threads (and torch.set_num_threads) instead of starting a second pool.
 
+Per-host parameters (the few-rows linear kernel's prefetch distance) are measured once after the
+first build and kept beside the library: tuning.py.
+
 PAGEDSERVE_KERNELS=reference or triton, or PAGEDSERVE_NATIVE=0, or a failed build: load() returns None and
 the torch paths run; a failed build is logged once (native_kernels_unavailable) with the
 compiler's message.
@@ -56,6 +59,8 @@ SIGNATURES = {  # exported function -> argument types, as pagedserve_cpu.h decla
     "linear_rows_bf16": (P, P, P, P, I64, I64, I64),
     "linear_rows_available": (),
     "linear_rows_f32": (P, P, P, P, I64, I64, I64),
+    "linear_rows_set_prefetch": (I64,),
+    "linear_rows_prefetch": (),
     "block_quant_rows": (P, P, P, P, P, I64, I64, I64, I32),
     "block_quant_rows_available": (),
     "block_quant_rows_bf16": (P, P, P, P, P, I64, I64, I64, I32),
@@ -64,7 +69,7 @@ SIGNATURES = {  # exported function -> argument types, as pagedserve_cpu.h decla
     "paged_decode_attention": (P, I64, P, I64, P, P, P, I64, P, P, P, I64, I64, I64, I64, I64, F32, I32, F32, I32,
                                I32),
 }
-RESTYPES = {"linear_rows_available": I32, "block_quant_rows_available": I32,
+RESTYPES = {"linear_rows_available": I32, "linear_rows_prefetch": I64, "block_quant_rows_available": I32,
             "block_quant_rows_bf16_available": I32}  # the others return void
 
 
@@ -148,6 +153,9 @@ def _load_cached() -> ctypes.CDLL | None:
         function = getattr(lib, name)
         function.argtypes = argtypes
         function.restype = RESTYPES.get(name)
+    from pagedserve.kernels.native import tuning
+
+    tuning.apply(lib, Path(lib._name).parent)
     return lib
 
 

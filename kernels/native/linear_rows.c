@@ -3,110 +3,114 @@
  *
  * x [M, K], w [N, K] (row-major, the dense weight as the checkpoint has it), bias [N] or NULL,
  * y [M, N]; linear_rows_bf16: all bfloat16 (products and sums in float32 with AVX-512 BF16 dot
- * products, one rounding at the end); linear_rows_f32: all float32 (AVX-512 FMAs). 1 <= M <= LINEAR_ROWS_MAX. Decoding a small model reads every weight once
- * per step and does almost no arithmetic on it, so the limit is how fast the weights stream
- * in: output rows go to threads in blocks of ROWS_PER_BLOCK, each block's weight rows are read
- * side by side, and each is prefetched PREFETCH_AHEAD elements ahead (16 KiB: far enough to
- * cover memory latency across the next blocks). */
+ * products, one rounding at the end); linear_rows_f32: all float32 (AVX-512 FMAs).
+ * 1 <= M <= LINEAR_ROWS_MAX.
+ *
+ * Decoding a small model reads every weight once per step and does almost no arithmetic on it, so
+ * the limit is how fast the weights stream in. Each thread takes one contiguous range of output
+ * rows and walks its weight rows in memory order: a single sequential stream per thread, which the
+ * hardware prefetchers of both AMD Zen 4 and Intel cores follow at full bandwidth (four rows read
+ * side by side, four streams per thread, reached 70 % of it on Zen 4). Each weight vector is
+ * loaded once and multiplied into all M rows of x (two accumulators per row of x, even and odd
+ * 32-element chunks of K, summed at the end). A software prefetch `linear_rows_prefetch` bytes
+ * ahead of the stream is issued when that distance is not 0: pagedserve.kernels.linear.row_tuning
+ * measures the candidates on the host once and sets it (cached per host and build). */
 #include <immintrin.h>
 
 #include "common.h"
 #include "pagedserve_cpu.h"
 
 #define LINEAR_ROWS_MAX 8
-#define ROWS_PER_BLOCK 4
-#define PREFETCH_AHEAD 8192
 
-/* the blocks of ROWS_PER_BLOCK output rows over the threads, M specialised by a switch */
-#define FOR_EACH_BLOCK(block)                                                                  \
-    int64_t num_blocks = (N + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK;                            \
+static int64_t prefetch_bytes = 0; /* 0: the hardware prefetchers alone */
+
+void linear_rows_set_prefetch(int64_t bytes) { prefetch_bytes = bytes > 0 ? bytes : 0; }
+
+int64_t linear_rows_prefetch(void) { return prefetch_bytes; }
+
+/* the output rows over the threads in contiguous ranges (schedule static), M specialised */
+#define FOR_EACH_ROW(row_fn)                                                                   \
+    int64_t distance = prefetch_bytes;                                                         \
     _Pragma("omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_ELEMENTS)")           \
-    for (int64_t b = 0; b < num_blocks; b++) {                                                 \
-        int64_t n0 = b * ROWS_PER_BLOCK, nr = N - n0 < ROWS_PER_BLOCK ? N - n0 : ROWS_PER_BLOCK; \
+    for (int64_t n = 0; n < N; n++) {                                                          \
         switch (M) {                                                                           \
-        case 1: block(1, x, w, bias, y, n0, nr, N, K); break;                                  \
-        case 2: block(2, x, w, bias, y, n0, nr, N, K); break;                                  \
-        case 3: block(3, x, w, bias, y, n0, nr, N, K); break;                                  \
-        case 4: block(4, x, w, bias, y, n0, nr, N, K); break;                                  \
-        case 5: block(5, x, w, bias, y, n0, nr, N, K); break;                                  \
-        case 6: block(6, x, w, bias, y, n0, nr, N, K); break;                                  \
-        case 7: block(7, x, w, bias, y, n0, nr, N, K); break;                                  \
-        default: block(8, x, w, bias, y, n0, nr, N, K); break;                                 \
+        case 1: row_fn(1, x, w, bias, y, n, N, K, distance); break;                            \
+        case 2: row_fn(2, x, w, bias, y, n, N, K, distance); break;                            \
+        case 3: row_fn(3, x, w, bias, y, n, N, K, distance); break;                            \
+        case 4: row_fn(4, x, w, bias, y, n, N, K, distance); break;                            \
+        case 5: row_fn(5, x, w, bias, y, n, N, K, distance); break;                            \
+        case 6: row_fn(6, x, w, bias, y, n, N, K, distance); break;                            \
+        case 7: row_fn(7, x, w, bias, y, n, N, K, distance); break;                            \
+        default: row_fn(8, x, w, bias, y, n, N, K, distance); break;                           \
         }                                                                                      \
     }
 
 #if defined(__AVX512BF16__)
-static inline __attribute__((always_inline)) void rows_bf16(const int M, const int R, const uint16_t *x,
-                                                             const uint16_t *w, const uint16_t *bias, uint16_t *y,
-                                                             int64_t n0, int64_t nr, int64_t N, int64_t K) {
-    __m512 acc[LINEAR_ROWS_MAX][ROWS_PER_BLOCK];
-    for (int m = 0; m < M; m++)
-        for (int r = 0; r < R; r++) acc[m][r] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 32) {
+/* output column n for the M rows of x: weight row n read once, front to back */
+static inline __attribute__((always_inline)) void row_bf16(const int M, const uint16_t *x, const uint16_t *w,
+                                                            const uint16_t *bias, uint16_t *y, int64_t n,
+                                                            int64_t N, int64_t K, int64_t distance) {
+    const uint16_t *row = w + n * K;
+    __m512 even[LINEAR_ROWS_MAX], odd[LINEAR_ROWS_MAX];
+    for (int m = 0; m < M; m++) even[m] = odd[m] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64) {
+        if (distance) _mm_prefetch((const char *)(row + k) + distance, _MM_HINT_T0);
+        __m512bh w0 = (__m512bh)_mm512_loadu_epi16(row + k), w1 = (__m512bh)_mm512_loadu_epi16(row + k + 32);
+        for (int m = 0; m < M; m++) {
+            even[m] = _mm512_dpbf16_ps(even[m], w0, (__m512bh)_mm512_loadu_epi16(x + (int64_t)m * K + k));
+            odd[m] = _mm512_dpbf16_ps(odd[m], w1, (__m512bh)_mm512_loadu_epi16(x + (int64_t)m * K + k + 32));
+        }
+    }
+    for (; k < K; k += 32) {
         __mmask32 mask = K - k >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (K - k)) - 1u);
-        __m512bh xv[LINEAR_ROWS_MAX];
-        for (int m = 0; m < M; m++) xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + (int64_t)m * K + k);
-        for (int64_t r = 0; r < nr; r++) {
-            const uint16_t *row = w + (n0 + r) * K + k;
-            _mm_prefetch((const char *)(row + PREFETCH_AHEAD), _MM_HINT_T0);
-            __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, row);
-            for (int m = 0; m < M; m++) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], wv, xv[m]);
-        }
+        __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(mask, row + k);
+        for (int m = 0; m < M; m++)
+            even[m] = _mm512_dpbf16_ps(even[m], w0, (__m512bh)_mm512_maskz_loadu_epi16(mask, x + (int64_t)m * K + k));
     }
-    for (int m = 0; m < M; m++)
-        for (int64_t r = 0; r < nr; r++) {
-            float sum = _mm512_reduce_add_ps(acc[m][r]);
-            if (bias) sum += bf16_to_f32(bias[n0 + r]);
-            y[(int64_t)m * N + n0 + r] = f32_to_bf16(sum);
-        }
-}
-
-/* one block of up to ROWS_PER_BLOCK weight rows; above 4 input rows, M x 4 accumulators would
- * spill out of the 32 vector registers, so the block runs as two halves of 2 weight rows */
-static inline __attribute__((always_inline)) void block_bf16(const int M, const uint16_t *x, const uint16_t *w,
-                                                              const uint16_t *bias, uint16_t *y, int64_t n0,
-                                                              int64_t nr, int64_t N, int64_t K) {
-    if (M <= 4) {
-        rows_bf16(M, ROWS_PER_BLOCK, x, w, bias, y, n0, nr, N, K);
-        return;
+    for (int m = 0; m < M; m++) {
+        float sum = _mm512_reduce_add_ps(_mm512_add_ps(even[m], odd[m]));
+        if (bias) sum += bf16_to_f32(bias[n]);
+        y[(int64_t)m * N + n] = f32_to_bf16(sum);
     }
-    rows_bf16(M, 2, x, w, bias, y, n0, nr < 2 ? nr : 2, N, K);
-    if (nr > 2) rows_bf16(M, 2, x, w, bias, y, n0 + 2, nr - 2, N, K);
 }
 
 void linear_rows_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t M, int64_t N,
                       int64_t K) {
-    FOR_EACH_BLOCK(block_bf16)
+    FOR_EACH_ROW(row_bf16)
 }
 
 int32_t linear_rows_available(void) { return 1; }
 
-static inline __attribute__((always_inline)) void block_f32(const int M, const float *x, const float *w,
-                                                             const float *bias, float *y, int64_t n0, int64_t nr,
-                                                             int64_t N, int64_t K) {
-    __m512 acc[LINEAR_ROWS_MAX][ROWS_PER_BLOCK];
-    for (int m = 0; m < M; m++)
-        for (int r = 0; r < ROWS_PER_BLOCK; r++) acc[m][r] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) {
-        __mmask16 mask = K - k >= 16 ? (__mmask16)0xffffu : (__mmask16)((1u << (K - k)) - 1u);
-        __m512 xv[LINEAR_ROWS_MAX];
-        for (int m = 0; m < M; m++) xv[m] = _mm512_maskz_loadu_ps(mask, x + (int64_t)m * K + k);
-        for (int64_t r = 0; r < nr; r++) {
-            const float *row = w + (n0 + r) * K + k;
-            _mm_prefetch((const char *)(row + PREFETCH_AHEAD / 2), _MM_HINT_T0);
-            __m512 wv = _mm512_maskz_loadu_ps(mask, row);
-            for (int m = 0; m < M; m++) acc[m][r] = _mm512_fmadd_ps(wv, xv[m], acc[m][r]);
+static inline __attribute__((always_inline)) void row_f32(const int M, const float *x, const float *w,
+                                                           const float *bias, float *y, int64_t n, int64_t N,
+                                                           int64_t K, int64_t distance) {
+    const float *row = w + n * K;
+    __m512 even[LINEAR_ROWS_MAX], odd[LINEAR_ROWS_MAX];
+    for (int m = 0; m < M; m++) even[m] = odd[m] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        if (distance) _mm_prefetch((const char *)(row + k) + distance, _MM_HINT_T0);
+        __m512 w0 = _mm512_loadu_ps(row + k), w1 = _mm512_loadu_ps(row + k + 16);
+        for (int m = 0; m < M; m++) {
+            even[m] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + (int64_t)m * K + k), even[m]);
+            odd[m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + (int64_t)m * K + k + 16), odd[m]);
         }
     }
-    for (int m = 0; m < M; m++)
-        for (int64_t r = 0; r < nr; r++) {
-            float sum = _mm512_reduce_add_ps(acc[m][r]);
-            y[(int64_t)m * N + n0 + r] = bias ? sum + bias[n0 + r] : sum;
-        }
+    for (; k < K; k += 16) {
+        __mmask16 mask = K - k >= 16 ? (__mmask16)0xffffu : (__mmask16)((1u << (K - k)) - 1u);
+        __m512 w0 = _mm512_maskz_loadu_ps(mask, row + k);
+        for (int m = 0; m < M; m++)
+            even[m] = _mm512_fmadd_ps(w0, _mm512_maskz_loadu_ps(mask, x + (int64_t)m * K + k), even[m]);
+    }
+    for (int m = 0; m < M; m++) {
+        float sum = _mm512_reduce_add_ps(_mm512_add_ps(even[m], odd[m]));
+        y[(int64_t)m * N + n] = bias ? sum + bias[n] : sum;
+    }
 }
 
 void linear_rows_f32(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K) {
-    FOR_EACH_BLOCK(block_f32)
+    FOR_EACH_ROW(row_f32)
 }
 #else
 void linear_rows_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t M, int64_t N,

@@ -80,3 +80,43 @@ def test_ops_linear_picks_the_path_by_weight_and_rows(monkeypatch):
     assert torch.equal(ops.linear(x, None, None, packed=packed), ops.quantized_linear(x, packed))
     monkeypatch.setenv("PAGEDSERVE_KERNELS", "reference")
     assert ops.prepack_weight(weight) is None
+
+
+def test_the_prefetch_distance_changes_no_result():
+    lib = native_lib.load()
+    before = lib.linear_rows_prefetch()
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 1536, generator=generator).bfloat16()
+    weight = torch.randn(577, 1536, generator=generator).bfloat16()
+    results = []
+    try:
+        for distance in (0, 512, 8192):
+            lib.linear_rows_set_prefetch(distance)
+            assert lib.linear_rows_prefetch() == distance
+            results.append(native_rows.linear_rows(x, weight, None, lib))
+    finally:
+        lib.linear_rows_set_prefetch(before)
+    assert all(torch.equal(result, results[0]) for result in results[1:])
+
+
+def test_tuning_measures_once_then_reads_its_file(tmp_path, monkeypatch):
+    from pagedserve.kernels.native import tuning
+
+    lib = native_lib.load()
+    before = lib.linear_rows_prefetch()
+    monkeypatch.delenv(tuning.PREFETCH_ENV, raising=False)
+    monkeypatch.setattr(tuning, "WEIGHT_BYTES", 4 << 20)  # a quick measurement; the choice is not checked
+    try:
+        measured = tuning.apply(lib, tmp_path)
+        assert measured["source"] == "measured" and measured["linear_rows_prefetch"] in tuning.CANDIDATES
+        assert set(measured["gb_per_s"]) == {str(distance) for distance in tuning.CANDIDATES}
+        assert lib.linear_rows_prefetch() == measured["linear_rows_prefetch"]
+        (tmp_path / tuning.FILE_NAME).write_text('{"linear_rows_prefetch": 2048, "source": "measured"}')
+        assert tuning.apply(lib, tmp_path)["linear_rows_prefetch"] == 2048 and lib.linear_rows_prefetch() == 2048
+        monkeypatch.setenv(tuning.PREFETCH_ENV, "4096")
+        assert tuning.apply(lib, tmp_path)["source"] == tuning.PREFETCH_ENV and lib.linear_rows_prefetch() == 4096
+        (tmp_path / tuning.FILE_NAME).write_text("not json")
+        monkeypatch.delenv(tuning.PREFETCH_ENV)
+        assert tuning.apply(lib, tmp_path)["source"] == "measured"  # an unreadable file is measured anew
+    finally:
+        lib.linear_rows_set_prefetch(before)

@@ -100,6 +100,7 @@ def test_a_wrong_signature_is_named(header):
         "decode_layer: returns void in the header, c_float in RESTYPES",
     ]
     assert signature_mismatches(header, native_lib.SIGNATURES, {"linear_rows_available": I32,
+                                                                "linear_rows_prefetch": I64,
                                                                 "block_quant_rows_available": I32}) == [
         "block_quant_rows_bf16_available: returns int32_t in the header, void in RESTYPES"]
 

@@ -1,7 +1,8 @@
 """Child process for test_triton_path_tokens: greedy tokens of a checkpoint through ModelRunner,
 with attention and KV writes computed by whichever kernels PAGEDSERVE_KERNELS selects.
 
-Usage: python triton_path_child.py CHECKPOINT  -> prints a JSON list of generated token lists.
+Usage: python triton_path_child.py CHECKPOINT [DEVICE]  -> prints a JSON list of generated token lists
+(DEVICE: cpu, the default, or cuda).
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ MAX_NEW_TOKENS = 6
 TOKEN_BUDGET = 24  # prefill chunks start and end mid-block, decodes share steps with them
 
 
-def main(checkpoint: str) -> None:
-    runner = ModelRunner(checkpoint, device="cpu", dtype="float32", block_size=16)
+def main(checkpoint: str, device: str = "cpu") -> None:
+    runner = ModelRunner(checkpoint, device=device, dtype="float32", block_size=16)
     runner.load()
     runner.init_cache(64, 0)
     driver = PlanDriver(runner, num_blocks=64)
@@ -33,4 +34,4 @@ def main(checkpoint: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])
