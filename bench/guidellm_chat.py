@@ -35,8 +35,10 @@ how much CPU time it took.
 Figures per server and point (guidellm's statistics): output tokens/s, requests/s, TTFT p50/p99,
 ITL p50/p99 (ms); ratios are pagedserve / llama.cpp (tokens/s: above 1 is pagedserve faster;
 TTFT and ITL: below 1 is pagedserve faster). A table goes to stdout, JSON (with the CPU, the load
-average, the date and every command line) to bench/results/, its figures also to bench/results/kept/
-(make perf-tables) unless --no-keep.
+average, the date, every command line, and from serve's log the worker's thread-count changes and
+refused requests) to bench/results/, its figures also to bench/results/kept/ (make perf-tables)
+unless --no-keep. A failed request or an output of another length than asked ends the run with an
+error, after the table.
 """
 
 from __future__ import annotations
@@ -195,6 +197,35 @@ def check_point(system: str, point: Point, figures: PointFigures) -> list[str]:
 
 # --- the report ---
 
+def serve_events(serve_log: Path, name: str, keys: tuple[str, ...]) -> list[dict]:
+    """The events called name in serve's log (JSON lines), with the keys asked for."""
+    events = []
+    for line in serve_log.read_text(errors="replace").splitlines() if serve_log.is_file() else []:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and event.get("event") == name:
+            events.append({key: event.get(key) for key in keys})
+    return events
+
+
+def add_serve_log_findings(report: dict, serve_log: Path) -> None:
+    """The worker's thread-count changes (worker/cpu_share.py drops to one thread while other
+    processes use more than half a core) into the notes, and the reason of pagedserve's first
+    refused request into the problems (guidellm only says '400 Bad Request')."""
+    changes = serve_events(serve_log, "cpu_threads_changed", ("timestamp", "num_threads", "other_cores"))
+    report["pagedserve_thread_changes"] = changes
+    if changes:
+        report["notes"].append("pagedserve's worker changed its thread count during the run (other processes used "
+                               "the CPU): " + ", ".join(f"{change['timestamp']} to {change['num_threads']} (others "
+                                                        f"{change['other_cores']} cores)" for change in changes))
+    failures = serve_events(serve_log, "request_failed", ("timestamp", "code", "error"))
+    report["pagedserve_request_failures"] = failures[:20]
+    if any(point["systems"].get("pagedserve", {}).get("num_errored") for point in report["points"]) and failures:
+        report["problems"].append(f"pagedserve's log, first failed request: {failures[0]['code']} {failures[0]['error']}")
+
+
 def ratios(runs: dict[str, dict]) -> dict[str, float | None]:
     ours, theirs = runs.get("pagedserve"), runs.get("llama.cpp")
     if not ours or not theirs:
@@ -300,6 +331,7 @@ def main() -> None:
     report["wall_seconds"] = time.perf_counter() - started
     report["load_average_end"] = os.getloadavg()
     report["problems"] = problems
+    add_serve_log_findings(report, log_dir / "serve.log")
     print()
     print_table(summary_rows(report["points"]),
                 title=f"guidellm, chat, {args.budget.constraint()} per server and point (pagedserve with its default "
