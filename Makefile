@@ -7,7 +7,7 @@ SERVE_ARGS ?=
 PYTEST_ARGS ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test venv proto bench bench-online bench-overheads bench-limits perf-tables clean
+.PHONY: serve test venv proto bench bench-online bench-overheads bench-guidellm bench-limits perf-tables clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,10 @@ bench-online: $(STAMP)
 
 bench-overheads: $(STAMP)
 	$(BIN)/python bench/overheads.py $(BENCH_ARGS)
+
+# guidellm (its own venv, docs/performance.md#guidellm-against-llamacpp) against serve and llama-server.
+bench-guidellm: $(STAMP)
+	$(BIN)/python bench/guidellm_chat.py $(BENCH_ARGS)
 
 # This CPU's read bandwidth and GEMM peaks (kept in bench/results/kept/), and the tables made from
 # every kept result (docs/performance-tables.md).

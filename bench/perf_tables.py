@@ -3,11 +3,11 @@
     python bench/perf_tables.py [--out docs/performance-tables.md]      (or: make perf-tables)
 
 A kept result is one small JSON per run, named <kind>-<UTC date>-<cpu>.json, holding the CPU
-model (machine.cpu), the load average and the figures (bench/roofline.py and bench/real_model.py
-write them; any bench may, through `save_kept`). Every table here names its CPU and the dates of
-the runs it summarises; a figure over several runs of one CPU is their median (never the best
-run), with the number of runs beside it. Nothing in the page is typed by hand: rerun this after
-adding a result.
+model (machine.cpu), the load average and the figures (bench/roofline.py, bench/real_model.py
+and bench/guidellm_chat.py write them; any bench may, through `save_kept`). Every table here
+names its CPU and the dates of the runs it summarises; a figure over several runs of one CPU is
+their median (never the best run), with the number of runs beside it. Nothing in the page is
+typed by hand: rerun this after adding a result.
 """
 
 from __future__ import annotations
@@ -138,7 +138,48 @@ def gguf_greedy_section(cpu: str, reports: list[dict]) -> list[str]:
             *_table(["run", "file", "dtype", "tokens per prompt", "identical continuations"], rows), ""]
 
 
-SECTIONS = {"limits": limits_section, "real_model": real_model_section, "gguf_greedy": gguf_greedy_section}
+def _command_shape(command: str) -> str:
+    """A server's command line without what changes from run to run: ports, host, folders."""
+    command = re.sub(r" --(?:http-|scheduler-)?port \d+| --host \S+", "", command)
+    return " ".join(Path(word).name if "/" in word else word for word in command.split())
+
+
+def guidellm_chat_section(cpu: str, reports: list[dict]) -> list[str]:
+    values: dict[tuple, list[float]] = defaultdict(list)  # (prompt, output, streams, system, figure) -> runs
+    for report in reports:
+        for point in report["points"]:
+            key = (point["prompt_tokens"], point["output_tokens"], point["concurrency"])
+            for system, figures in point["systems"].items():
+                for figure in ("output_tokens_per_second", "ttft_p50_ms", "itl_p50_ms"):
+                    values[(*key, system, figure)].append(figures[figure])
+            ratio = (point.get("ratios") or {}).get("output_tokens_per_second")
+            if ratio is not None:
+                values[(*key, "ratio", "output_tokens_per_second")].append(ratio)
+
+    def median(key: tuple, system: str, figure: str, digits: int = 1) -> str:
+        return _fmt(_median(values.get((*key, system, figure), [])), digits)
+
+    rows = []
+    for key in sorted({key[:3] for key in values}):
+        ratio = _median(values.get((*key, "ratio", "output_tokens_per_second"), []))
+        rows.append([f"{key[0]}x{key[1]}", str(key[2]), median(key, "pagedserve", "output_tokens_per_second"),
+                     median(key, "llama.cpp", "output_tokens_per_second"), "" if ratio is None else f"{ratio:.2f}x",
+                     f"{median(key, 'pagedserve', 'ttft_p50_ms', 0)} / {median(key, 'llama.cpp', 'ttft_p50_ms', 0)}",
+                     f"{median(key, 'pagedserve', 'itl_p50_ms')} / {median(key, 'llama.cpp', 'itl_p50_ms')}"])
+    commands = sorted({f"{system}: {_command_shape(command)}" for report in reports
+                       for system, command in report.get("commands", {}).items()})
+    budgets = sorted({", ".join(f"{name} {value:g}" for name, value in report["budget"].items() if value is not None)
+                      + f" per server and point, guidellm {report.get('guidellm_version', '?')}" for report in reports})
+    return [f"### guidellm chat against llama.cpp, SmolLM2-135M-Instruct: {cpu}", "",
+            f"bench/guidellm_chat.py (shapes: prompt x output tokens; streams: guidellm's concurrency); "
+            f"{_dates(reports)}; medians; ratio = pagedserve / llama.cpp output tokens/s.", "",
+            *_table(["shape", "streams", "pagedserve tok/s", "llama.cpp tok/s", "ratio",
+                     "TTFT p50 ms (pagedserve / llama.cpp)", "ITL p50 ms (pagedserve / llama.cpp)"], rows), "",
+            *(f"- {command}" for command in commands), *(f"- {budget}" for budget in budgets), ""]
+
+
+SECTIONS = {"limits": limits_section, "real_model": real_model_section, "gguf_greedy": gguf_greedy_section,
+            "guidellm_chat": guidellm_chat_section}
 
 
 def render(kept: dict[str, dict[str, list[dict]]]) -> str:

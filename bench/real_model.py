@@ -59,7 +59,7 @@ os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 import torch  # noqa: E402
 
 from lib.gguf_convert import convert_gguf  # noqa: E402
-from lib.llama_server import LlamaServer, LlamaServerExited, default_llama_server
+from lib.llama_server import default_llama_server, start_llama_server
 from lib.machine_info import machine
 from offline_throughput import decode_phase, step_summary
 from lib.output import RESULTS_DIR, print_table, save_report, timestamp
@@ -167,21 +167,10 @@ def run_llama_cpp(binary: Path, gguf: Path, dtype: str, threads: int,
     results = {}
     for streams, (requests, concurrent) in workloads.items():
         name = "-".join(["llama-server", dtype, str(streams), *[arg.strip("-") for arg in extra_args]])
-        try:
-            server = LlamaServer(binary, converted, log_dir / f"{name}.log", num_slots=streams,
-                                 context_per_slot=CONTEXT_PER_SLOT, num_threads=threads, extra_args=extra_args)
-            server.__enter__()
-        except LlamaServerExited as error:
-            if error.returncode >= 0 or "--no-repack" in extra_args:
-                raise
-            # its default weight repacking for quantized types (AMX tiles on this CPU) died by a
-            # signal at load on this virtual machine (SIGILL or SIGSEGV); without repacking it runs
-            print(f"  llama-server died by signal {-error.returncode} at load ({dtype}); again with --no-repack",
-                  flush=True)
-            extra_args = [*extra_args, "--no-repack"]
-            server = LlamaServer(binary, converted, log_dir / f"{name}-no-repack.log", num_slots=streams,
-                                 context_per_slot=CONTEXT_PER_SLOT, num_threads=threads, extra_args=extra_args)
-            server.__enter__()
+        server = start_llama_server(binary, converted, log_dir / f"{name}.log", num_slots=streams,
+                                    context_per_slot=CONTEXT_PER_SLOT, num_threads=threads, extra_args=extra_args)
+        if "--no-repack" in server.command and "--no-repack" not in extra_args:
+            extra_args = [*extra_args, "--no-repack"]  # for the next streams and the config line
         with server:
             server.run([BenchRequest(requests[0].prompt_token_ids, WARMUP_TOKENS)])
             results[streams] = timed(server.run(requests, concurrent=concurrent))

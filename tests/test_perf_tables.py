@@ -50,6 +50,33 @@ def test_tables_name_the_cpu_and_dates_and_take_medians(tmp_path):
     assert "- bfloat16, pagedserve: serve --model m --dtype bfloat16" in page  # the flags each figure ran with
 
 
+def _guidellm_chat(date: str, ours: float, theirs: float) -> dict:
+    figures = {"output_tokens_per_second": ours, "ttft_p50_ms": 100.0, "itl_p50_ms": 10.0}
+    return {"date": date, "machine": {"cpu": "CPU A"}, "load_average_start": [1.0, 1.0, 1.0],
+            "guidellm_version": "0.8.1", "budget": {"seconds": 60.0, "num_requests": None},
+            "commands": {"pagedserve": f"/venv/bin/python -m pagedserve.cli serve --model smollm2 --port {int(ours)} "
+                                       f"--scheduler-port 2 --device cpu --http-port 3",
+                         "llama.cpp": f"/x/llama-server -m /cache/m.gguf --host 127.0.0.1 --port {int(theirs)} -t 2"},
+            "points": [{"prompt_tokens": 256, "output_tokens": 64, "concurrency": 8,
+                        "systems": {"pagedserve": figures, "llama.cpp": {**figures, "output_tokens_per_second": theirs}},
+                        "ratios": {"output_tokens_per_second": ours / theirs}}]}
+
+
+def test_guidellm_table_takes_medians_of_figures_and_ratios(tmp_path):
+    tables = _perf_tables()
+    for report in (_guidellm_chat("20261101T000000Z", 100.0, 50.0), _guidellm_chat("20261102T000000Z", 300.0, 100.0),
+                   _guidellm_chat("20261103T000000Z", 200.0, 200.0)):
+        tables.save_kept("guidellm_chat", report, tmp_path)
+    page = tables.render(tables.load_kept(tmp_path))
+    assert "### guidellm chat against llama.cpp, SmolLM2-135M-Instruct: CPU A" in page
+    assert "3 run(s) on 2026-11-01, 2026-11-02, 2026-11-03" in page
+    # medians of tokens/s (200, 100) and of each run's ratio (2, 3, 1), not the ratio of medians
+    assert "| 256x64 | 8 | 200.0 | 100.0 | 2.00x | 100 / 100 | 10.0 / 10.0 |" in page
+    # one line per server command, its ports and folders left out
+    assert page.count("- pagedserve: python -m pagedserve.cli serve --model smollm2 --device cpu") == 1
+    assert page.count("- llama.cpp: llama-server -m m.gguf -t 2") == 1
+
+
 def test_kept_results_are_tracked_and_the_others_ignored():
     def ignored(path: str) -> bool:
         return subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT).returncode == 0

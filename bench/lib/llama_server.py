@@ -4,6 +4,10 @@ its native `/completion` endpoint, stop it.
     with LlamaServer(binary, gguf, log_path, num_slots=32, context_per_slot=256, num_threads=2) as server:
         traces = server.run(requests)          # all at once, one HTTP connection per request
 
+Outside clients (bench/guidellm_chat.py's guidellm) use its OpenAI-compatible API at `server.url`
+instead; `wait_idle` waits until no slot is processing, and `start_llama_server` retries without
+weight repacking when the server dies by a signal at load.
+
 Each request is `{"prompt": [ids], "n_predict": N, "ignore_eos": true, "temperature": 0}`
 (greedy), non-streaming; the server's own count of predicted tokens is checked against N. The
 binary comes from `--llama-server` / LLAMA_SERVER, defaulting to the build under the cache
@@ -98,6 +102,18 @@ class LlamaServer:
             time.sleep(0.25)
         raise TimeoutError(f"llama-server not ready after {READY_TIMEOUT_S:.0f} s")
 
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        """Waits until no slot is processing a request (GET /slots)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with urllib.request.urlopen(f"{self.url}/slots", timeout=10) as response:
+                slots = json.loads(response.read())
+            if not any(slot.get("is_processing") for slot in slots):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"llama-server still busy after {timeout:.0f} s")
+            time.sleep(0.1)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -132,3 +148,19 @@ class LlamaServer:
             for future in [pool.submit(self.complete, request, trace) for request, trace in zip(requests, traces)]:
                 future.result()
         return traces
+
+
+def start_llama_server(binary: Path, gguf: Path, log_path: Path, **kwargs) -> LlamaServer:
+    """A ready LlamaServer (the arguments of LlamaServer). When it dies by a signal at load, again
+    with --no-repack: its default repacking of quantized weights (AMX tiles on an Intel Xeon) died
+    by SIGILL or SIGSEGV on a virtual machine; without repacking it runs. `server.command` says
+    which way it runs."""
+    extra_args = list(kwargs.pop("extra_args", None) or [])
+    try:
+        return LlamaServer(binary, gguf, log_path, extra_args=extra_args, **kwargs).__enter__()
+    except LlamaServerExited as error:
+        if error.returncode >= 0 or "--no-repack" in extra_args:
+            raise
+        print(f"  llama-server died by signal {-error.returncode} at load; again with --no-repack", flush=True)
+    return LlamaServer(binary, gguf, log_path.with_name(f"{log_path.stem}-no-repack{log_path.suffix}"),
+                       extra_args=[*extra_args, "--no-repack"], **kwargs).__enter__()
