@@ -67,6 +67,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's: every chunk carries the usage so far
 
 
 class _GenerationBody(_Body):
@@ -161,6 +162,7 @@ class GenerationPlan:
     num_top_logprobs: int | None  # alternatives to return per token; None: no logprobs
     is_stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats
     echo: bool = False
     user: str | None = None
     priority: int = 0  # lower is served first under the scheduler's --scheduling-policy priority
@@ -292,15 +294,16 @@ def generation_plan(body: CompletionBody | ChatCompletionBody, defaults: Samplin
         constraint=constraint,
         logit_bias=parse_logit_bias(body.logit_bias),
     )
-    include_usage = False
+    include_usage = continuous_usage = False
     if body.stream_options is not None:
         if not body.stream:
             raise InvalidParameter("stream_options", "only allowed when stream is true")
         include_usage = bool(body.stream_options.include_usage)
+        continuous_usage = bool(body.stream_options.continuous_usage_stats)
     return GenerationPlan(
         params=params, max_tokens=max_tokens, max_tokens_field=max_tokens_field, num_choices=n,
         num_top_logprobs=num_top_logprobs, is_stream=bool(body.stream), include_usage=include_usage,
-        echo=bool(getattr(body, "echo", False)), user=body.user, priority=body.priority or 0, tools=tools,
+        continuous_usage=continuous_usage, echo=bool(getattr(body, "echo", False)), user=body.user, priority=body.priority or 0, tools=tools,
         param_names={"max_tokens": max_tokens_field, "beam_width": "use_beam_search", "logprobs": logprobs_field,
                      "n": "n"})
 

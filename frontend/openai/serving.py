@@ -172,7 +172,9 @@ class OpenAIServing:
                 writer = ChunkWriter(header, is_chat=is_chat, num_choices=plan.num_choices,
                                      num_top_logprobs=plan.num_top_logprobs, include_usage=plan.include_usage,
                                      token_text=self._token_text, echo_texts=prepared.echo_texts,
-                                     tool_parser=self.tool_parser_name(plan))
+                                     tool_parser=self.tool_parser_name(plan),
+                                     prompt_lens=[len(r.prompt_token_ids) for r in prepared.requests]
+                                     if plan.continuous_usage else None)
                 # The background task also runs when the client left before the stream started
                 # (Starlette then never starts the frames' generator, so its cleanup cannot).
                 return WatchedStreamingResponse(

@@ -6,6 +6,8 @@
                  {"content": …} deltas; finish_reason (stop | length) on the choice's last chunk
    completions:  {"text": …} (with echo, the first chunk of a choice starts with the prompt)
    include_usage: every chunk has "usage": null, and a last chunk has "choices": [] and the usage
+   continuous_usage_stats (vLLM's): every chunk's "usage" counts its choice's prompt tokens and the
+                 tokens generated so far (with include_usage, the last chunk still sums them all)
  event: error\\ndata: {"error": {…}}\\n\\n   a failure after the stream began
  data: [DONE]\\n\\n
 ```
@@ -55,9 +57,10 @@ class ChunkWriter:
 
     def __init__(self, header: ResponseHeader, *, is_chat: bool, num_choices: int, num_top_logprobs: int | None,
                  include_usage: bool, token_text: TokenTexts, echo_texts: list[str] | None = None,
-                 tool_parser: str | None = None) -> None:
+                 tool_parser: str | None = None, prompt_lens: list[int] | None = None) -> None:
         """tool_parser: the --tool-call-parser of a chat request with tools: each choice's text goes
-        through a ToolStream (content and tool_calls deltas, partial tags held back)."""
+        through a ToolStream (content and tool_calls deltas, partial tags held back). prompt_lens:
+        each prompt's token count, given for continuous usage (every chunk its choice's usage)."""
         self._header = header
         self._is_chat = is_chat
         self._num_choices = num_choices
@@ -68,6 +71,8 @@ class ChunkWriter:
         self._num_chars: dict[int, int] = {}  # choice -> characters sent (logprobs text_offset)
         self._tool_parser = tool_parser
         self._tool_streams: dict[int, ToolStream] = {}  # choice -> its calls so far
+        self._prompt_lens = prompt_lens
+        self._num_tokens: dict[int, int] = {}  # choice -> tokens generated so far (continuous usage)
 
     def opening(self, num_prompts: int) -> list[dict]:
         """Chat: the assistant role, once per choice, before any content."""
@@ -78,6 +83,10 @@ class ChunkWriter:
                 for index in range(num_prompts * self._num_choices)]
 
     def chunks(self, prompt_index: int, update: GenerationUpdate) -> list[dict]:
+        if self._prompt_lens is not None:
+            for completion in update.completions:
+                index = prompt_index * self._num_choices + completion.index
+                self._num_tokens[index] = self._num_tokens.get(index, 0) + len(completion.token_ids)
         if self._tool_parser is not None:
             return [chunk for completion in update.completions if completion.index < self._num_choices
                     for chunk in self._tool_chunks(prompt_index, completion)]
@@ -126,7 +135,13 @@ class ChunkWriter:
     def _chunk(self, choice: dict) -> dict:
         chunk = {"id": self._header.response_id, "object": self._object, "created": self._header.created,
                  "model": self._header.model, "choices": [choice]}
-        if self._include_usage:
+        if self._prompt_lens is not None:
+            index = choice["index"]
+            prompt_tokens = self._prompt_lens[index // self._num_choices]
+            num_tokens = self._num_tokens.get(index, 0)
+            chunk["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": num_tokens,
+                              "total_tokens": prompt_tokens + num_tokens}
+        elif self._include_usage:
             chunk["usage"] = None
         return chunk
 

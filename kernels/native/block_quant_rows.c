@@ -261,9 +261,69 @@ static inline __attribute__((always_inline)) void dot_rows_bf16(const int MX, co
         for (int64_t c = 0; c < nr; c++) y[(m0 + r) * N + n0 + c] = _mm512_reduce_add_ps(acc[r][c]);
 }
 
+/* 4 bits at 1 to FUSED_MAX_ROWS rows: no pass through L1. A group's 32 weights take only 16
+ * values, q * d + m for q = 0..15, so those 16 are computed at once (one 16-lane FMA, rounded to
+ * bfloat16 exactly as decode_row_bf16 rounds them) and the group's codes index them (a 32-lane
+ * word permute): the same bfloat16 weights, and the same dot products in the same order as
+ * dot_rows_bf16's, so the same results bit for bit. Each thread walks its weight rows front to
+ * back (one stream of codes, as linear_rows.c). */
+#define FUSED_MAX_ROWS 8
+#define MAX_GROUPS 256 /* K up to 8192 */
+
+static inline __attribute__((always_inline)) void fused_row_q4(const int MX, const uint16_t *x, const uint8_t *row,
+                                                                const uint16_t *d, const uint16_t *m, float *y,
+                                                                int64_t n, int64_t N, int64_t K) {
+    const int64_t num_groups = K / GROUP;
+    float scales[MAX_GROUPS], mins[MAX_GROUPS];
+    for (int64_t g = 0; g < num_groups; g += 16) {
+        __mmask16 mask = num_groups - g >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (num_groups - g)) - 1u);
+        _mm512_mask_storeu_ps(scales + g, mask, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, d + g)));
+        _mm512_mask_storeu_ps(mins + g, mask, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, m + g)));
+    }
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m128i low_bits = _mm_set1_epi8(0x0f);
+    __m512 acc[FUSED_MAX_ROWS];
+    for (int r = 0; r < MX; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < num_groups; g++) {
+        __m128i packed = _mm_loadu_si128((const __m128i *)(row + g * (GROUP / 2)));
+        __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), low_bits),
+                                         _mm_and_si128(packed, low_bits));
+        __m512 values = _mm512_fmadd_ps(iota, _mm512_set1_ps(scales[g]), _mm512_set1_ps(mins[g]));
+        __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(values));
+        __m512bh wv = (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(codes), table);
+        for (int r = 0; r < MX; r++)
+            acc[r] = _mm512_dpbf16_ps(acc[r], wv, (__m512bh)_mm512_loadu_si512((const void *)(x + r * K + g * GROUP)));
+    }
+    for (int r = 0; r < MX; r++) y[r * N + n] = _mm512_reduce_add_ps(acc[r]);
+}
+
+static void fused_rows_q4(const uint16_t *x, const uint8_t *qs, const uint16_t *d, const uint16_t *m, float *y,
+                          int64_t M, int64_t N, int64_t K) {
+    const int64_t num_groups = K / GROUP, row_bytes = K / 2;
+#pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *row = qs + n * row_bytes;
+        const uint16_t *dn = d + n * num_groups, *mn = m + n * num_groups;
+        switch (M) {
+        case 1: fused_row_q4(1, x, row, dn, mn, y, n, N, K); break;
+        case 2: fused_row_q4(2, x, row, dn, mn, y, n, N, K); break;
+        case 3: fused_row_q4(3, x, row, dn, mn, y, n, N, K); break;
+        case 4: fused_row_q4(4, x, row, dn, mn, y, n, N, K); break;
+        case 5: fused_row_q4(5, x, row, dn, mn, y, n, N, K); break;
+        case 6: fused_row_q4(6, x, row, dn, mn, y, n, N, K); break;
+        case 7: fused_row_q4(7, x, row, dn, mn, y, n, N, K); break;
+        default: fused_row_q4(8, x, row, dn, mn, y, n, N, K); break;
+        }
+    }
+}
+
 /* block_quant_rows with x bfloat16 [M, K] against the weights rounded to bfloat16 (above) */
 void block_quant_rows_bf16(const uint16_t *x, const uint8_t *qs, const uint16_t *d, const uint16_t *m, float *y,
                            int64_t M, int64_t N, int64_t K, int32_t bits) {
+    if (bits == 4 && m && M <= FUSED_MAX_ROWS && K / GROUP <= MAX_GROUPS) {
+        fused_rows_q4(x, qs, d, m, y, M, N, K);
+        return;
+    }
     const int64_t num_groups = K / GROUP, row_bytes = bits == 4 ? K / 2 : K;
     const int64_t num_blocks = (N + WEIGHT_ROWS - 1) / WEIGHT_ROWS;
 #pragma omp parallel if (N * K >= PARALLEL_MIN_ELEMENTS)

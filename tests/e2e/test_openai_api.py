@@ -127,6 +127,24 @@ def test_usage_chunk_reports_cached_prompt_tokens(client):
     assert chat_chunks[-1].choices == [] and chat_chunks[-1].usage.completion_tokens == 3
 
 
+def test_continuous_usage_counts_every_chunk(client):
+    """vLLM's stream_options.continuous_usage_stats (load generators such as guidellm send it):
+    each chunk's usage counts its choice's prompt and the tokens generated so far."""
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=5, n=2, seed=1, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
+    *choice_chunks, last = chunks
+    assert last.choices == [] and last.usage.completion_tokens == 10
+    prompt_tokens = last.usage.prompt_tokens  # one prompt, counted once for its two choices
+    counts = {0: [], 1: []}
+    for chunk in choice_chunks:
+        assert chunk.usage.prompt_tokens == prompt_tokens
+        assert chunk.usage.total_tokens == prompt_tokens + chunk.usage.completion_tokens
+        counts[chunk.choices[0].index].append(chunk.usage.completion_tokens)
+    for index, seen in counts.items():
+        assert seen[0] == 0 and seen == sorted(seen) and seen[-1] == 5  # the role chunk first, then growing
+
+
 def test_n_choices_whole_and_streamed(client):
     whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, n=2, temperature=1.0, seed=3,
                                       extra_body={"ignore_eos": True})

@@ -101,3 +101,23 @@ def test_bfloat16_rows_match_the_bfloat16_weights_product_before_rounding(tensor
     rounded = weight.dequantize(torch.bfloat16).double()  # what `none` serves in bfloat16
     exact = F.linear(x.double(), rounded)
     assert float((y.double() - exact).abs().max() / exact.abs().max()) < 1e-6
+
+
+@pytest.mark.parametrize("num_rows", [1, 2, 5, 8])
+def test_fused_four_bit_rows_equal_the_decoded_rows_bit_for_bit(num_rows):
+    """At up to 8 rows a 4-bit weight with minimums (Q4_1) is multiplied without a pass through L1
+    (each group's 16 possible values computed once, then indexed by the codes); the weights and
+    the order of the sums are those of the path that decodes rows into L1, taken from 9 rows on."""
+    weight, _ = _gguf_weight("Q4_1", 70, 576, seed=40 + num_rows)
+    lib = block_quant.supports(torch.empty(9, 576), weight)
+    if lib is None or not block_quant._has_bf16(lib):
+        pytest.fail("the native bfloat16 block kernel is unavailable on this CPU (it needs AVX-512 BF16)")
+    x = torch.randn(9, 576, generator=torch.Generator().manual_seed(num_rows)).bfloat16()
+
+    def rows(count: int) -> torch.Tensor:
+        y = torch.empty(count, 70)
+        lib.block_quant_rows_bf16(x.data_ptr(), weight.qs.data_ptr(), weight.scales.data_ptr(),
+                                  weight.mins.data_ptr(), y.data_ptr(), count, 70, 576, 4)
+        return y
+
+    assert torch.equal(rows(num_rows), rows(9)[:num_rows])
