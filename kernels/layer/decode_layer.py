@@ -1,6 +1,7 @@
 """Whole Llama decoder layers in one native call each (kernels/native/decode_layer.c), for decode
-steps of a few rows: the chain of the per-op kernels (RMSNorm, the few-rows linear, RoPE with the
-K/V write, decode attention, SiLU-mul) without a Python-level call between them. Reference: the
+steps of a few rows: the chain of the per-op kernels (RMSNorm, the few-rows linear or the GGUF
+block kernel, RoPE with the K/V write, decode attention, SiLU-mul) without a Python-level call
+between them. Reference: the
 model's own layer loop on the per-op path (tests/worker/test_native_decode_layer.py).
 
     lib = decode_layer_library()                        # None: no native library or no row kernels
@@ -20,9 +21,11 @@ import torch
 
 from pagedserve.kernels.attention.native import MAX_GROUP, MAX_GROUP_WIDTH, MAX_HEAD_SIZE
 from pagedserve.kernels.linear import native_rows
-from pagedserve.kernels.native.abi import DTYPE_CODES, LayerWeights, StepRows
+from pagedserve.kernels.linear.block_quant import BlockQuantWeight
+from pagedserve.kernels.native.abi import DTYPE_CODES, BlockLinear, LayerWeights, StepRows
 
-Linear = tuple[torch.Tensor, torch.Tensor | None]  # (weight [out, in], bias [out] or None)
+# (weight [out, in] dense in the layer's dtype, or GGUF blocks kept as the file has them; bias [out] or None)
+Linear = tuple[torch.Tensor | BlockQuantWeight, torch.Tensor | None]
 
 
 def decode_layer_library():
@@ -47,15 +50,22 @@ def _ptr(tensor: torch.Tensor | None) -> int | None:
 def layer_weights(norm1: torch.Tensor, norm2: torch.Tensor, qkv: Linear, o: Linear, gate_up: Linear, down: Linear,
                   key_cache: torch.Tensor, value_cache: torch.Tensor, *, num_heads: int, num_kv_heads: int,
                   head_size: int, eps: float, scale: float, sliding_window: int | None) -> LayerWeights:
-    """One layer's structure: norms [H], contiguous dense weights (and biases or None) in one dtype,
-    caches [num_blocks, block_size, kvh, hs] (supports_decode_layer)."""
+    """One layer's structure: norms [H], contiguous weights in the norms' dtype or GGUF blocks (and
+    biases or None), caches [num_blocks, block_size, kvh, hs] (supports_decode_layer)."""
     num_blocks, block_size = key_cache.shape[:2]
+    linears = (qkv, o, gate_up, down)
+    blocks = [BlockLinear(weight.qs.data_ptr(), weight.scales.data_ptr(), _ptr(weight.mins), weight.bits)
+              if isinstance(weight, BlockQuantWeight) else None for weight, _ in linears]
+    dense = [None if isinstance(weight, BlockQuantWeight) else weight.data_ptr() for weight, _ in linears]
+    inner = down[0].in_features if isinstance(down[0], BlockQuantWeight) else down[0].shape[1]
     weights = LayerWeights(
-        _ptr(norm1), _ptr(norm2), _ptr(qkv[0]), _ptr(qkv[1]), _ptr(o[0]), _ptr(o[1]), _ptr(gate_up[0]),
-        _ptr(gate_up[1]), _ptr(down[0]), _ptr(down[1]), key_cache.data_ptr(), value_cache.data_ptr(),
-        norm1.shape[0], num_heads, num_kv_heads, head_size, down[0].shape[1], num_blocks * block_size, block_size,
-        eps, scale, DTYPE_CODES[key_cache.dtype], sliding_window or 0, DTYPE_CODES[qkv[0].dtype])
-    weights._keep = (key_cache, value_cache)  # the pointers stay valid while the structure lives
+        _ptr(norm1), _ptr(norm2), dense[0], _ptr(qkv[1]), dense[1], _ptr(o[1]), dense[2], _ptr(gate_up[1]),
+        dense[3], _ptr(down[1]), key_cache.data_ptr(), value_cache.data_ptr(), norm1.shape[0], num_heads,
+        num_kv_heads, head_size, inner, num_blocks * block_size, block_size, eps, scale,
+        DTYPE_CODES[key_cache.dtype], sliding_window or 0, DTYPE_CODES[norm1.dtype],
+        *[ctypes.addressof(block) if block is not None else None for block in blocks])
+    # the pointers stay valid while the structure lives
+    weights._keep = (key_cache, value_cache, blocks, [weight for weight, _ in linears])
     return weights
 
 
@@ -88,7 +98,10 @@ class DecodeLayers:
         first = self.first
         q_width = first.num_heads * first.head_size
         qkv_width = q_width + 2 * first.num_kv_heads * first.head_size
-        scratch = torch.empty(num_rows * (2 * size + qkv_width + q_width + 3 * first.inner), dtype=hidden.dtype)
+        num_elements = num_rows * (2 * size + qkv_width + q_width + 3 * first.inner)
+        # then float32 outputs of the block kernels (decode_layer.c), 64-byte aligned
+        num_elements += (64 + 4 * num_rows * 2 * first.inner) // hidden.element_size()
+        scratch = torch.empty(num_elements, dtype=hidden.dtype)
         hidden = hidden.contiguous()
         residual = None
         run_layer = self.lib.decode_layer

@@ -6,6 +6,7 @@ system C compiler).
 
     DTYPE_CODES     torch dtype -> enum pagedserve_dtype (the `dtype` and `cache_dtype` arguments)
     LayerWeights    struct layer_weights: one decoder layer's weight and cache pointers and sizes
+    BlockLinear     struct block_linear: a projection's GGUF blocks, for a layer that keeps them
     StepRows        struct step_rows: one decode step's rows, shared by every layer of the step
 """
 
@@ -25,7 +26,12 @@ class LayerWeights(ctypes.Structure):
                                         "w_down", "b_down", "key_cache", "value_cache")] + [
         (name, _I64) for name in ("hidden", "num_heads", "num_kv_heads", "head_size", "inner", "num_slots",
                                   "block_size")] + [("eps", _F32), ("scale", _F32), ("cache_dtype", _I32),
-                                                    ("sliding_window", _I32), ("dtype", _I32)]
+                                                    ("sliding_window", _I32), ("dtype", _I32)] + [
+        (name, _P) for name in ("qkv_blocks", "o_blocks", "gate_up_blocks", "down_blocks")]
+
+
+class BlockLinear(ctypes.Structure):
+    _fields_ = [("qs", _P), ("scales", _P), ("mins", _P), ("bits", _I64)]
 
 
 class StepRows(ctypes.Structure):
@@ -33,4 +39,4 @@ class StepRows(ctypes.Structure):
                                         "query_start_loc", "seqs")] + [("num_rows", _I64), ("max_blocks", _I64)]
 
 
-STRUCTURES = {"layer_weights": LayerWeights, "step_rows": StepRows}  # C struct name -> ctypes mirror
+STRUCTURES = {"layer_weights": LayerWeights, "step_rows": StepRows, "block_linear": BlockLinear}  # C struct name -> ctypes mirror

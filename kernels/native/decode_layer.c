@@ -9,14 +9,31 @@
  *   residual += attn @ w_o^T (+ b_o); normed = norm2(residual)
  *   out = silu_mul(normed @ w_gate_up^T (+ b)) @ w_down^T (+ b)
  *
+ * A projection with GGUF blocks (its *_blocks pointer) goes through block_quant_rows.c's kernels
+ * (bfloat16 activations: block_quant_rows_bf16, float32: block_quant_rows) into float32, then the
+ * bias is added and the sum rounded to the dtype: what ops.linear does for such a layer.
+ *
  * `x` may be `residual` itself only when has_residual is 0 (the first layer: the residual stream
  * starts as the embeddings). scratch holds M * (H + qkv width + nh * hs + H + 2 inner + inner)
- * values of the dtype. */
+ * values of the dtype, then 64 bytes of alignment and M * 2 inner float32 values (the block
+ * kernels' output). */
 #include "common.h"
 #include "pagedserve_cpu.h"
 
-static void linear(int32_t dtype, const void *x, const void *w, const void *bias, void *y, int64_t M, int64_t N,
-                   int64_t K) {
+static void linear(int32_t dtype, const struct block_linear *blocks, float *f32, const void *x, const void *w,
+                   const void *bias, void *y, int64_t M, int64_t N, int64_t K) {
+    if (blocks) {
+        if (dtype == DTYPE_BF16)
+            block_quant_rows_bf16(x, blocks->qs, blocks->scales, blocks->mins, f32, M, N, K, (int32_t)blocks->bits);
+        else
+            block_quant_rows(x, blocks->qs, blocks->scales, blocks->mins, f32, M, N, K, (int32_t)blocks->bits);
+        for (int64_t i = 0; i < M * N; i++) {
+            float v = f32[i];
+            if (bias) v += load_elem(bias, i % N, dtype);
+            store_elem(y, i, v, dtype);
+        }
+        return;
+    }
     if (dtype == DTYPE_BF16)
         linear_rows_bf16(x, w, bias, y, M, N, K);
     else
@@ -29,19 +46,21 @@ void decode_layer(const struct layer_weights *lw, const struct step_rows *st, vo
     int64_t q_width = lw->num_heads * hs, qkv_width = (lw->num_heads + 2 * lw->num_kv_heads) * hs;
     char *normed = scratch, *qkv = normed + M * H * size, *attn = qkv + M * qkv_width * size;
     char *o = attn + M * q_width * size, *gate_up = o + M * H * size, *act = gate_up + M * 2 * lw->inner * size;
+    char *end = act + M * lw->inner * size;
+    float *f32 = (float *)(end + (64 - (uintptr_t)end % 64) % 64);
     int32_t dtype = lw->dtype;
     if (!has_residual) residual = x;
     add_rms_norm(x, has_residual ? residual : NULL, lw->norm1, normed, M, H, lw->eps, dtype, has_residual);
-    linear(dtype, normed, lw->w_qkv, lw->b_qkv, qkv, M, qkv_width, H);
+    linear(dtype, lw->qkv_blocks, f32, normed, lw->w_qkv, lw->b_qkv, qkv, M, qkv_width, H);
     rotary_write_kv(qkv, st->cos_sin, st->positions, st->slot_mapping, lw->key_cache, lw->value_cache, M,
                     lw->num_heads, lw->num_kv_heads, hs, qkv_width, lw->num_slots, dtype, lw->cache_dtype);
     paged_decode_attention(qkv, qkv_width, attn, q_width, lw->key_cache, lw->value_cache, st->block_tables,
                            st->max_blocks, st->seq_lens, st->query_start_loc, st->seqs, M, lw->num_heads,
                            lw->num_kv_heads, hs, lw->block_size, lw->scale, lw->sliding_window, 1.0f, dtype,
                            lw->cache_dtype);
-    linear(dtype, attn, lw->w_o, lw->b_o, o, M, H, q_width);
+    linear(dtype, lw->o_blocks, f32, attn, lw->w_o, lw->b_o, o, M, H, q_width);
     add_rms_norm(o, residual, lw->norm2, normed, M, H, lw->eps, dtype, 1);
-    linear(dtype, normed, lw->w_gate_up, lw->b_gate_up, gate_up, M, 2 * lw->inner, H);
+    linear(dtype, lw->gate_up_blocks, f32, normed, lw->w_gate_up, lw->b_gate_up, gate_up, M, 2 * lw->inner, H);
     silu_mul(gate_up, act, M, lw->inner, 2 * lw->inner, dtype);
-    linear(dtype, act, lw->w_down, lw->b_down, out, M, H, lw->inner);
+    linear(dtype, lw->down_blocks, f32, act, lw->w_down, lw->b_down, out, M, H, lw->inner);
 }

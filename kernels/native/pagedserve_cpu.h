@@ -17,7 +17,15 @@
 /* The `dtype` and `cache_dtype` arguments and fields (abi.DTYPE_CODES). */
 enum pagedserve_dtype { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
 
-/* One decoder layer's weights and KV cache (decode_layer). */
+/* A linear layer's GGUF blocks as the file has them (block_quant_rows.c): codes, float16 scales,
+ * float16 minimums (4 bits) or NULL (8 bits). */
+struct block_linear {
+    const void *qs, *scales, *mins;
+    int64_t bits;
+};
+
+/* One decoder layer's weights and KV cache (decode_layer). A projection whose blocks pointer is
+ * not NULL is multiplied by its GGUF blocks (its dense w_ pointer is then NULL). */
 struct layer_weights {
     const void *norm1, *norm2;           /* [H] */
     const void *w_qkv, *b_qkv;           /* [(nh + 2 kvh) hs, H], bias or NULL */
@@ -29,6 +37,7 @@ struct layer_weights {
     float eps, scale;
     int32_t cache_dtype, sliding_window; /* sliding_window 0: none */
     int32_t dtype;                       /* of the activations and weights */
+    const struct block_linear *qkv_blocks, *o_blocks, *gate_up_blocks, *down_blocks; /* or NULL: dense */
 };
 
 /* One decode step's rows, shared by every layer of the step (decode_layer). */

@@ -114,7 +114,7 @@ def test_a_wrong_structure_is_named(header, layouts):
     class Widened(ctypes.Structure):  # eps a double: the members after it move
         _fields_ = [*weights[:19], ("eps", ctypes.c_double), *weights[20:]]
 
-    class Packed(ctypes.Structure):  # the right members packed: no tail padding, the size alone differs
+    class Packed(ctypes.Structure):  # the right members packed: no padding before the block pointers
         _pack_ = 1
         _fields_ = weights
 
@@ -131,9 +131,13 @@ def test_a_wrong_structure_is_named(header, layouts):
         "struct layer_weights.scale: offset 156 in C, 160 in Widened",
         "struct layer_weights.cache_dtype: offset 160 in C, 164 in Widened",
         "struct layer_weights.sliding_window: offset 164 in C, 168 in Widened",
-        "struct layer_weights.dtype: offset 168 in C, 172 in Widened"]  # the size pads to 176 either way
-    assert check(layer_weights=Packed) == ["struct layer_weights: sizeof 176 in C, 172 in Packed"]
+        "struct layer_weights.dtype: offset 168 in C, 172 in Widened"]  # the pointers after it align to 176
+    assert check(layer_weights=Packed) == [
+        *[f"struct layer_weights.{name}: offset {176 + 8 * i} in C, {172 + 8 * i} in Packed"
+          for i, name in enumerate(("qkv_blocks", "o_blocks", "gate_up_blocks", "down_blocks"))],
+        "struct layer_weights: sizeof 208 in C, 204 in Packed"]
     assert structure_mismatches(header, {"step_rows": abi.StepRows}, layouts) == [
+        "struct block_linear: in the header, no ctypes Structure",
         "struct layer_weights: in the header, no ctypes Structure"]
 
 

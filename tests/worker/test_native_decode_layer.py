@@ -7,8 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_prompts
+from gguf_fixtures import GGUF_FILE, gguf_model  # noqa: F401 (fixture)
 
+from pagedserve.checkpoints.tiny_checkpoint import build_tiny_checkpoint
 from pagedserve.kernels.linear import native_rows
+from pagedserve.kernels.linear.block_quant import BlockQuantWeight
+from pagedserve.testing.tiny_gguf import write_gguf
 from pagedserve.kernels.native import library as native_lib
 from pagedserve.contracts.step_plan import SampleSpec, ScheduledSeq
 from pagedserve.worker.model_input import build_model_input
@@ -24,8 +28,9 @@ pytestmark = pytest.mark.skipif(
 FOR_STEP = llama_native.NativeDecodeStep.for_step.__func__
 
 
-def _runner(path, dtype: str, kv_cache_dtype: str = "auto") -> ModelRunner:
-    runner = ModelRunner(path, device="cpu", dtype=dtype, block_size=16, kv_cache_dtype=kv_cache_dtype)
+def _runner(path, dtype: str, kv_cache_dtype: str = "auto", quantization: str = "auto") -> ModelRunner:
+    runner = ModelRunner(path, device="cpu", dtype=dtype, block_size=16, kv_cache_dtype=kv_cache_dtype,
+                         quantization=quantization)
     runner.load()
     runner.init_cache(64, 0)
     return runner
@@ -96,3 +101,39 @@ def test_steps_it_does_not_take(checkpoint_dir, monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_KERNELS", "reference")
     _decode_logits(_runner(checkpoint_dir("llama-gqa-untied"), "bfloat16"), prompts[:1], True, monkeypatch,
                    expect_native=False)
+
+
+# every projection kept as GGUF blocks: q Q4_0 with k, v Q4_1 (qkv keeps 4 bits), o Q8_0, gate Q4_1 with up Q4_0,
+# down Q4_1; the embedding and LM head dequantized
+ALL_KEPT = {"token_embd": "Q8_0", "output.": "Q8_0", "attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q4_1",
+            "attn_output": "Q8_0", "ffn_gate": "Q4_1", "ffn_up": "Q4_0", "ffn_down": "Q4_1"}
+
+
+@pytest.fixture(scope="module")
+def all_kept(tmp_path_factory):
+    checkpoint = build_tiny_checkpoint(tmp_path_factory.mktemp("kept-checkpoint"), architecture="llama",
+                                       vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                                       intermediate_size=128, max_position_embeddings=512, seed=35)
+    return write_gguf(checkpoint, tmp_path_factory.mktemp("kept") / GGUF_FILE, tensor_types=ALL_KEPT)
+
+
+@pytest.mark.parametrize("model", ["all-kept", "llama-mixed"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_native_layers_multiply_kept_gguf_blocks_as_the_per_op_path(all_kept, gguf_model, monkeypatch, model,
+                                                                    dtype):
+    """--quantization auto keeps a GGUF file's Q4_0/Q4_1/Q8_0 blocks; the native layers multiply them
+    with the same block kernels as the per-op path (dense projections beside them, llama-mixed, keep
+    the row kernel), so the logits agree but for the order of float32 sums in RMSNorm and attention."""
+    path = all_kept if model == "all-kept" else gguf_model("llama-mixed") / GGUF_FILE
+    runner = _runner(path, dtype)
+    kinds = {type(module.packed).__name__ for name, module in runner.model.named_modules()
+             if name.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))}
+    assert BlockQuantWeight.__name__ in kinds and (model == "all-kept") == (kinds == {BlockQuantWeight.__name__})
+    for lengths in [(70,), (5, 17, 40, 81)]:
+        prompts = make_prompts(seed=len(lengths), lengths=lengths)
+        native = _decode_logits(runner, prompts, True, monkeypatch)
+        per_op = _decode_logits(runner, prompts, False, monkeypatch)
+        scale = per_op.abs().max()
+        tolerance = 1e-4 if dtype == "float32" else 0.03
+        assert (native - per_op).abs().max() <= tolerance * scale
+        assert torch.equal(native.argmax(-1), per_op.argmax(-1))

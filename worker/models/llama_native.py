@@ -9,8 +9,8 @@ measurements).
     hidden, residual = step.run(hidden)                            # after the embedding
 
 It applies when every row of the step is a one-token decode, there are at most MAX_ROWS (4) of
-them, the model is bfloat16 or float32 on one CPU rank with dense
-(not quantized) linear layers, the caches hold the model's dtype or float32, and the native
+them, the model is bfloat16 or float32 on one CPU rank whose linear layers are dense or keep a
+GGUF file's blocks (--quantization auto: Q4_0, Q4_1, Q8_0; int8/int4 packs are not taken), the caches hold the model's dtype or float32, and the native
 library is built. In float32 the results differ from the per-op path in the last bits (sums in
 another order: the matmuls, RMSNorm's sum of squares), as bfloat16's do.
 Each layer's weight and cache pointers are gathered once into the kernel's structure
@@ -28,30 +28,38 @@ from pagedserve.kernels import ops
 MAX_ROWS = 4
 
 
-def _is_dense(linear, dtype: torch.dtype) -> bool:
+def _native_weight(linear, dtype: torch.dtype):
+    """What the native layer multiplies by: the dense weight in the layer's dtype, or GGUF blocks kept
+    as the file has them; None when the layer holds anything else (int8/int4 packs)."""
+    if linear.bias is not None and not linear.bias.is_contiguous():
+        return None
+    if isinstance(linear.packed, ops.BlockQuantWeight):
+        return linear.packed
     weight = linear.weight
-    return (linear.packed is None and weight is not None and weight.dtype == dtype and weight.is_contiguous()
-            and (linear.bias is None or linear.bias.is_contiguous()))
+    if linear.packed is None and weight is not None and weight.dtype == dtype and weight.is_contiguous():
+        return weight
+    return None
 
 
 def _layer_weights(layer, kv_cache, dtype: torch.dtype):
     """The layer's ops.LayerWeights (cached on it), or None when the layer does not qualify."""
     attention, mlp = layer.self_attn, layer.mlp
     key_cache, value_cache = kv_cache
-    identity = (attention.qkv_proj.weight.data_ptr() if attention.qkv_proj.weight is not None else None,
-                key_cache.data_ptr(), value_cache.data_ptr())
+    identity = (id(attention.qkv_proj.packed) if attention.qkv_proj.weight is None
+                else attention.qkv_proj.weight.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr())
     cached = getattr(layer, "_native_decode", None)
     if cached is not None and cached[0] == identity:
         return cached[1]
     linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    if not (all(_is_dense(linear, dtype) for linear in linears) and layer.input_layernorm.weight.dtype == dtype
+    weights = [_native_weight(linear, dtype) for linear in linears]
+    if not (all(weight is not None for weight in weights) and layer.input_layernorm.weight.dtype == dtype
             and ops.supports_decode_layer(dtype, key_cache, value_cache, attention.num_heads,
                                           attention.num_kv_heads, attention.head_size)):
         layer._native_decode = None
         return None
     weights = ops.layer_weights(
         layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-        *[(linear.weight, linear.bias) for linear in linears],
+        *[(weight, linear.bias) for weight, linear in zip(weights, linears)],
         key_cache, value_cache, num_heads=attention.num_heads, num_kv_heads=attention.num_kv_heads,
         head_size=attention.head_size, eps=layer.input_layernorm.eps, scale=attention.attn.scale,
         sliding_window=attention.attn.sliding_window)
