@@ -67,6 +67,28 @@ def _layer_weights(layer, kv_cache, dtype: torch.dtype):
     return weights
 
 
+def _model_layer_weights(model, kv_caches, dtype: torch.dtype) -> list | None:
+    """Every layer's structure, or None when a layer does not qualify. The list is kept on the model
+    for the caches it was built for: asking every layer's modules again each step cost about 0.4 ms
+    of a 12 ms decode step at one sequence. Weights do not move once loaded (steps with LoRA
+    adapters never come here); the caches move when init_cache runs again, which the key sees."""
+    key = (dtype, tuple((k.data_ptr(), v.data_ptr()) for k, v in kv_caches),
+           tuple(id(getattr(layer, "_native_decode", None)) for layer in model.layers))
+    cached = getattr(model, "_native_layers", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    layer_weights = []
+    for layer, kv_cache in zip(model.layers, kv_caches):
+        weights = _layer_weights(layer, kv_cache, dtype)
+        if weights is None:
+            model._native_layers = None
+            return None
+        layer_weights.append(weights)
+    key = (dtype, key[1], tuple(id(getattr(layer, "_native_decode", None)) for layer in model.layers))
+    model._native_layers = (key, layer_weights)
+    return layer_weights
+
+
 class NativeDecodeStep:
     def __init__(self, model, layers: "ops.DecodeLayers") -> None:
         self.model = model
@@ -82,12 +104,9 @@ class NativeDecodeStep:
         lib = ops.decode_layer_library()
         if lib is None or metadata.query_start_loc.tolist() != list(range(num_rows + 1)):
             return None
-        layer_weights = []
-        for layer, kv_cache in zip(model.layers, kv_caches):
-            weights = _layer_weights(layer, kv_cache, dtype)
-            if weights is None:
-                return None
-            layer_weights.append(weights)
+        layer_weights = _model_layer_weights(model, kv_caches, dtype)
+        if layer_weights is None:
+            return None
         model.rotary.check_positions(metadata.positions, metadata.step_plans)
         return cls(model, ops.DecodeLayers(lib, layer_weights, model.rotary.cos_sin, metadata.positions,
                                            metadata.slot_mapping, metadata.block_tables, metadata.seq_lens))
