@@ -83,3 +83,21 @@ def test_kept_results_are_tracked_and_the_others_ignored():
 
     assert ignored("bench/results/real_model-20261101T000000Z.json")
     assert not ignored("bench/results/kept/real_model-20261101T000000Z-amd-epyc.json")
+
+
+def test_runs_started_on_a_busy_machine_are_left_out_and_named(tmp_path):
+    tables = _perf_tables()
+    for date, load, bandwidth in (("20261101T000000Z", 0.5, 30.0), ("20261102T000000Z", 14.0, 4.0),
+                                  ("20261103T000000Z", 1.5, 34.0)):
+        report = _limits(date, "CPU A", bandwidth, 100.0)
+        report["machine"]["num_cores"] = 2
+        report["load_average_start"] = [load, load, load]
+        tables.save_kept("limits", report, tmp_path)
+    page = tables.render(tables.load_kept(tmp_path))
+    assert "| read bandwidth (GB/s) | 32.0 |" in page  # the median of 30 and 34; the busy run's 4 is not in it
+    assert "Left out, started on a busy machine (load average above the core count): 20261102T000000Z." in page
+    busy = _limits("20261104T000000Z", "CPU B", 9.0, 100.0)
+    busy["machine"]["num_cores"], busy["load_average_start"] = 2, [8.0, 8.0, 8.0]
+    tables.save_kept("limits", busy, tmp_path)
+    page = tables.render(tables.load_kept(tmp_path))
+    assert "| read bandwidth (GB/s) | 9.0 |" in page  # all of CPU B's runs were busy: shown, with their load

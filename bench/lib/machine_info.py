@@ -5,7 +5,10 @@ from __future__ import annotations
 import importlib
 import os
 import platform
+import subprocess
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def cpu_name() -> str:
@@ -18,10 +21,24 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
+def code_version() -> str | None:
+    """The checkout's commit, with "+changes" when tracked files differ from it; None outside git."""
+    try:
+        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, timeout=10)
+        changes = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                                 capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if commit.returncode != 0:
+        return None
+    return commit.stdout.strip() + ("+changes" if changes.stdout.strip() else "")
+
+
 def machine(*packages: str) -> dict:
-    """CPU, usable cores, Python and platform, plus the versions of the packages named."""
+    """CPU, usable cores, Python and platform, the code's commit, plus the versions of the packages named."""
     info = {"cpu": cpu_name(), "num_cores": len(os.sched_getaffinity(0)),
-            "python": platform.python_version(), "platform": platform.platform()}
+            "python": platform.python_version(), "platform": platform.platform(), "commit": code_version()}
     for name in packages:
         info[name] = importlib.import_module(name).__version__
     return info
