@@ -21,6 +21,7 @@ gguf package's values bit for bit.
     block_quant_linear_dequant  more rows: the weight dequantized exactly to float32 and, for a
                                 float32 x, one float32 matmul; for a bfloat16 x, the weight
                                 rounded to bfloat16 as the dequantized file served in bfloat16 has it
+                                (`dequantize`: one native pass, else the torch ops)
     block_quant_linear_ref      the reference (the oracle in tests): the exact float32 weight (for a
                                 bfloat16 x rounded to bfloat16), one float32 matmul
 """
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.kernels.native import library as native_lib
+from pagedserve.kernels.native.abi import DTYPE_CODES
 
 GROUP_SIZE = 32
 MAX_ROWS = 32  # the C kernel's BLOCK_QUANT_MAX_ROWS
@@ -148,8 +150,23 @@ def _has_bf16(lib) -> bool:
 
 def block_quant_linear_dequant(x: torch.Tensor, weight: BlockQuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     compute = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
-    y = F.linear(x.to(compute), weight.dequantize(torch.float32).to(compute))
+    y = F.linear(x.to(compute), dequantize(weight, compute))
     return _finish(y, bias, x.dtype)
+
+
+def dequantize(weight: BlockQuantWeight, dtype: torch.dtype) -> torch.Tensor:
+    """weight.dequantize(float32).to(dtype), for float32 or bfloat16, in one native pass where the
+    CPU has the kernel (a prefill step dequantizes every kept projection; the torch ops took longer
+    than the matmul at 256 rows), the same values either way."""
+    lib = native_lib.load() if weight.qs.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) else None
+    if lib is not None:
+        out = torch.empty(weight.out_features, weight.in_features, dtype=dtype)
+        if lib.block_quant_dequantize(weight.qs.data_ptr(), weight.scales.data_ptr(),
+                                      weight.mins.data_ptr() if weight.mins is not None else None, out.data_ptr(),
+                                      weight.out_features, weight.in_features, weight.bits,
+                                      DTYPE_CODES[dtype]):
+            return out
+    return weight.dequantize(torch.float32).to(dtype)
 
 
 def block_quant_linear_ref(x: torch.Tensor, weight: BlockQuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

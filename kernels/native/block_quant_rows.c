@@ -350,6 +350,23 @@ void block_quant_rows_bf16(const uint16_t *x, const uint8_t *qs, const uint16_t 
 }
 
 int32_t block_quant_rows_bf16_available(void) { return 1; }
+
+/* the whole weight dequantized into out [N, K], float32 (dtype 0) or bfloat16 (dtype 1), with the
+ * values BlockQuantWeight.dequantize(dtype) gives (q * d + m in float32, rounded to nearest even
+ * for bfloat16): what the matmuls above 32 rows multiply by; 1, or 0 where this CPU has no kernel */
+int32_t block_quant_dequantize(const uint8_t *qs, const uint16_t *d, const uint16_t *m, void *out, int64_t N,
+                               int64_t K, int32_t bits, int32_t dtype) {
+    const int64_t num_groups = K / GROUP, row_bytes = bits == 4 ? K / 2 : K;
+#pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t n = 0; n < N; n++) {
+        const uint16_t *dn = d + n * num_groups, *mn = m ? m + n * num_groups : NULL;
+        if (dtype == DTYPE_BF16)
+            decode_row_bf16(bits, qs + n * row_bytes, dn, mn, (uint16_t *)out + n * K, K);
+        else
+            decode_row_f32(bits, qs + n * row_bytes, dn, mn, (float *)out + n * K, K);
+    }
+    return 1;
+}
 #else
 void block_quant_rows_bf16(const uint16_t *x, const uint8_t *qs, const uint16_t *d, const uint16_t *m, float *y,
                            int64_t M, int64_t N, int64_t K, int32_t bits) {
@@ -357,6 +374,12 @@ void block_quant_rows_bf16(const uint16_t *x, const uint8_t *qs, const uint16_t 
 }
 
 int32_t block_quant_rows_bf16_available(void) { return 0; }
+
+int32_t block_quant_dequantize(const uint8_t *qs, const uint16_t *d, const uint16_t *m, void *out, int64_t N,
+                               int64_t K, int32_t bits, int32_t dtype) {
+    (void)qs, (void)d, (void)m, (void)out, (void)N, (void)K, (void)bits, (void)dtype;
+    return 0;
+}
 #endif
 #else
 void block_quant_rows(const float *x, const uint8_t *qs, const uint16_t *d, const uint16_t *m, float *y, int64_t M,
@@ -372,4 +395,10 @@ void block_quant_rows_bf16(const uint16_t *x, const uint8_t *qs, const uint16_t 
 }
 
 int32_t block_quant_rows_bf16_available(void) { return 0; }
+
+int32_t block_quant_dequantize(const uint8_t *qs, const uint16_t *d, const uint16_t *m, void *out, int64_t N,
+                               int64_t K, int32_t bits, int32_t dtype) {
+    (void)qs, (void)d, (void)m, (void)out, (void)N, (void)K, (void)bits, (void)dtype;
+    return 0;
+}
 #endif

@@ -14,6 +14,8 @@ from gguf.quants import dequantize, quantize
 from pagedserve.kernels import ops
 from pagedserve.kernels.linear import block_quant
 from pagedserve.kernels.linear.block_quant import BlockQuantWeight
+from pagedserve.kernels.native import abi
+from pagedserve.kernels.native import library as native_lib
 from pagedserve.worker.loading.gguf_weights import quantized_weight_of
 from pagedserve.worker.quantization.gguf_blocks import GGUFBlocks
 
@@ -121,3 +123,21 @@ def test_fused_four_bit_rows_equal_the_decoded_rows_bit_for_bit(num_rows):
         return y
 
     assert torch.equal(rows(num_rows), rows(9)[:num_rows])
+
+
+
+@pytest.mark.parametrize("tensor_type", TYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_dequantize_gives_the_torch_values_bit_for_bit(tensor_type, dtype):
+    """Above 32 rows the weight is dequantized for one matmul: natively in one pass, to the values
+    BlockQuantWeight.dequantize computes (float32, or those rounded to bfloat16)."""
+    weight, _ = _gguf_weight(tensor_type, 75, 320, seed=60)
+    lib = native_lib.load()
+    if lib is None or not lib.block_quant_rows_bf16_available():
+        pytest.fail("the native block kernels are unavailable on this CPU (they need AVX-512 BF16)")
+    out = torch.full((75, 320), float("nan"), dtype=dtype)
+    assert lib.block_quant_dequantize(weight.qs.data_ptr(), weight.scales.data_ptr(),
+                                      weight.mins.data_ptr() if weight.mins is not None else None, out.data_ptr(),
+                                      75, 320, weight.bits, abi.DTYPE_CODES[dtype]) == 1
+    assert torch.equal(out, weight.dequantize(torch.float32).to(dtype))
+    assert torch.equal(block_quant.dequantize(weight, dtype), out)
