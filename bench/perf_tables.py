@@ -67,8 +67,10 @@ def _dates(reports: list[dict]) -> str:
     loads = [report.get("load_average_start", [None])[0] for report in reports]
     loads = [load for load in loads if load is not None]
     load = f"; load average at the start {min(loads):.1f}-{max(loads):.1f}" if loads else ""
-    commits = sorted({report["machine"]["commit"] for report in reports if report.get("machine", {}).get("commit")})
-    code = f"; code {', '.join(commits)}" if commits else ""
+    with_commit = [report["machine"]["commit"] for report in reports if report.get("machine", {}).get("commit")]
+    code = f"; code {', '.join(sorted(set(with_commit)))}" if with_commit else ""
+    if with_commit and len(with_commit) < len(reports):
+        code += f" ({len(with_commit)} of the {len(reports)} runs recorded their commit)"
     return f"{len(reports)} run(s) on {dates}{load}{code}"
 
 
