@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 
@@ -75,11 +76,12 @@ def _held_suffix(text: str, tag: str) -> int:
     return 0
 
 
-class ToolParser:
+class ToolParser(ABC):
     name = ""
 
+    @abstractmethod
     def parse(self, text: str, final: bool = True) -> ParsedOutput:
-        raise NotImplementedError
+        """The text generated so far -> content and calls (final: the generation ended)."""
 
 
 class TaggedParser(ToolParser):
@@ -88,8 +90,9 @@ class TaggedParser(ToolParser):
     start_tag = "<tool_call>"
     end_tag = "</tool_call>"
 
+    @abstractmethod
     def block_calls(self, body: str) -> list[ToolCall] | None:
-        raise NotImplementedError
+        """The calls of one block's body, or None when it is not valid calls."""
 
     def parse(self, text: str, final: bool = True) -> ParsedOutput:
         content: list[str] = []

@@ -102,33 +102,41 @@ static inline __attribute__((always_inline)) void one_row(const int bits, const 
 #define DECODE_MIN_ROWS 4
 #define DECODE_ROWS 4
 
+/* group g of a weight row decoded exactly to float32: values 0-15 in lo, 16-31 in hi (q * d + m as
+ * gguf computes it; q * d is exact in float32, so one rounding, as gguf's d * q + m) */
+static inline __attribute__((always_inline)) void decode_group(const int bits, const uint8_t *row,
+                                                                const uint16_t *d, const uint16_t *m, int64_t g,
+                                                                __m512 *lo, __m512 *hi) {
+    if (bits == 4) {
+        const __m128i mask = _mm_set1_epi8(0x0f);
+        __m128i packed = _mm_loadu_si128((const __m128i *)(row + g * (GROUP / 2)));
+        *lo = widen_u8(_mm_and_si128(packed, mask));
+        *hi = widen_u8(_mm_and_si128(_mm_srli_epi16(packed, 4), mask));
+    } else {
+        *lo = widen_i8(_mm_loadu_si128((const __m128i *)(row + g * GROUP)));
+        *hi = widen_i8(_mm_loadu_si128((const __m128i *)(row + g * GROUP + 16)));
+    }
+    __m512 scale = _mm512_set1_ps(_cvtsh_ss(d[g]));
+    if (m) {
+        __m512 offset = _mm512_set1_ps(_cvtsh_ss(m[g]));
+        *lo = _mm512_fmadd_ps(*lo, scale, offset);
+        *hi = _mm512_fmadd_ps(*hi, scale, offset);
+    } else {
+        *lo = _mm512_mul_ps(*lo, scale);
+        *hi = _mm512_mul_ps(*hi, scale);
+    }
+}
+
 static inline void decode_row_f32(const int bits, const uint8_t *row, const uint16_t *d, const uint16_t *m,
                                   float *out, int64_t K) {
-    const int64_t num_groups = K / GROUP;
-    const __m128i mask = _mm_set1_epi8(0x0f);
-    for (int64_t g = 0; g < num_groups; g++) {
+    for (int64_t g = 0; g < K / GROUP; g++) {
         __m512 lo, hi;
-        if (bits == 4) {
-            __m128i packed = _mm_loadu_si128((const __m128i *)(row + g * (GROUP / 2)));
-            lo = widen_u8(_mm_and_si128(packed, mask));
-            hi = widen_u8(_mm_and_si128(_mm_srli_epi16(packed, 4), mask));
-        } else {
-            lo = widen_i8(_mm_loadu_si128((const __m128i *)(row + g * GROUP)));
-            hi = widen_i8(_mm_loadu_si128((const __m128i *)(row + g * GROUP + 16)));
-        }
-        __m512 scale = _mm512_set1_ps(_cvtsh_ss(d[g]));
-        if (m) { /* q * d is exact in float32: one rounding, as gguf's d * q + m */
-            __m512 offset = _mm512_set1_ps(_cvtsh_ss(m[g]));
-            lo = _mm512_fmadd_ps(lo, scale, offset);
-            hi = _mm512_fmadd_ps(hi, scale, offset);
-        } else {
-            lo = _mm512_mul_ps(lo, scale);
-            hi = _mm512_mul_ps(hi, scale);
-        }
+        decode_group(bits, row, d, m, g, &lo, &hi);
         _mm512_storeu_ps(out + g * GROUP, lo);
         _mm512_storeu_ps(out + g * GROUP + 16, hi);
     }
 }
+
 
 static inline __attribute__((always_inline)) void dot_rows_f32(const int MX, const float *x, const float *w, float *y,
                                                                 int64_t m0, int64_t n0, int64_t nr, int64_t N,
@@ -218,27 +226,9 @@ int32_t block_quant_rows_available(void) { return 1; }
 
 static inline void decode_row_bf16(const int bits, const uint8_t *row, const uint16_t *d, const uint16_t *m,
                                    uint16_t *out, int64_t K) {
-    const int64_t num_groups = K / GROUP;
-    const __m128i mask = _mm_set1_epi8(0x0f);
-    for (int64_t g = 0; g < num_groups; g++) {
+    for (int64_t g = 0; g < K / GROUP; g++) {
         __m512 lo, hi;
-        if (bits == 4) {
-            __m128i packed = _mm_loadu_si128((const __m128i *)(row + g * (GROUP / 2)));
-            lo = widen_u8(_mm_and_si128(packed, mask));
-            hi = widen_u8(_mm_and_si128(_mm_srli_epi16(packed, 4), mask));
-        } else {
-            lo = widen_i8(_mm_loadu_si128((const __m128i *)(row + g * GROUP)));
-            hi = widen_i8(_mm_loadu_si128((const __m128i *)(row + g * GROUP + 16)));
-        }
-        __m512 scale = _mm512_set1_ps(_cvtsh_ss(d[g]));
-        if (m) { /* q * d is exact in float32: one rounding, as gguf's d * q + m */
-            __m512 offset = _mm512_set1_ps(_cvtsh_ss(m[g]));
-            lo = _mm512_fmadd_ps(lo, scale, offset);
-            hi = _mm512_fmadd_ps(hi, scale, offset);
-        } else {
-            lo = _mm512_mul_ps(lo, scale);
-            hi = _mm512_mul_ps(hi, scale);
-        }
+        decode_group(bits, row, d, m, g, &lo, &hi);
         _mm512_storeu_si512((void *)(out + g * GROUP), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
 }
