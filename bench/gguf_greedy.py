@@ -4,8 +4,12 @@ dequantized (--quantization none): greedy continuations of bench/quant_accuracy.
     python bench/gguf_greedy.py [--gguf FILE] [--prompts 8] [--new-tokens 32] [--dtype float32]
 
 Both runners go through our ModelRunner and the paged path in --dtype; the table says per prompt
-whether the continuations are identical and where they first differ. The default file is the
-SmolLM2-135M-Instruct Q4_1 copy `--model smollm2` serves. JSON to bench/results/.
+whether the continuations are identical and where they first differ. In a dtype other than
+float32 both are also compared with the file dequantized in float32 (the exact values): in
+bfloat16 `none` multiplies the weights rounded to bfloat16 while `auto`'s decode steps multiply the
+exact weights, so the two differ from each other, and the columns say which stays nearer the
+exact model. The default file is the SmolLM2-135M-Instruct Q4_1 copy `--model smollm2` serves.
+JSON to bench/results/.
 """
 
 from __future__ import annotations
@@ -69,10 +73,19 @@ def main() -> None:
     kept, kept_seconds = greedy(gguf, "auto", args.dtype, prompts, args.new_tokens)
     rows = [{"prompt": i, "prompt tokens": len(prompt), "identical": a == b, "first difference": first_difference(a, b)}
             for i, (prompt, a, b) in enumerate(zip(prompts, dense, kept))]
+    if args.dtype != "float32":
+        exact, _ = greedy(gguf, "none", "float32", prompts, args.new_tokens)
+        for row, a, b, reference in zip(rows, dense, kept, exact):
+            row["none vs float32: first difference"] = first_difference(a, reference)
+            row["auto vs float32: first difference"] = first_difference(b, reference)
     print_table(rows, title=f"{gguf.name}, {args.dtype}: greedy --quantization auto against none "
                             f"({args.new_tokens} tokens per prompt)")
     same = sum(row["identical"] for row in rows)
     print(f"identical: {same} of {len(rows)}; decode wall time none {dense_seconds:.1f} s, auto {kept_seconds:.1f} s")
+    if args.dtype != "float32":
+        for name in ("none", "auto"):
+            column = [row[f"{name} vs float32: first difference"] for row in rows]
+            print(f"{name} in {args.dtype} equal to the float32 dequantized file: {column.count(None)} of {len(rows)}")
     report = {"machine": machine("torch"), "gguf": str(gguf), "dtype": args.dtype, "new_tokens": args.new_tokens,
               "num_identical": same, "rows": rows, "seconds": {"none": dense_seconds, "auto": kept_seconds}}
     report["date"] = timestamp()

@@ -14,16 +14,19 @@ gguf package's values bit for bit.
 
     block_quant_linear_native   1..MAX_ROWS rows: float32 activations against the codes, group
                                 sums scaled by d in float32 (the kernel's comment): differs from
-                                the reference only in the order of float32 sums; bfloat16
-                                activations against the weights decoded to bfloat16 (the file
+                                the reference only in the order of float32 sums. bfloat16
+                                activations, 1..EXACT_ROWS rows: the same exact weights, by BF16
+                                dot products on the codes (exact in bfloat16) scaled per group in
+                                float32, so again only the order of float32 sums differs; more
+                                rows: against the weights decoded to bfloat16 (the file
                                 dequantized to bfloat16, as `none` and the prefill path have them)
-                                by BF16 dot products
     block_quant_linear_dequant  more rows: the weight dequantized exactly to float32 and, for a
                                 float32 x, one float32 matmul; for a bfloat16 x, the weight
                                 rounded to bfloat16 as the dequantized file served in bfloat16 has it
                                 (`dequantize`: one native pass, else the torch ops)
     block_quant_linear_ref      the reference (the oracle in tests): the exact float32 weight (for a
-                                bfloat16 x rounded to bfloat16), one float32 matmul
+                                bfloat16 x of more than EXACT_ROWS rows rounded to bfloat16), one
+                                float32 matmul
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from pagedserve.kernels.native.abi import DTYPE_CODES
 
 GROUP_SIZE = 32
 MAX_ROWS = 32  # the C kernel's BLOCK_QUANT_MAX_ROWS
+EXACT_ROWS = 8  # its EXACT_ROWS: up to this many bfloat16 rows, the exact weights (module doc)
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,10 +174,10 @@ def dequantize(weight: BlockQuantWeight, dtype: torch.dtype) -> torch.Tensor:
 
 
 def block_quant_linear_ref(x: torch.Tensor, weight: BlockQuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W^T in float32, W the exact float32 weights, or for a bfloat16 x the weights rounded to
-    bfloat16 (the file dequantized to bfloat16)."""
+    """x @ W^T in float32, W the exact float32 weights, or for a bfloat16 x of more than EXACT_ROWS
+    rows the weights rounded to bfloat16 (the file dequantized to bfloat16)."""
     dense = weight.dequantize(torch.float32)
-    if x.dtype == torch.bfloat16:
+    if x.dtype == torch.bfloat16 and x.shape[0] > EXACT_ROWS:
         dense = dense.to(torch.bfloat16).to(torch.float32)
     y = F.linear(x.to(torch.float32), dense)  # [M, N]
     return _finish(y, bias, x.dtype)

@@ -15,8 +15,9 @@
  * the minimums add m * sum(x of the group) at the end; from DECODE_MIN_ROWS rows, weight rows are
  * decoded exactly to float32 in L1 and multiplied by FMAs (decoded_rows_f32). Either way the result
  * differs from the reference only in the order of float32 sums. bfloat16 activations
- * (block_quant_rows_bf16, AVX-512 BF16) multiply the weights decoded to bfloat16 (see there). The
- * weight is read once per call, its rows split over the threads in contiguous runs. */
+ * (block_quant_rows_bf16, AVX-512 BF16) meet the same exact weights at 1 to EXACT_ROWS rows, and
+ * the weights decoded to bfloat16 above (see there). The weight is read once per call, its rows
+ * split over the threads in contiguous runs. */
 #include <immintrin.h>
 #include <stdlib.h>
 
@@ -216,14 +217,137 @@ void block_quant_rows(const float *x, const uint8_t *qs, const uint16_t *d, cons
 int32_t block_quant_rows_available(void) { return 1; }
 
 #if defined(__AVX512BF16__)
-/* bfloat16 activations: WEIGHT_ROWS weight rows at a time are decoded into bfloat16 (q * d + m in
- * float32 as gguf does, then rounded to nearest even: the weights of the file dequantized to
- * bfloat16, what --quantization none serves in bfloat16 and what the prefill path multiplies),
- * held in L1, and multiplied as linear_rows.c does: BF16 dot products, float32 sums, X_ROWS
- * activation rows per pass over the decoded rows (4 x 4 accumulators stay in registers). */
-#define WEIGHT_ROWS 4
-#define X_ROWS 4
+/* bfloat16 activations at 1 to BLOCK_QUANT_MAX_ROWS rows: the exact weights, as the float32 kernel
+ * multiplies them. A code q (0..15, or -128..127) is exact in bfloat16 and so is each product q * x
+ * in float32, so BF16 dot products give per group sum(q * x) in float32 lanes, which are scaled by
+ * the file's d (float32), and the minimums add m * sum(x) per group: the exact weights against the
+ * exact activations, differing from block_quant_linear_ref (kernels/linear/block_quant.py) only in
+ * the order of float32 sums (no rounding of q * d + m to bfloat16, which the prefill path and
+ * --quantization none have; llama.cpp instead rounds the activations to int8).
+ *
+ * 4 bits, per pair of groups (g, g + 1): the 32 packed bytes widen to 32 words, whose low and high
+ * nibbles are groups g and g + 1's values 0-15 and 16-31, turned into bfloat16 by a 16-entry table
+ * (one word permute each); the activations are copied once per call into that order
+ * ([g 0-15, g+1 0-15], [g 16-31, g+1 16-31]), so each pair takes two dot products per activation
+ * row into 16 lanes (0-7 group g's, 8-15 group g + 1's), scaled by [d_g x 8, d_g+1 x 8]. 8 bits: one
+ * group per dot product, the codes widened to words and converted the same way (a sign-aware table
+ * would need 256 entries: the codes go through float32 instead, exact).
+ * Each thread walks a contiguous run of weight rows (one stream of codes, as linear_rows.c);
+ * activation rows are taken EXACT_ROWS at a time. */
+#define EXACT_ROWS 8
+#define MAX_GROUPS 256 /* K up to 8192 */
 
+/* bfloat16 bit patterns of 0..15 */
+static inline __m512i nibble_table(void) {
+    return _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130,
+                            0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);
+}
+
+/* weight row (4 bits) against activation rows r0 .. r0 + R - 1 (x_pairs: the pair order above) */
+static inline __attribute__((always_inline)) void exact_chunk_q4(const int R, const uint16_t *x_pairs, int64_t r0,
+                                                                  const uint8_t *row, const uint16_t *d,
+                                                                  const uint16_t *m, const float *group_sums,
+                                                                  float *sums, int64_t K) {
+    const int64_t num_groups = K / GROUP, num_pairs = num_groups / 2;
+    const __m512i low_bits = _mm512_set1_epi16(0x0f), table = nibble_table();
+    const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512 acc[EXACT_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < num_pairs; p++) {
+        __m512i codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(row + p * GROUP)));
+        __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(codes, low_bits), table);
+        __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 4), table);
+        int32_t d2;
+        memcpy(&d2, d + 2 * p, 4);
+        __m512 scale = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(d2))));
+        for (int r = 0; r < R; r++) {
+            const uint16_t *xp = x_pairs + (r0 + r) * K + p * 2 * GROUP;
+            __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), lo, (__m512bh)_mm512_loadu_si512((const void *)xp));
+            t = _mm512_dpbf16_ps(t, hi, (__m512bh)_mm512_loadu_si512((const void *)(xp + 32)));
+            acc[r] = _mm512_fmadd_ps(t, scale, acc[r]);
+        }
+    }
+    if (num_groups & 1) { /* the last group: values 0-15 then 16-31, in input order */
+        const int64_t g = num_groups - 1;
+        __m128i packed = _mm_loadu_si128((const __m128i *)(row + g * (GROUP / 2)));
+        __m128i nibble = _mm_set1_epi8(0x0f);
+        __m512bh w = (__m512bh)_mm512_permutexvar_epi16(
+            _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), nibble),
+                                                  _mm_and_si128(packed, nibble))), table);
+        __m512 scale = _mm512_set1_ps(_cvtsh_ss(d[g]));
+        for (int r = 0; r < R; r++) {
+            const uint16_t *xp = x_pairs + (r0 + r) * K + g * GROUP;
+            __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), w, (__m512bh)_mm512_loadu_si512((const void *)xp));
+            acc[r] = _mm512_fmadd_ps(t, scale, acc[r]);
+        }
+    }
+    /* the minimums: m * sum(x) per group, 16 groups at a time, into the same lanes */
+    for (int64_t g = 0; g < num_groups; g += 16) {
+        __mmask16 mask = num_groups - g >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (num_groups - g)) - 1u);
+        __m512 mins = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, m + g));
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm512_fmadd_ps(mins, _mm512_maskz_loadu_ps(mask, group_sums + (r0 + r) * num_groups + g),
+                                     acc[r]);
+    }
+    for (int r = 0; r < R; r++) sums[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+/* weight row (8 bits) against activation rows r0 .. r0 + R - 1 (x in input order) */
+static inline __attribute__((always_inline)) void exact_chunk_q8(const int R, const uint16_t *x, int64_t r0,
+                                                                  const uint8_t *row, const uint16_t *d, float *sums,
+                                                                  int64_t K) {
+    const int64_t num_groups = K / GROUP;
+    __m512 acc[EXACT_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < num_groups; g++) {
+        __m512 lo = widen_i8(_mm_loadu_si128((const __m128i *)(row + g * GROUP)));
+        __m512 hi = widen_i8(_mm_loadu_si128((const __m128i *)(row + g * GROUP + 16)));
+        __m512bh w = _mm512_cvtne2ps_pbh(hi, lo); /* exact: |q| <= 128 */
+        __m512 scale = _mm512_set1_ps(_cvtsh_ss(d[g]));
+        for (int r = 0; r < R; r++) {
+            __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), w,
+                                        (__m512bh)_mm512_loadu_si512((const void *)(x + (r0 + r) * K + g * GROUP)));
+            acc[r] = _mm512_fmadd_ps(t, scale, acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) sums[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+static inline __attribute__((always_inline)) void exact_chunk(const int R, const int bits, const uint16_t *x,
+                                                               int64_t r0, const uint8_t *row, const uint16_t *d,
+                                                               const uint16_t *m, const float *group_sums,
+                                                               float *sums, int64_t K) {
+    if (bits == 4)
+        exact_chunk_q4(R, x, r0, row, d, m, group_sums, sums, K);
+    else
+        exact_chunk_q8(R, x, r0, row, d, sums, K);
+}
+
+static inline __attribute__((always_inline)) void exact_row(const int bits, const uint16_t *x, const uint8_t *qs,
+                                                             const uint16_t *d, const uint16_t *m,
+                                                             const float *group_sums, float *y, int64_t n, int64_t M,
+                                                             int64_t N, int64_t K) {
+    const int64_t num_groups = K / GROUP;
+    const uint8_t *row = qs + n * (bits == 4 ? K / 2 : K);
+    const uint16_t *dn = d + n * num_groups, *mn = m ? m + n * num_groups : NULL;
+    float sums[EXACT_ROWS];
+    for (int64_t r0 = 0; r0 < M; r0 += EXACT_ROWS) {
+        switch (M - r0 < EXACT_ROWS ? M - r0 : EXACT_ROWS) {
+        case 1: exact_chunk(1, bits, x, r0, row, dn, mn, group_sums, sums, K); break;
+        case 2: exact_chunk(2, bits, x, r0, row, dn, mn, group_sums, sums, K); break;
+        case 3: exact_chunk(3, bits, x, r0, row, dn, mn, group_sums, sums, K); break;
+        case 4: exact_chunk(4, bits, x, r0, row, dn, mn, group_sums, sums, K); break;
+        case 5: exact_chunk(5, bits, x, r0, row, dn, mn, group_sums, sums, K); break;
+        case 6: exact_chunk(6, bits, x, r0, row, dn, mn, group_sums, sums, K); break;
+        case 7: exact_chunk(7, bits, x, r0, row, dn, mn, group_sums, sums, K); break;
+        default: exact_chunk(8, bits, x, r0, row, dn, mn, group_sums, sums, K); break;
+        }
+        for (int64_t r = r0; r < M && r < r0 + EXACT_ROWS; r++) y[r * N + n] = sums[r - r0];
+    }
+}
+
+/* a weight row decoded into bfloat16: q * d + m in float32 as gguf does, then rounded to nearest
+ * even (the weights of the file dequantized to bfloat16, what the prefill path multiplies) */
 static inline void decode_row_bf16(const int bits, const uint8_t *row, const uint16_t *d, const uint16_t *m,
                                    uint16_t *out, int64_t K) {
     for (int64_t g = 0; g < K / GROUP; g++) {
@@ -232,6 +356,14 @@ static inline void decode_row_bf16(const int bits, const uint8_t *row, const uin
         _mm512_storeu_si512((void *)(out + g * GROUP), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
 }
+
+/* from EXACT_ROWS + 1 rows on: WEIGHT_ROWS weight rows at a time are decoded into bfloat16 (the
+ * weights rounded as decode_row_bf16 rounds them, as the prefill path has them), held in L1 and
+ * multiplied as linear_rows.c does: BF16 dot products, float32 sums, X_ROWS activation rows per pass
+ * over the decoded rows (4 x 4 accumulators stay in registers). Fewer dot products per weight than
+ * the exact path, which pays a scaling per group and activation row. */
+#define WEIGHT_ROWS 4
+#define X_ROWS 4
 
 static inline __attribute__((always_inline)) void dot_rows_bf16(const int MX, const uint16_t *x, const uint16_t *w,
                                                                  float *y, int64_t m0, int64_t n0, int64_t nr,
@@ -251,69 +383,8 @@ static inline __attribute__((always_inline)) void dot_rows_bf16(const int MX, co
         for (int64_t c = 0; c < nr; c++) y[(m0 + r) * N + n0 + c] = _mm512_reduce_add_ps(acc[r][c]);
 }
 
-/* 4 bits at 1 to FUSED_MAX_ROWS rows: no pass through L1. A group's 32 weights take only 16
- * values, q * d + m for q = 0..15, so those 16 are computed at once (one 16-lane FMA, rounded to
- * bfloat16 exactly as decode_row_bf16 rounds them) and the group's codes index them (a 32-lane
- * word permute): the same bfloat16 weights, and the same dot products in the same order as
- * dot_rows_bf16's, so the same results bit for bit. Each thread walks its weight rows front to
- * back (one stream of codes, as linear_rows.c). */
-#define FUSED_MAX_ROWS 8
-#define MAX_GROUPS 256 /* K up to 8192 */
-
-static inline __attribute__((always_inline)) void fused_row_q4(const int MX, const uint16_t *x, const uint8_t *row,
-                                                                const uint16_t *d, const uint16_t *m, float *y,
-                                                                int64_t n, int64_t N, int64_t K) {
-    const int64_t num_groups = K / GROUP;
-    float scales[MAX_GROUPS], mins[MAX_GROUPS];
-    for (int64_t g = 0; g < num_groups; g += 16) {
-        __mmask16 mask = num_groups - g >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (num_groups - g)) - 1u);
-        _mm512_mask_storeu_ps(scales + g, mask, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, d + g)));
-        _mm512_mask_storeu_ps(mins + g, mask, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, m + g)));
-    }
-    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m128i low_bits = _mm_set1_epi8(0x0f);
-    __m512 acc[FUSED_MAX_ROWS];
-    for (int r = 0; r < MX; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < num_groups; g++) {
-        __m128i packed = _mm_loadu_si128((const __m128i *)(row + g * (GROUP / 2)));
-        __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), low_bits),
-                                         _mm_and_si128(packed, low_bits));
-        __m512 values = _mm512_fmadd_ps(iota, _mm512_set1_ps(scales[g]), _mm512_set1_ps(mins[g]));
-        __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(values));
-        __m512bh wv = (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(codes), table);
-        for (int r = 0; r < MX; r++)
-            acc[r] = _mm512_dpbf16_ps(acc[r], wv, (__m512bh)_mm512_loadu_si512((const void *)(x + r * K + g * GROUP)));
-    }
-    for (int r = 0; r < MX; r++) y[r * N + n] = _mm512_reduce_add_ps(acc[r]);
-}
-
-static void fused_rows_q4(const uint16_t *x, const uint8_t *qs, const uint16_t *d, const uint16_t *m, float *y,
-                          int64_t M, int64_t N, int64_t K) {
-    const int64_t num_groups = K / GROUP, row_bytes = K / 2;
-#pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_ELEMENTS)
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t *row = qs + n * row_bytes;
-        const uint16_t *dn = d + n * num_groups, *mn = m + n * num_groups;
-        switch (M) {
-        case 1: fused_row_q4(1, x, row, dn, mn, y, n, N, K); break;
-        case 2: fused_row_q4(2, x, row, dn, mn, y, n, N, K); break;
-        case 3: fused_row_q4(3, x, row, dn, mn, y, n, N, K); break;
-        case 4: fused_row_q4(4, x, row, dn, mn, y, n, N, K); break;
-        case 5: fused_row_q4(5, x, row, dn, mn, y, n, N, K); break;
-        case 6: fused_row_q4(6, x, row, dn, mn, y, n, N, K); break;
-        case 7: fused_row_q4(7, x, row, dn, mn, y, n, N, K); break;
-        default: fused_row_q4(8, x, row, dn, mn, y, n, N, K); break;
-        }
-    }
-}
-
-/* block_quant_rows with x bfloat16 [M, K] against the weights rounded to bfloat16 (above) */
-void block_quant_rows_bf16(const uint16_t *x, const uint8_t *qs, const uint16_t *d, const uint16_t *m, float *y,
-                           int64_t M, int64_t N, int64_t K, int32_t bits) {
-    if (bits == 4 && m && M <= FUSED_MAX_ROWS && K / GROUP <= MAX_GROUPS) {
-        fused_rows_q4(x, qs, d, m, y, M, N, K);
-        return;
-    }
+static void decoded_rows_bf16(const uint16_t *x, const uint8_t *qs, const uint16_t *d, const uint16_t *m, float *y,
+                              int64_t M, int64_t N, int64_t K, int32_t bits) {
     const int64_t num_groups = K / GROUP, row_bytes = bits == 4 ? K / 2 : K;
     const int64_t num_blocks = (N + WEIGHT_ROWS - 1) / WEIGHT_ROWS;
 #pragma omp parallel if (N * K >= PARALLEL_MIN_ELEMENTS)
@@ -337,6 +408,51 @@ void block_quant_rows_bf16(const uint16_t *x, const uint8_t *qs, const uint16_t 
         }
         free(decoded);
     }
+}
+
+/* block_quant_rows with x bfloat16 [M, K], the exact weights (above) */
+void block_quant_rows_bf16(const uint16_t *x, const uint8_t *qs, const uint16_t *d, const uint16_t *m, float *y,
+                           int64_t M, int64_t N, int64_t K, int32_t bits) {
+    const int64_t num_groups = K / GROUP, num_pairs = num_groups / 2;
+    if (M > EXACT_ROWS || num_groups > MAX_GROUPS) {
+        decoded_rows_bf16(x, qs, d, m, y, M, N, K, bits);
+        return;
+    }
+    uint16_t *x_pairs = NULL;
+    float *group_sums = NULL;
+    if (bits == 4) {
+        x_pairs = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * M * K);
+        group_sums = (float *)malloc(sizeof(float) * M * num_groups);
+        if (!x_pairs || !group_sums) {
+            free(x_pairs);
+            free(group_sums);
+            return;
+        }
+        for (int64_t r = 0; r < M; r++) {
+            const uint16_t *xr = x + r * K;
+            uint16_t *out = x_pairs + r * K;
+            for (int64_t p = 0; p < num_pairs; p++)
+                for (int j = 0; j < 16; j++) {
+                    out[p * 64 + j] = xr[2 * p * GROUP + j];
+                    out[p * 64 + 16 + j] = xr[(2 * p + 1) * GROUP + j];
+                    out[p * 64 + 32 + j] = xr[2 * p * GROUP + 16 + j];
+                    out[p * 64 + 48 + j] = xr[(2 * p + 1) * GROUP + 16 + j];
+                }
+            if (num_groups & 1) memcpy(out + (num_groups - 1) * GROUP, xr + (num_groups - 1) * GROUP, 2 * GROUP);
+            for (int64_t g = 0; g < num_groups; g++) {
+                float s = 0.0f;
+                for (int j = 0; j < GROUP; j++) s += bf16_to_f32(xr[g * GROUP + j]);
+                group_sums[r * num_groups + g] = s;
+            }
+        }
+#pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_ELEMENTS)
+        for (int64_t n = 0; n < N; n++) exact_row(4, x_pairs, qs, d, m, group_sums, y, n, M, N, K);
+    } else {
+#pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_ELEMENTS)
+        for (int64_t n = 0; n < N; n++) exact_row(8, x, qs, d, m, NULL, y, n, M, N, K);
+    }
+    free(x_pairs);
+    free(group_sums);
 }
 
 int32_t block_quant_rows_bf16_available(void) { return 1; }

@@ -85,45 +85,53 @@ def test_weights_that_are_not_the_files_float16_are_refused():
         BlockQuantWeight(torch.zeros(16, 32, dtype=torch.uint8), torch.zeros(16, 2, dtype=torch.float16), None, 4)
 
 
-@pytest.mark.parametrize("tensor_type", TYPES)
-@pytest.mark.parametrize("num_rows", [1, 4, 7, 32])
-def test_bfloat16_rows_match_the_bfloat16_weights_product_before_rounding(tensor_type, num_rows):
-    """The BF16 variant on bfloat16 activations decodes the weights to bfloat16 exactly as the file
-    dequantized to bfloat16 has them: its float32 output, read before the final rounding, is the
-    product with those weights up to the order of float32 sums."""
-    weight, _ = _gguf_weight(tensor_type, 96, 320, seed=20 + num_rows)
-    lib = block_quant.supports(torch.empty(num_rows, 320), weight)
-    if lib is None or not block_quant._has_bf16(lib):
-        pytest.fail("the native bfloat16 block kernel is unavailable on this CPU (it needs AVX-512 BF16)")
-    x = torch.randn(num_rows, 320, generator=torch.Generator().manual_seed(num_rows)).bfloat16()
-    y = torch.empty(num_rows, 96)
+def _bf16_rows(lib, weight, x: torch.Tensor) -> torch.Tensor:
+    """The BF16 kernel's float32 output (before the final rounding) for x bfloat16 [M, K]."""
+    y = torch.empty(x.shape[0], weight.out_features)
     lib.block_quant_rows_bf16(x.data_ptr(), weight.qs.data_ptr(), weight.scales.data_ptr(),
-                              weight.mins.data_ptr() if weight.mins is not None else None, y.data_ptr(), num_rows,
-                              96, 320, weight.bits)
-    rounded = weight.dequantize(torch.bfloat16).double()  # what `none` serves in bfloat16
-    exact = F.linear(x.double(), rounded)
-    assert float((y.double() - exact).abs().max() / exact.abs().max()) < 1e-6
+                              weight.mins.data_ptr() if weight.mins is not None else None, y.data_ptr(), x.shape[0],
+                              weight.out_features, weight.in_features, weight.bits)
+    return y
 
 
-@pytest.mark.parametrize("num_rows", [1, 2, 5, 8])
-def test_fused_four_bit_rows_equal_the_decoded_rows_bit_for_bit(num_rows):
-    """At up to 8 rows a 4-bit weight with minimums (Q4_1) is multiplied without a pass through L1
-    (each group's 16 possible values computed once, then indexed by the codes); the weights and
-    the order of the sums are those of the path that decodes rows into L1, taken from 9 rows on."""
-    weight, _ = _gguf_weight("Q4_1", 70, 576, seed=40 + num_rows)
-    lib = block_quant.supports(torch.empty(9, 576), weight)
+def _bf16_lib(weight, num_rows: int):
+    lib = block_quant.supports(torch.empty(num_rows, weight.in_features), weight)
     if lib is None or not block_quant._has_bf16(lib):
         pytest.fail("the native bfloat16 block kernel is unavailable on this CPU (it needs AVX-512 BF16)")
-    x = torch.randn(9, 576, generator=torch.Generator().manual_seed(num_rows)).bfloat16()
+    return lib
 
-    def rows(count: int) -> torch.Tensor:
-        y = torch.empty(count, 70)
-        lib.block_quant_rows_bf16(x.data_ptr(), weight.qs.data_ptr(), weight.scales.data_ptr(),
-                                  weight.mins.data_ptr(), y.data_ptr(), count, 70, 576, 4)
-        return y
 
-    assert torch.equal(rows(num_rows), rows(9)[:num_rows])
+@pytest.mark.parametrize("tensor_type", TYPES)
+@pytest.mark.parametrize("num_rows", [1, 3, 8, 9, 32])
+@pytest.mark.parametrize("in_features", [320, 352])  # 10 groups, and 11 (one left after the pairs)
+def test_bfloat16_rows_match_their_weights_product_before_rounding(tensor_type, num_rows, in_features):
+    """On bfloat16 activations, up to EXACT_ROWS rows the BF16 variant multiplies the exact weights
+    (the codes, exact in bfloat16, scaled per group in float32); from there on the weights decoded
+    to bfloat16 as the file dequantized to bfloat16 has them. Its float32 output, read before the
+    final rounding, is the product with those weights up to the order of float32 sums."""
+    weight, _ = _gguf_weight(tensor_type, 96, in_features, seed=20 + num_rows)
+    lib = _bf16_lib(weight, num_rows)
+    x = torch.randn(num_rows, in_features, generator=torch.Generator().manual_seed(num_rows)).bfloat16()
+    y = _bf16_rows(lib, weight, x)
+    exact_weights = num_rows <= block_quant.EXACT_ROWS
+    dense = weight.dequantize(torch.float32) if exact_weights else weight.dequantize(torch.bfloat16)
+    expected = F.linear(x.double(), dense.double())
+    assert float((y.double() - expected).abs().max() / expected.abs().max()) < 1e-6
+    other = weight.dequantize(torch.bfloat16 if exact_weights else torch.float32).double()
+    assert float((F.linear(x.double(), other) - expected).abs().max() / expected.abs().max()) > 1e-5  # tells them apart
+    assert torch.equal(block_quant.block_quant_linear_native(x, weight, None, lib), y.to(torch.bfloat16))
 
+
+@pytest.mark.parametrize("tensor_type", TYPES)
+@pytest.mark.parametrize("num_rows", [2, 5, 8])
+def test_exact_rows_do_not_depend_on_the_other_rows_of_the_batch(tensor_type, num_rows):
+    """Up to EXACT_ROWS rows each activation row's sums are taken in the same order whatever rows
+    come with it: a batch gives each row what it gets alone, bit for bit."""
+    weight, _ = _gguf_weight(tensor_type, 70, 576, seed=40 + num_rows)
+    lib = _bf16_lib(weight, num_rows)
+    x = torch.randn(num_rows, 576, generator=torch.Generator().manual_seed(num_rows)).bfloat16()
+    alone = torch.cat([_bf16_rows(lib, weight, x[i:i + 1].contiguous()) for i in range(num_rows)])
+    assert torch.equal(_bf16_rows(lib, weight, x), alone)
 
 
 @pytest.mark.parametrize("tensor_type", TYPES)

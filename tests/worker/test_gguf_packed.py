@@ -103,3 +103,25 @@ def test_production_kernels_keep_the_dequantized_models_logits_and_greedy_tokens
         torch.testing.assert_close(sequence_logits(kept, prompt), sequence_logits(dense, prompt), rtol=1e-4,
                                    atol=1e-4)
     assert _greedy(kept) == _greedy(dense)
+
+
+@pytest.mark.parametrize("model", ["all-kept", "qwen2-tied"])
+def test_lm_head_keeps_the_files_blocks_and_takes_them_at_one_row(all_kept, gguf_model, model, monkeypatch):
+    """The LM head keeps its Q8_0 blocks (the token embedding's when tied) beside the dense weight
+    the embedding needs; one row goes through the block kernel, which gives the dense float32
+    product up to the order of sums, more rows through the dense weight; `none` keeps no blocks."""
+    path = all_kept if model == "all-kept" else gguf_model(model) / GGUF_FILE
+    kept, dense = _runner(path, "auto"), _runner(path, "none")
+    head = kept.model.lm_head
+    assert head.is_tied == (model == "qwen2-tied")
+    assert isinstance(head.blocks, BlockQuantWeight) and head.blocks.bits == 8
+    assert torch.equal(head.blocks.dequantize(), head.weight)  # float32: the file's values both ways
+    assert dense.model.lm_head.blocks is None
+    calls = []
+    block_linear = ops.block_quant_linear
+    monkeypatch.setattr(ops, "block_quant_linear", lambda *args: calls.append(args) or block_linear(*args))
+    for rows in (1, 4):
+        hidden = torch.randn(rows, head.weight.shape[1], generator=torch.Generator().manual_seed(rows))
+        torch.testing.assert_close(head(hidden), torch.nn.functional.linear(hidden, head.weight)[:, :head.vocab_size],
+                                   rtol=1e-5, atol=1e-5)
+    assert len(calls) == 1 and calls[0][0].shape[0] == 1

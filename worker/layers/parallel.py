@@ -157,14 +157,27 @@ class ParallelLMHead(torch.nn.Module):
             self.embedding = VocabParallelEmbedding(vocab_size, hidden_size, tp=tp, dtype=dtype, device=device)
 
     onednn_weight: torch.Tensor | None = None  # the weight prepacked (worker/loading/prepacked_weights.py)
+    blocks: ops.BlockQuantWeight | None = None  # a GGUF file's blocks of the weight (--quantization auto)
 
     @property
     def weight(self) -> torch.Tensor:  # [rows_per_rank, hidden]
         return self.embedding.weight
 
+    def set_blocks(self, blocks: ops.BlockQuantWeight) -> None:
+        """Keeps the weight's GGUF blocks as the file has them (the same values as the dense weight
+        in float32), multiplied instead of the dense weight where the block kernel reads fewer bytes
+        at full speed (ops.block_quant_prefers: the few rows of a decode step)."""
+        if blocks.out_features != self.weight.shape[0] or blocks.in_features != self.weight.shape[1]:
+            raise ValueError(f"blocks of {blocks.out_features}x{blocks.in_features} for an LM head of "
+                             f"{tuple(self.weight.shape)}")
+        self.blocks = blocks
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [L, hidden] -> logits [L, vocab_size] on rank 0, None on the others."""
-        logits = ops.linear(hidden, self.weight, prepacked=self.onednn_weight)  # [L, rows_per_rank]
+        if self.blocks is not None and ops.block_quant_prefers(hidden, self.blocks):
+            logits = ops.block_quant_linear(hidden, self.blocks)  # [L, rows_per_rank]
+        else:
+            logits = ops.linear(hidden, self.weight, prepacked=self.onednn_weight)  # [L, rows_per_rank]
         logits = self.tp.gather_to_first(logits, dim=-1)  # [L, rows_per_rank * world_size] on rank 0
         if logits is None or logits.shape[-1] == self.vocab_size:
             return logits

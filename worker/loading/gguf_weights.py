@@ -13,11 +13,11 @@ safetensors); each name maps to llama.cpp's:
 
 Only this rank's rows (or block-aligned columns) are read from the memory-mapped file, then
 decoded with gguf.quants.dequantize, or, with keep_quantized (--quantization auto), a linear
-layer whose slices are all Q4_0, Q4_1 or Q8_0 blocks is packed for the quantized kernels without
-passing through a dense weight: Q4 blocks become int4 groups of 32 as they are (scales and mins
-rounded to bfloat16), Q8_0 is requantized to int8 per output channel
-(pagedserve.worker.quantization.linear.pack_parts). Everything else (embeddings, norms, the LM head,
-K-quants and float tensors) is dequantized to the serving dtype. llama.cpp's converter permutes the rows of the Llama q and k
+layer whose slices are all Q4_0, Q4_1 or Q8_0 blocks keeps them as the file has them, codes and
+float16 scales and minimums, without a dense weight (pagedserve.worker.quantization.linear.pack_parts
+-> kernels.linear.block_quant.BlockQuantWeight); the LM head keeps its weight's blocks beside its
+dense weight (`_keep_lm_head_blocks`). Everything else (embeddings, norms, K-quants and float
+tensors) is dequantized to the serving dtype. llama.cpp's converter permutes the rows of the Llama q and k
 weights (and biases) within each head, from Hugging Face's "rotate half" pair layout (i, i + d/2)
 to interleaved pairs (2i, 2i + 1); `unpermute_rows` restores the original order, as transformers'
 GGUF loader does. Qwen2 files are not permuted.
@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pagedserve.kernels.ops import BlockQuantWeight
 from pagedserve.checkpoints.gguf_config import GGUFConfig, config_from_reader, find_gguf_file, open_gguf
 from pagedserve.worker.quantization.gguf_blocks import GGUFBlocks, to_int4_groups, to_int8_groups
 from pagedserve.worker.loading.hf_checkpoint import CheckpointError, _check_filled, _names
@@ -149,6 +150,27 @@ def _load_packed(model: torch.nn.Module, checkpoint: GGUFCheckpoint, slices: lis
     return replaced, num_bytes
 
 
+def _keep_lm_head_blocks(model: torch.nn.Module, checkpoint: GGUFCheckpoint, slices: list[TensorSlice]) -> None:
+    """Gives the LM head its weight's Q4_0/Q4_1/Q8_0 blocks as the file has them (the token
+    embedding's when tied), for the decode steps' few rows (ParallelLMHead.forward); the dense
+    weight stays for the embedding lookup and larger batches. Nothing when the blocks would not
+    cover the head's rows exactly (a padded vocabulary shard) or the file has another type."""
+    head = getattr(model, "lm_head", None)
+    if head is None or not hasattr(head, "set_blocks"):
+        return
+    param_name = next((name for name, param in model.named_parameters() if param is head.weight), None)
+    pieces = sorted((piece for piece in slices if piece.param_name == param_name and piece.dim == 0),
+                    key=lambda piece: piece.dst_start)
+    if not pieces:
+        return
+    parts = [quantized_weight_of(checkpoint.read(piece)) for piece in pieces]
+    if any(part is None for part in parts) or not all(part.has_format_of(parts[0]) for part in parts):
+        return
+    packed = pack_parts(parts)
+    if isinstance(packed, BlockQuantWeight) and packed.out_features == head.weight.shape[0]:
+        head.set_blocks(packed)
+
+
 def _packed_names(model: torch.nn.Module, replaced: set[str]) -> set[str]:
     """The parameters (weight_*) that hold the packed form of the replaced dense weights."""
     names = set()
@@ -189,4 +211,6 @@ def load_gguf_weights(model: torch.nn.Module, path: str | Path, *, keep_quantize
             filled[piece.param_name] += piece.length
             num_bytes += blocks.num_bytes
     _check_filled(model, slices, params, filled)
+    if keep_quantized:
+        _keep_lm_head_blocks(model, checkpoint, model.checkpoint_slices())
     return num_bytes
