@@ -58,6 +58,7 @@ from pagedserve.kernels.cache.reference import copy_blocks_ref, swap_blocks_ref,
 from pagedserve.kernels.attention.sdpa import attend_prefills, paged_attention_sdpa, plan_sdpa_attention
 from pagedserve.kernels.attention.native import paged_decode_attention, plan_native_decodes
 from pagedserve.kernels.linear import block_quant
+from pagedserve.kernels.sampling import greedy as greedy_kernel
 from pagedserve.kernels.linear.packed_weights import Int8Weight
 from pagedserve.kernels.attention.reference import paged_attention_ref
 from pagedserve.kernels.linear.quantized import int4_linear_dequant, int8_linear_dequant, quantized_linear_by_rows
@@ -194,6 +195,16 @@ def quantized_linear(x, weight, bias=None):
     if x.device.type == "cpu":
         return quantized_linear_by_rows(x, weight, bias)
     return (int8_linear_dequant if is_int8 else int4_linear_dequant)(x, weight, bias)
+
+
+def greedy(logits) -> tuple[list[int], list[float]]:
+    """logits [rows, vocab] -> per row the first index of its largest value and that token's log
+    probability (kernels/sampling/greedy.py): the native kernel on the CPU, else the torch ops."""
+    if os.environ.get(KERNELS_ENV) != "reference":
+        lib = greedy_kernel.supports(logits)
+        if lib is not None:
+            return greedy_kernel.greedy_native(logits, lib)
+    return greedy_kernel.greedy_ref(logits)
 
 
 def block_quant_prefers(x, weight) -> bool:

@@ -16,7 +16,10 @@ reset: every block is dropped and each unfinished request waits to be computed a
 tokens it holds; when the ranks register again the streams continue where they were. Requests
 still waiting when the timeout passes, or all of them at once without recovery, fail UNAVAILABLE.
 
-`on_step` runs after every step (and with no record when a new Scheduler starts); `on_idle` at
+`on_step` runs for every step (and with no record when a new Scheduler starts): for a step that
+another follows, right after the next plan is published (while the workers run it, off the path
+from a result to the next plan), else before the loop goes idle or hands over a lost worker's
+requests; `on_idle` at
 most every IDLE_REPORT_SECONDS while no step runs, workers ready or not, so what the gauges show
 follows an abort, a finish or a reset within a second even when no further step comes.
 
@@ -89,6 +92,7 @@ class Engine:
         self.state = EngineState()
         self.scheduler = None
         self._on_step = on_step
+        self._unreported: StepRecord | None = None  # the last step's record, not yet given to on_step
         self._on_idle = on_idle
         self._next_idle_report = 0.0
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -257,6 +261,7 @@ class Engine:
         started = time.perf_counter()
         scheduled = self.scheduler.schedule(defer_masks=True)
         if scheduled is None:
+            self._report_step()
             self._hold(self.scheduler.pop_pending_outputs())
             self.state.num_waiting = self.scheduler.stats().num_waiting
             return False
@@ -268,6 +273,7 @@ class Engine:
         if scheduled.pending_masks:  # while the workers run the forward; rank 0 waits before sampling
             scheduled.fill_masks()
             self.link.publish_masks(scheduled.plan)
+        self._report_step()  # the previous step's, while the workers run this one
         self._hand_over()
         result = self.link.wait_result(scheduled.plan)
         self._hold(self.scheduler.process_result(scheduled, result))
@@ -281,9 +287,13 @@ class Engine:
         record.forward_seconds = result.forward_seconds
         record.queue_seconds = queue_seconds
         self.state.num_waiting = self.scheduler.stats().num_waiting
-        if self._on_step is not None:
-            self._on_step(self, record)
+        self._unreported = record
         return True
+
+    def _report_step(self) -> None:
+        record, self._unreported = self._unreported, None
+        if record is not None and self._on_step is not None and self.scheduler is not None:
+            self._on_step(self, record)
 
     def _hold(self, outputs: list[RequestOutput]) -> None:
         """Pairs outputs with their sinks (a finished request's sink is dropped at once) and keeps
@@ -342,6 +352,10 @@ class Engine:
 
     def _lose_workers(self, reason: str) -> None:
         self._log.error("workers_lost", reason=reason)
+        try:
+            self._report_step()
+        except Exception:  # the metrics of one step must not stop the recovery
+            self._log.exception("step_report_failed")
         self._quarantine_step_requests()
         self._hand_over()  # tokens already computed go out now, not after the recovery
         self.state.is_ready = False

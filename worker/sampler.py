@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from pagedserve.contracts.step_plan import SampleSpec, SeqFailure, SeqSample
+from pagedserve.kernels import ops
 
 
-GREEDY_ROWS_PER_PASS = 4  # logits rows per pass of the greedy path (see Sampler._sample_greedy)
 
 
 class SamplerError(ValueError):
@@ -251,21 +251,10 @@ class Sampler:
 
     @staticmethod
     def _sample_greedy(logits: torch.Tensor, seq_ids: list[int]) -> list[SeqSample]:
-        """logits [rows, V]: one max and one exp-sum for a batch that needs nothing else. The chosen
-        token's logprob is max - logsumexp = -log(sum(exp(raw - max))); max(dim) returns the first
-        maximal index as argmax does, at a third of argmax's cost on CPU.
-
-        GREEDY_ROWS_PER_PASS rows at a time: their float32 copy and exponentials (4 x 49,152
-        floats, 0.8 MB) stay in the core's cache between the ops, where all 32 rows of a batch
-        (6 MB) went to memory and back at every op (bench/greedy_sampling.py). Same ops per row, so
-        the same results."""
-        chosen_ids: list[int] = []
-        chosen_logprobs: list[float] = []
-        for start in range(0, logits.shape[0], GREEDY_ROWS_PER_PASS):
-            raw = logits[start:start + GREEDY_ROWS_PER_PASS].float()  # [k, V]
-            maxima, chosen = raw.max(dim=-1)  # [k] each
-            chosen_ids += chosen.tolist()
-            chosen_logprobs += (raw - maxima[:, None]).exp_().sum(dim=-1).log_().neg_().tolist()  # [k]
+        """logits [rows, V]: one max and one exp-sum per row for a batch that needs nothing else
+        (ops.greedy: the native kernel on the CPU). The chosen token's logprob is max - logsumexp =
+        -log(sum(exp(raw - max))); the first maximal index, as argmax gives it."""
+        chosen_ids, chosen_logprobs = ops.greedy(logits)
         return [SeqSample(seq_id=seq_id, token_id=token_id, logprob=logprob)
                 for seq_id, token_id, logprob in zip(seq_ids, chosen_ids, chosen_logprobs)]
 

@@ -56,6 +56,7 @@ SIGNATURES = {  # exported function -> argument types, as pagedserve_cpu.h decla
     "add_rms_norm": (P, P, P, P, I64, I64, F32, I32, I32),
     "rotary_write_kv": (P, P, P, P, P, P, I64, I64, I64, I64, I64, I64, I32, I32),
     "silu_mul": (P, P, I64, I64, I64, I32),
+    "greedy_rows": (P, I64, I64, I64, I32, P, P),
     "linear_rows_bf16": (P, P, P, P, I64, I64, I64),
     "linear_rows_available": (),
     "linear_rows_f32": (P, P, P, P, I64, I64, I64),

@@ -60,6 +60,10 @@ void rotary_write_kv(void *qkv, const void *cos_sin, const int64_t *positions, c
                      void *key_cache, void *value_cache, int64_t T, int64_t num_heads, int64_t num_kv_heads,
                      int64_t head_size, int64_t stride, int64_t num_slots, int32_t dtype, int32_t cache_dtype);
 
+/* greedy.c: per logits row the first index of its largest value and that token's log probability */
+void greedy_rows(const void *logits, int64_t rows, int64_t vocab, int64_t stride, int32_t dtype, int64_t *ids,
+                 float *logprobs);
+
 /* silu_mul.c */
 void silu_mul(const void *gate_up, void *out, int64_t T, int64_t inner, int64_t stride, int32_t dtype);
 

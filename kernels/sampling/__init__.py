@@ -1,0 +1,1 @@
+"""pagedserve.kernels.sampling: see docs/architecture.md."""
