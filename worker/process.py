@@ -37,6 +37,8 @@ from pagedserve.security.zmq_curve import (
 from pagedserve.internal import step_pb2
 from pagedserve.log import configure_logging
 from pagedserve.contracts.plan_codec import encode_result, plan_from_proto
+from pagedserve.contracts.step_plan import StepPlan, StepResult
+from pagedserve.worker.continuation import is_same_step, next_plan
 from pagedserve.worker import resident_memory
 from pagedserve.worker.cpu_share import CpuShare
 from pagedserve.worker.memory_budget import exceeds_available, plan_memory
@@ -226,9 +228,12 @@ def _serve_plans(config, runner, sub, pusher, state, log, cpu_share=None, layout
 
     last_step_id: int | None = None  # the first plan of an epoch sets the base
     message = step_pb2.SchedulerMessage()
+    computes_ahead = config.world_size == 1  # other ranks would not know the sampled tokens
+    ahead: tuple[StepPlan, StepResult] | None = None  # the likely next step, computed (continuation.py)
     while True:
         message.ParseFromString(sub.recv())
         kind = message.WhichOneof("kind")
+        computed_ahead, ahead = ahead, None
         if kind == "shutdown":
             if message.shutdown.instance_ids and state["instance_id"] not in message.shutdown.instance_ids:
                 continue  # meant for the processes this one replaces
@@ -263,9 +268,20 @@ def _serve_plans(config, runner, sub, pusher, state, log, cpu_share=None, layout
         receive_masks = None
         if plan_msg.masks_follow and config.rank == 0:
             receive_masks = partial(_receive_masks, sub, plan_msg.epoch, plan_msg.step_id)
-        result = runner.execute(plan_from_proto(plan_msg), receive_masks)  # carries the plan's step id and epoch
+        plan = plan_from_proto(plan_msg)
+        if computed_ahead is not None and is_same_step(computed_ahead[0], plan):
+            result = computed_ahead[1]
+        else:
+            result = runner.execute(plan, receive_masks)  # carries the plan's step id and epoch
         if config.rank == 0:
             pusher.send(encode_result(result))
+        if computes_ahead and (following := next_plan(plan, result, runner.block_size)) is not None:
+            try:
+                ahead = following, runner.execute(following)
+            except WorkerStopped:
+                raise
+            except Exception:  # the plan itself, if it comes, runs again and reports what fails
+                log.debug("step_ahead_failed", step_id=following.step_id, exc_info=True)
         if cpu_share is not None and (num_threads := cpu_share.after_step()) is not None:
             torch.set_num_threads(num_threads)
             log.info("cpu_threads_changed", num_threads=num_threads, other_cores=round(cpu_share.other_cores, 2))

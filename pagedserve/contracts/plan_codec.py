@@ -116,6 +116,8 @@ def plan_to_proto(plan: StepPlan) -> step_pb2.StepPlan:
             msg.masks_follow = True
         else:
             msg.token_bitmasks = b"".join(seq.token_bitmask for seq in seqs)
+    if plan.continuable:
+        msg.continuable = True
     if plan.drafts_from_worker:
         msg.drafts_from_worker = True
         msg.draft_start_positions.extend([seq.draft_start_position for seq in seqs])
@@ -184,6 +186,7 @@ def plan_from_proto(msg: step_pb2.StepPlan) -> StepPlan:
         seq.lora_slot = slot - 1
     return StepPlan(
         masks_follow=msg.masks_follow,
+        continuable=msg.continuable,
         step_id=msg.step_id,
         seqs=seqs,
         blocks_to_swap_out=_pairs_from_proto(msg.blocks_to_swap_out),

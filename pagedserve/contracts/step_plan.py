@@ -100,6 +100,10 @@ class StepPlan:
     # in a StepMasks message after the plan (computed while the workers run the forward).
     masks_follow: bool = False
     lora_loads: list[LoraLoad] = field(default_factory=list)  # run before the forward
+    # Every sequence decodes one token it samples in a block it owns alone with room for the next,
+    # under a spec its tokens do not change, and nothing waits: a single-rank worker may compute
+    # the likely next plan ahead (worker/continuation.py)
+    continuable: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -56,7 +56,7 @@ from pagedserve.scheduler.core.scheduled_step import ScheduledStep
 from pagedserve.scheduler.core.sample_specs import sample_spec_for
 from pagedserve.scheduler.core.sequence import GroupStatus, Sequence, SequenceGroup
 from pagedserve.scheduler.speculation.drafting import Drafter, drop_group_drafts, drop_unscheduled_drafts
-from pagedserve.contracts.step_plan import ScheduledSeq, StepPlan
+from pagedserve.contracts.step_plan import SampleSpec, ScheduledSeq, StepPlan
 from pagedserve.scheduler.lora.step_slots import StepAdapterSlots
 from pagedserve.scheduler.structured_output.sequences import fill_masks
 
@@ -89,6 +89,7 @@ class StepBuilder:
         self.num_preemptions = 0
         self.num_priority_preemptions = 0  # of num_preemptions, those made for a higher priority
         self.adapter_slots = StepAdapterSlots(scheduler.lora_slots)
+        self.num_continuable = 0  # scheduled decodes whose next step the worker may compute ahead
 
     def build(self, step_id: int, epoch: int) -> ScheduledStep | None:
         is_priority_policy = self.scheduler.config.is_priority_policy
@@ -115,10 +116,13 @@ class StepBuilder:
         lora_loads = self.adapter_slots.take_loads()
         if not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or tier_ops or lora_loads):
             return None
+        continuable = (0 < len(self.scheduled) == self.num_continuable and not self.scheduler.waiting
+                       and not self.scheduler.swapped and not (self.blocks_to_swap_out or self.blocks_to_swap_in
+                                                               or self.blocks_to_copy or tier_ops or lora_loads))
         plan = StepPlan(step_id=step_id, seqs=self.scheduled, blocks_to_swap_out=self.blocks_to_swap_out,
                         blocks_to_swap_in=self.blocks_to_swap_in, blocks_to_copy=self.blocks_to_copy,
                         epoch=epoch, drafts_from_worker=self.drafts_from_worker, tier_ops=tier_ops,
-                        masks_follow=bool(self.pending_masks), lora_loads=lora_loads)
+                        masks_follow=bool(self.pending_masks), lora_loads=lora_loads, continuable=continuable)
         return ScheduledStep(plan=plan, sampled=self.sampled, groups=self.groups,
                              num_prefill_tokens=self.num_prefill_tokens,
                              num_decode_tokens=self.num_decode_tokens, num_preemptions=self.num_preemptions,
@@ -189,6 +193,8 @@ class StepBuilder:
                                  lora_slot=self.adapter_slots.slot_of(group))
         if seq.matcher is not None:
             self._masks(scheduled, seq)
+        elif _next_step_is_predictable(group, seq, spec, computed + 1, self.block_manager.block_size):
+            self.num_continuable += 1
         self.scheduled.append(scheduled)
         if (computed + 1) % self.block_manager.block_size == 0:
             self.emitted.append((group, seq))  # its last block is full now: register it
@@ -393,6 +399,17 @@ class StepBuilder:
             self.num_tokens_left -= num_tokens
             self.num_seqs_left -= 1
         self.groups.append(group)
+
+
+def _next_step_is_predictable(group: SequenceGroup, seq: Sequence, spec: SampleSpec, next_position: int,
+                              block_size: int) -> bool:
+    """Whether the step after this decode is, unless the token ends the sequence, the same decode
+    one position on (StepPlan.continuable): its slot in the block this one writes (owned alone:
+    _emit_decode), a spec that neither the new token nor the position changes (no penalties, no
+    min_tokens window, no beams), and at least one more token to go after this one."""
+    return (next_position % block_size != 0 and group.is_sample_spec_static
+            and not spec.num_beam_candidates and not spec.suppress_token_ids and not spec.output_token_ids
+            and len(seq.token_ids) + 1 - seq.num_prompt_tokens < group.max_output_tokens)
 
 
 def _arrival(group: SequenceGroup) -> tuple[int, int]:
