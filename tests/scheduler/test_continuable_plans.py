@@ -74,3 +74,13 @@ def test_a_batch_is_continuable_only_when_every_sequence_is():
     flags = {seqs[1][1]: continuable for continuable, seqs in steps if len(seqs) == 2}
     # b at 7 and a at 7 (the step where b is at 9) are followed by a new block
     assert [flags[position] for position in (7, 8, 9, 10)] == [False, True, False, True]
+
+
+def test_not_continuable_above_the_batch_limit():
+    from pagedserve.scheduler.core.step_builder import MAX_CONTINUABLE_SEQS
+
+    scheduler = _scheduler(max_num_seqs=8)
+    for index in range(MAX_CONTINUABLE_SEQS + 1):
+        scheduler.add_request(_request(f"r{index}", prompt_len=5))
+    steps = _run(scheduler, 3)
+    assert len(steps[1][1]) == MAX_CONTINUABLE_SEQS + 1 and not any(continuable for continuable, _ in steps)
