@@ -98,6 +98,7 @@ class StepBuilder:
         self.num_priority_preemptions = 0  # of num_preemptions, those made for a higher priority
         self.adapter_slots = StepAdapterSlots(scheduler.lora_slots)
         self.num_continuable = 0  # scheduled decodes whose next step the worker may compute ahead
+        self.speculates = False  # proposals may come in any step: the next step is not predictable
 
     def build(self, step_id: int, epoch: int) -> ScheduledStep | None:
         is_priority_policy = self.scheduler.config.is_priority_policy
@@ -125,7 +126,7 @@ class StepBuilder:
         if not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or tier_ops or lora_loads):
             return None
         continuable = (0 < len(self.scheduled) == self.num_continuable <= MAX_CONTINUABLE_SEQS
-                       and not self.scheduler.waiting and not self.scheduler.swapped
+                       and not self.speculates and not self.scheduler.waiting and not self.scheduler.swapped
                        and not (self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy or tier_ops
                                 or lora_loads))
         plan = StepPlan(step_id=step_id, seqs=self.scheduled, blocks_to_swap_out=self.blocks_to_swap_out,
@@ -144,6 +145,7 @@ class StepBuilder:
         gpu = self.block_manager.gpu_pool
         size = self.block_manager.block_size
         drafter = Drafter.for_step(self.scheduler)
+        self.speculates = drafter is not None
         decode_tokens = [num_decode_tokens(group) for group in running]
         num_reserved = sum(decode_tokens)
         index = 0

@@ -14,9 +14,9 @@ from pagedserve.scheduler.core.scheduler import Scheduler
 BLOCK_SIZE = 4
 
 
-def _scheduler(max_num_seqs: int = 4) -> Scheduler:
+def _scheduler(max_num_seqs: int = 4, **config) -> Scheduler:
     return Scheduler(SchedulerConfig(num_gpu_blocks=64, max_model_len=256, block_size=BLOCK_SIZE,
-                                     max_num_seqs=max_num_seqs, max_num_batched_tokens=256))
+                                     max_num_seqs=max_num_seqs, max_num_batched_tokens=256, **config))
 
 
 def _request(request_id: str, prompt_len: int = 6, **sampling) -> Request:
@@ -24,7 +24,8 @@ def _request(request_id: str, prompt_len: int = 6, **sampling) -> Request:
     return Request(request_id, list(range(4, 4 + prompt_len)), SamplingParams(**sampling), eos_token_ids=[2])
 
 
-def _run(scheduler: Scheduler, num_steps: int, add_at: dict[int, Request] | None = None) -> list[tuple[bool, list]]:
+def _run(scheduler: Scheduler, num_steps: int, add_at: dict[int, Request] | None = None,
+         distinct_tokens: bool = False) -> list[tuple[bool, list]]:
     """(continuable, [(seq_id, position of its first new token, number of new tokens)]) per step."""
     steps = []
     for index in range(num_steps):
@@ -36,7 +37,8 @@ def _run(scheduler: Scheduler, num_steps: int, add_at: dict[int, Request] | None
         plan = step.plan
         steps.append((plan.continuable, [(seq.seq_id, seq.start_position, len(seq.token_ids)) for seq in plan.seqs]))
         scheduler.process_result(step, StepResult(step_id=plan.step_id, epoch=plan.epoch, samples=[
-            SeqSample(seq.seq_id, 7, -0.1) for seq in plan.seqs if seq.sample is not None]))
+            SeqSample(seq.seq_id, 200 + index if distinct_tokens else 7, -0.1)
+            for seq in plan.seqs if seq.sample is not None]))
     return steps
 
 
@@ -84,3 +86,13 @@ def test_not_continuable_above_the_batch_limit():
         scheduler.add_request(_request(f"r{index}", prompt_len=5))
     steps = _run(scheduler, 3)
     assert len(steps[1][1]) == MAX_CONTINUABLE_SEQS + 1 and not any(continuable for continuable, _ in steps)
+
+
+def test_not_continuable_while_speculating():
+    """With n-gram speculation a step without proposals may be followed by one with them: here no
+    token repeats, so no step has proposals, and none is continuable."""
+    scheduler = _scheduler(speculative_method="ngram")
+    scheduler.add_request(_request("a", prompt_len=6))
+    steps = _run(scheduler, 8, distinct_tokens=True)
+    assert all(num_tokens == 1 for _, seqs in steps[1:] for _, _, num_tokens in seqs)  # no proposals
+    assert len(steps) == 8 and not any(continuable for continuable, _ in steps)
