@@ -41,6 +41,9 @@ swapped and waiting groups in their queue order, and a queued group that gets no
 pass like one that lacks blocks. Each scheduled sequence names its slot, and the plan lists the
 adapters the workers load before the forward.
 
+Continuable steps (continuable.py): a plan of a few in-place decodes, nothing else pending, says so,
+and a single-rank worker computes the step after it ahead.
+
 Beam search steps all live beams together: a beam group samples only in a step where every beam
 computes its whole tail; otherwise its beams compute up to their last token and sample later.
 """
@@ -50,13 +53,15 @@ from __future__ import annotations
 from bisect import insort
 from typing import TYPE_CHECKING
 
+from pagedserve.scheduler.core.priority_passes import PriorityPasses
+from pagedserve.scheduler.core.continuable import is_continuable_step, is_predictable_decode
 from pagedserve.scheduler.core.chunk_planning import Chunk, num_decode_tokens, plan_chunks
 from pagedserve.scheduler.core.preemption import choose_victim, preempt
 from pagedserve.scheduler.core.scheduled_step import ScheduledStep
 from pagedserve.scheduler.core.sample_specs import sample_spec_for
 from pagedserve.scheduler.core.sequence import GroupStatus, Sequence, SequenceGroup
 from pagedserve.scheduler.speculation.drafting import Drafter, drop_group_drafts, drop_unscheduled_drafts
-from pagedserve.contracts.step_plan import SampleSpec, ScheduledSeq, StepPlan
+from pagedserve.contracts.step_plan import ScheduledSeq, StepPlan
 from pagedserve.scheduler.lora.step_slots import StepAdapterSlots
 from pagedserve.scheduler.structured_output.sequences import fill_masks
 
@@ -64,15 +69,7 @@ if TYPE_CHECKING:
     from pagedserve.scheduler.core.scheduler import Scheduler
 
 
-# At most this many sequences in a continuable step. A step computed ahead saves the worker the
-# turn-around between steps (about 1.5 ms through `serve` on a 2-core Zen 4) and costs a whole
-# forward when the next plan differs (a request finished by a stop token, a new one arrived). The
-# forward grows with the batch while the turn-around does not, and so do finishes and arrivals:
-# at one stream of SmolLM2 the gain is about a fifth of the step, at eight the misses cost more.
-MAX_CONTINUABLE_SEQS = 4
-
-
-class StepBuilder:
+class StepBuilder(PriorityPasses):
     """One schedule() call; mutates the scheduler's queues and tables as it goes."""
 
     def __init__(self, scheduler: Scheduler, defer_masks: bool = False) -> None:
@@ -125,10 +122,9 @@ class StepBuilder:
         lora_loads = self.adapter_slots.take_loads()
         if not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or tier_ops or lora_loads):
             return None
-        continuable = (0 < len(self.scheduled) == self.num_continuable <= MAX_CONTINUABLE_SEQS
-                       and not self.speculates and not self.scheduler.waiting and not self.scheduler.swapped
-                       and not (self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy or tier_ops
-                                or lora_loads))
+        continuable = is_continuable_step(
+            self.scheduler, len(self.scheduled), self.num_continuable, self.speculates,
+            bool(self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy or tier_ops or lora_loads))
         plan = StepPlan(step_id=step_id, seqs=self.scheduled, blocks_to_swap_out=self.blocks_to_swap_out,
                         blocks_to_swap_in=self.blocks_to_swap_in, blocks_to_copy=self.blocks_to_copy,
                         epoch=epoch, drafts_from_worker=self.drafts_from_worker, tier_ops=tier_ops,
@@ -204,7 +200,7 @@ class StepBuilder:
                                  lora_slot=self.adapter_slots.slot_of(group))
         if seq.matcher is not None:
             self._masks(scheduled, seq)
-        elif _next_step_is_predictable(group, seq, spec, computed + 1, self.block_manager.block_size):
+        elif is_predictable_decode(group, seq, spec, computed + 1, self.block_manager.block_size):
             self.num_continuable += 1
         self.scheduled.append(scheduled)
         if (computed + 1) % self.block_manager.block_size == 0:
@@ -318,59 +314,6 @@ class StepBuilder:
         self._emit(group, chunks)
         return True
 
-    # -- priority policy ----------------------------------------------------------------------
-    def _next_queued(self) -> SequenceGroup | None:
-        """The swapped or waiting group that comes first by (priority, arrival)."""
-        swapped, waiting = self.scheduler.swapped, self.scheduler.waiting
-        if swapped and (not waiting or swapped[0].queue_key < waiting[0].queue_key):
-            return swapped[0]
-        return waiting[0] if waiting else None
-
-    def _preempt_for_priority(self) -> None:
-        """The first queued group (swapped or waiting) preempts running groups of strictly lower
-        priority, lowest priority and newest first, until it would fit; equal priorities never
-        preempt each other. Done before pass 1, so no victim has tokens in this step yet."""
-        candidate = self._next_queued()
-        running = self.scheduler.running
-        if candidate is None:
-            return
-        while running and running[-1].priority > candidate.priority and not self._would_fit(candidate):
-            self._preempt(running[-1])
-            self.num_priority_preemptions += 1
-
-    def _would_fit(self, group: SequenceGroup) -> bool:
-        """Whether group could start now beside the running groups: a sequence slot each, and
-        blocks for its first chunk (or its swapped blocks) plus one new block per running
-        sequence at a block boundary. Prefix-cache hits are not counted (a safe overestimate)."""
-        config = self.scheduler.config
-        running = self.scheduler.running
-        if sum(other.max_num_running_seqs for other in running) + group.max_num_running_seqs > config.max_num_seqs:
-            return False
-        size = self.block_manager.block_size
-        num_needed = sum(1 for other in running for seq in other.seqs
-                         if seq.num_computed_tokens % size == 0)
-        if group.status is GroupStatus.SWAPPED:
-            num_needed += self.block_manager.num_distinct_blocks(group.seqs) + len(group.seqs)
-        else:
-            leader = group.seqs[0]
-            num_needed += config.num_blocks_for(min(len(leader.token_ids), config.max_num_batched_tokens))
-        return num_needed <= self.block_manager.gpu_pool.num_available
-
-    def _swap_in_and_admit_by_priority(self, num_free_slots: int) -> None:
-        """Passes 2 and 3 merged: swapped and waiting groups in one (priority, arrival) order;
-        the first that does not fit stops both."""
-        while self.num_tokens_left > 0:
-            group = self._next_queued()
-            if group is None:
-                return
-            if group.status is GroupStatus.SWAPPED:
-                is_started = self._try_swap_in(group, num_free_slots)
-            else:
-                is_started = self._try_admit(group, num_free_slots)
-            if not is_started:
-                return
-            num_free_slots -= group.max_num_running_seqs
-
     # -- shared -----------------------------------------------------------------------------
     def _start_running(self, group: SequenceGroup) -> None:
         group.status = GroupStatus.RUNNING
@@ -410,17 +353,6 @@ class StepBuilder:
             self.num_tokens_left -= num_tokens
             self.num_seqs_left -= 1
         self.groups.append(group)
-
-
-def _next_step_is_predictable(group: SequenceGroup, seq: Sequence, spec: SampleSpec, next_position: int,
-                              block_size: int) -> bool:
-    """Whether the step after this decode is, unless the token ends the sequence, the same decode
-    one position on (StepPlan.continuable): its slot in the block this one writes (owned alone:
-    _emit_decode), a spec that neither the new token nor the position changes (no penalties, no
-    min_tokens window, no beams), and at least one more token to go after this one."""
-    return (next_position % block_size != 0 and group.is_sample_spec_static
-            and not spec.num_beam_candidates and not spec.suppress_token_ids and not spec.output_token_ids
-            and len(seq.token_ids) + 1 - seq.num_prompt_tokens < group.max_output_tokens)
 
 
 def _arrival(group: SequenceGroup) -> tuple[int, int]:

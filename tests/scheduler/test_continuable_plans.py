@@ -79,7 +79,7 @@ def test_a_batch_is_continuable_only_when_every_sequence_is():
 
 
 def test_not_continuable_above_the_batch_limit():
-    from pagedserve.scheduler.core.step_builder import MAX_CONTINUABLE_SEQS
+    from pagedserve.scheduler.core.continuable import MAX_CONTINUABLE_SEQS
 
     scheduler = _scheduler(max_num_seqs=8)
     for index in range(MAX_CONTINUABLE_SEQS + 1):
