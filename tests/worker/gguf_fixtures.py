@@ -26,6 +26,20 @@ GGUF_MODELS = {
 }
 
 
+# every linear layer in a kept type: q Q4_0 with k, v Q4_1 (one 4-bit layer), o Q8_0, gate Q4_1 with
+# up Q4_0, down Q4_1; the token embedding and the untied output Q8_0
+ALL_KEPT = {"token_embd": "Q8_0", "output.": "Q8_0", "attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q4_1",
+            "attn_output": "Q8_0", "ffn_gate": "Q4_1", "ffn_up": "Q4_0", "ffn_down": "Q4_1"}
+
+
+def write_all_kept(tmp_path_factory, seed: int) -> Path:
+    """A tiny Llama GGUF whose linear layers are all kept types (ALL_KEPT)."""
+    checkpoint = build_tiny_checkpoint(tmp_path_factory.mktemp("kept-checkpoint"), architecture="llama",
+                                       vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                                       intermediate_size=128, max_position_embeddings=512, seed=seed)
+    return write_gguf(checkpoint, tmp_path_factory.mktemp("kept") / GGUF_FILE, tensor_types=ALL_KEPT)
+
+
 @pytest.fixture(scope="session")
 def gguf_model(tmp_path_factory):
     """name -> folder holding model.gguf (and nothing else), built on first use."""

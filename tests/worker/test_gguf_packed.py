@@ -9,31 +9,20 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_prompts
-from gguf_fixtures import GGUF_FILE, gguf_model  # noqa: F401 (fixture)
+from gguf_fixtures import GGUF_FILE, gguf_model, write_all_kept  # noqa: F401 (fixture)
 from plan_driver import DrivenSeq, PlanDriver
 
 from pagedserve.kernels import ops
 from pagedserve.kernels.linear.block_quant import BlockQuantWeight
-from pagedserve.checkpoints.tiny_checkpoint import build_tiny_checkpoint
-from pagedserve.testing.tiny_gguf import write_gguf
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.testing.prompt_scoring import sequence_logits
 from pagedserve.worker.quantization.linear import QuantizableLinear
 
 NUM_BLOCKS = 64
 MAX_NEW_TOKENS = 10
-# every linear layer in a kept type: q Q4_0 with k, v Q4_1 (one int4 layer), o Q8_0 (int8),
-# gate Q4_1 with up Q4_0, down Q4_1
-ALL_KEPT = {"token_embd": "Q8_0", "output.": "Q8_0", "attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q4_1",
-            "attn_output": "Q8_0", "ffn_gate": "Q4_1", "ffn_up": "Q4_0", "ffn_down": "Q4_1"}
-
-
 @pytest.fixture(scope="module")
 def all_kept(tmp_path_factory):
-    checkpoint = build_tiny_checkpoint(tmp_path_factory.mktemp("kept-checkpoint"), architecture="llama",
-                                       vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                                       intermediate_size=128, max_position_embeddings=512, seed=33)
-    return write_gguf(checkpoint, tmp_path_factory.mktemp("kept") / GGUF_FILE, tensor_types=ALL_KEPT)
+    return write_all_kept(tmp_path_factory, seed=33)
 
 
 def _runner(path, quantization: str) -> ModelRunner:

@@ -7,12 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_prompts
-from gguf_fixtures import GGUF_FILE, gguf_model  # noqa: F401 (fixture)
+from gguf_fixtures import GGUF_FILE, gguf_model, write_all_kept  # noqa: F401 (fixture)
 
-from pagedserve.checkpoints.tiny_checkpoint import build_tiny_checkpoint
 from pagedserve.kernels.linear import native_rows
 from pagedserve.kernels.linear.block_quant import BlockQuantWeight
-from pagedserve.testing.tiny_gguf import write_gguf
 from pagedserve.kernels.native import library as native_lib
 from pagedserve.contracts.step_plan import SampleSpec, ScheduledSeq
 from pagedserve.worker.model_input import build_model_input
@@ -103,18 +101,9 @@ def test_steps_it_does_not_take(checkpoint_dir, monkeypatch):
                    expect_native=False)
 
 
-# every projection kept as GGUF blocks: q Q4_0 with k, v Q4_1 (qkv keeps 4 bits), o Q8_0, gate Q4_1 with up Q4_0,
-# down Q4_1; the embedding and LM head dequantized
-ALL_KEPT = {"token_embd": "Q8_0", "output.": "Q8_0", "attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q4_1",
-            "attn_output": "Q8_0", "ffn_gate": "Q4_1", "ffn_up": "Q4_0", "ffn_down": "Q4_1"}
-
-
 @pytest.fixture(scope="module")
 def all_kept(tmp_path_factory):
-    checkpoint = build_tiny_checkpoint(tmp_path_factory.mktemp("kept-checkpoint"), architecture="llama",
-                                       vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                                       intermediate_size=128, max_position_embeddings=512, seed=35)
-    return write_gguf(checkpoint, tmp_path_factory.mktemp("kept") / GGUF_FILE, tensor_types=ALL_KEPT)
+    return write_all_kept(tmp_path_factory, seed=35)
 
 
 @pytest.mark.parametrize("model", ["all-kept", "llama-mixed"])
