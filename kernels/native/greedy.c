@@ -5,9 +5,9 @@
  * logits [rows, stride] float32 or bfloat16 (dtype), the first `vocab` values of each row read;
  * ids [rows] int64, logprobs [rows] float32. A row holding a NaN gives its first NaN's index and a
  * NaN log probability, as torch's max does (so does a row whose largest value is infinite). exp is
- * common.h's polynomial (within 2 units in the last place of expf) and the sum is taken in 16
- * float32 lanes, so the log probability differs from torch's in the last bits; the index never
- * does. Rows are split over the threads. */
+ * common.h's polynomial (within 2 units in the last place of expf) and the sum is taken in
+ * vectorised float32 lanes, so the log probability differs from torch's in the last bits; the
+ * index never does. Rows are split over the threads. */
 #include <math.h>
 
 #include "common.h"
@@ -22,24 +22,6 @@ static inline __m512 load16(const void *row, int64_t i, int32_t dtype) {
         return _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i))), 16));
     return _mm512_loadu_ps((const float *)row + i);
-}
-
-/* exp_poly (common.h) on 16 lanes: the same operations, so the same values */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                           _mm512_set1_ps(12582912.0f)), _mm512_set1_ps(12582912.0f));
-    __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
-                             _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.0f));
-    __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 
 static void greedy_row(const void *row, int64_t vocab, int32_t dtype, int64_t *id, float *logprob) {
@@ -77,10 +59,16 @@ static void greedy_row(const void *row, int64_t vocab, int32_t dtype, int64_t *i
         *logprob = NAN;
         return;
     }
-    __m512 s16 = _mm512_setzero_ps();
-    for (int64_t i = 0; i < full; i += 16) s16 = _mm512_add_ps(s16, exp16(_mm512_sub_ps(load16(row, i, dtype), target)));
-    float s = _mm512_reduce_add_ps(s16);
-    for (int64_t i = full; i < vocab; i++) s += exp_poly(load_elem(row, i, dtype) - m);
+    float s = 0.0f;
+    if (dtype == DTYPE_BF16) {
+        const uint16_t *x = row;
+#pragma omp simd reduction(+ : s)
+        for (int64_t i = 0; i < vocab; i++) s += exp_poly(bf16_to_f32(x[i]) - m);
+    } else {
+        const float *x = row;
+#pragma omp simd reduction(+ : s)
+        for (int64_t i = 0; i < vocab; i++) s += exp_poly(x[i] - m);
+    }
     *logprob = -logf(s);
 }
 #else
