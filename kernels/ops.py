@@ -20,9 +20,11 @@ PAGEDSERVE_KERNELS picks the implementation:
 Linear layers: `linear` picks the path for a weight and its rows. Quantized weights have no Triton
 kernel: on the CPU they take PyTorch's packed int8/int4 kernels or a bfloat16
 dequantize-then-matmul by batch rows (linear/quantized.py), on CUDA the dequantize-then-matmul
-paths (plain torch), and under `reference` the references. Dense bfloat16 CPU weights prepacked
-for oneDNN (`prepack_weight`, linear/onednn.py) take the native few-rows kernel
-(linear/native_rows.py) for a step of few rows and oneDNN above; other dense weights F.linear.
+paths (plain torch), and under `reference` the references. Dense bfloat16 CPU weights keep a
+prepacked copy (`prepack_weight`): 16-column panels (linear/panels.py) where the host's measured
+tuning chose them (kernels/native/tuning.py), else oneDNN's blocked layout (linear/onednn.py); a
+step of one or two rows takes the native few-rows kernel on the dense weight
+(linear/native_rows.py), more rows the prepacked copy; other dense weights F.linear.
 GGUF blocks kept as the file has them (`block_quant_linear`, linear/block_quant.py) take the native
 block kernel at up to 32 rows on the CPU and an exact dequantize-then-matmul otherwise.
 
@@ -65,11 +67,14 @@ from pagedserve.kernels.linear.quantized import int4_linear_dequant, int8_linear
 from pagedserve.kernels.linear.quantized_reference import int4_linear_ref, int8_linear_ref
 from pagedserve.kernels.linear import native_rows
 from pagedserve.kernels.linear.onednn import can_prepack, prepack_linear_weight, prepacked_linear
+from pagedserve.kernels.linear import panels
+from pagedserve.kernels.native import tuning as native_tuning
 
 # Re-exported for the worker, which reaches the kernels only through this module: the packed weight
 # forms the quantized kernels take (the worker's quantizers build them), the KV cache dtype names, and
 # the native decoder layer's structures (worker/models/llama_native.py gathers each layer's tensors).
 from pagedserve.kernels.linear.int4_layout import pack_int4  # noqa: F401
+from pagedserve.kernels.linear.panels import PanelWeight  # noqa: F401
 from pagedserve.kernels.linear.block_quant import GROUP_SIZE as BLOCK_GROUP_SIZE, BlockQuantWeight  # noqa: F401
 from pagedserve.kernels.linear.packed_weights import (  # noqa: F401
     INT4_GROUP_SIZES,
@@ -260,23 +265,33 @@ def rotary_write_kv(qkv, cos_sin, positions, slot_mapping, key_cache, value_cach
 def linear(x, weight, bias=None, *, packed=None, prepacked=None):
     """x [M, K] @ a linear layer's weight (+ bias [N]) -> [M, N] in x's dtype, the one place that picks
     the path: `packed` (Int8Weight/Int4Weight) -> quantized_linear; else the dense weight [N, K]
-    beside its oneDNN copy `prepacked` (prepack_weight) -> the native few-rows kernel where it takes
-    x and weight (bfloat16, up to native_rows.MAX_ROWS rows, AVX-512 BF16), oneDNN above; with no
-    prepacked copy (float32, float16, CUDA, PAGEDSERVE_KERNELS=reference) -> F.linear."""
+    beside its copy `prepacked` (prepack_weight) -> the native few-rows kernel where it takes x and
+    weight (bfloat16, up to native_rows.MAX_ROWS rows, AVX-512 BF16), the prepacked copy above
+    (panels or oneDNN); with no prepacked copy (float32, float16, CUDA,
+    PAGEDSERVE_KERNELS=reference) -> F.linear."""
     if packed is not None:
         return quantized_linear(x, packed, bias)
     if prepacked is not None:
         lib = native_rows.supports(x, weight)
         if lib is not None:
             return native_rows.linear_rows(x, weight, bias, lib)
+        if isinstance(prepacked, panels.PanelWeight):
+            return panels.panel_linear(x, prepacked, bias)
         return prepacked_linear(x, prepacked, bias)
     return F.linear(x, weight, bias)
 
 
 def prepack_weight(weight):
-    """weight [N, K] in oneDNN's blocked layout, for linear(prepacked=...), where it qualifies
-    (bfloat16 on a CPU with oneDNN's bfloat16 matmul; not under PAGEDSERVE_KERNELS=reference); else None."""
-    if os.environ.get(KERNELS_ENV) == "reference" or not can_prepack(weight):
+    """The copy of weight [N, K] that linear(prepacked=...) multiplies above two rows, where one
+    qualifies (bfloat16 on the CPU; not under PAGEDSERVE_KERNELS=reference): its panels
+    (linear/panels.py) where the native library has the panel kernel and this host's tuning chose
+    them, else oneDNN's blocked layout where torch has oneDNN's bfloat16 matmul; else None."""
+    if os.environ.get(KERNELS_ENV) == "reference":
+        return None
+    if panels.can_pack(weight) and (lib := panels.library()) is not None \
+            and native_tuning.linear_bf16_layout(lib) == "panels":
+        return panels.pack(weight)
+    if not can_prepack(weight):
         return None
     return prepack_linear_weight(weight)
 

@@ -62,6 +62,8 @@ SIGNATURES = {  # exported function -> argument types, as pagedserve_cpu.h decla
     "linear_rows_f32": (P, P, P, P, I64, I64, I64),
     "linear_rows_set_prefetch": (I64,),
     "linear_rows_prefetch": (),
+    "panel_linear_bf16": (P, P, P, P, I64, I64, I64),
+    "panel_linear_available": (),
     "block_quant_rows": (P, P, P, P, P, I64, I64, I64, I32),
     "block_quant_rows_available": (),
     "block_quant_rows_bf16": (P, P, P, P, P, I64, I64, I64, I32),
@@ -71,8 +73,9 @@ SIGNATURES = {  # exported function -> argument types, as pagedserve_cpu.h decla
     "paged_decode_attention": (P, I64, P, I64, P, P, P, I64, P, P, P, I64, I64, I64, I64, I64, F32, I32, F32, I32,
                                I32),
 }
-RESTYPES = {"linear_rows_available": I32, "linear_rows_prefetch": I64, "block_quant_rows_available": I32,
-            "block_quant_rows_bf16_available": I32, "block_quant_dequantize": I32}  # the others return void
+RESTYPES = {"linear_rows_available": I32, "linear_rows_prefetch": I64, "panel_linear_available": I32,
+            "block_quant_rows_available": I32, "block_quant_rows_bf16_available": I32,
+            "block_quant_dequantize": I32}  # the others return void
 
 
 class NativeBuildError(RuntimeError):

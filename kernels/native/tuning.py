@@ -2,18 +2,26 @@
 the library (<cache>/native/<build key>/tuning.json: the key names the sources, the compiler and
 the CPU's flags, so another CPU or an edited kernel measures anew).
 
-Today one parameter: how far ahead of its weight stream the few-rows linear kernel
-(linear_rows.c) issues a software prefetch, in bytes, 0 meaning none (the hardware prefetchers
-alone). Measured on SmolLM2-sized projections (rows of 576 bfloat16 values, 96 MiB, far beyond
+Two parameters. `linear_rows_prefetch`: how far ahead of its weight stream the few-rows linear
+kernel (linear_rows.c) issues a software prefetch, in bytes, 0 meaning none (the hardware
+prefetchers alone). Measured on SmolLM2-sized projections (rows of 576 bfloat16 values, 96 MiB, far beyond
 any last-level cache) at one row of x with every core of the process's CPU set: each candidate's
 median time over passes interleaved with the others'; a distance other than 0 is kept only when it beats no prefetch by
 more than NOISE. On AMD Zen 4 the hardware prefetchers already follow the kernel's one stream
 per thread at the measured read bandwidth, and a prefetch only adds loads. The distance changes
 no result, only when the bytes arrive.
 
+`linear_bf16_layout`: the layout the bfloat16 linear layers keep beside their dense weight for more
+than two rows, "panels" (kernels/linear/panels.py, panel_linear.c) or "onednn" (oneDNN's blocked
+layout, linear/onednn.py). Both are timed on SmolLM2's two projection shapes ([1536, 576] and
+[576, 1536]) at LAYOUT_ROWS rows of x, interleaved; the panels are kept when they are faster at
+each row count, else oneDNN (which has AMX tiles where the CPU has them). "panels" only where the
+library has the panel kernel and torch has oneDNN's bfloat16 matmul to compare with.
+
     tuning.apply(lib, folder)       # reads folder/tuning.json, or measures and writes it
 
-PAGEDSERVE_ROW_PREFETCH=<bytes> sets the distance without measuring (and writes nothing).
+PAGEDSERVE_ROW_PREFETCH=<bytes> sets the distance, PAGEDSERVE_BF16_LAYOUT=panels|onednn the layout,
+without measuring them (and writes nothing).
 """
 
 from __future__ import annotations
@@ -27,6 +35,10 @@ from pathlib import Path
 
 FILE_NAME = "tuning.json"
 PREFETCH_ENV = "PAGEDSERVE_ROW_PREFETCH"
+LAYOUT_ENV = "PAGEDSERVE_BF16_LAYOUT"
+LAYOUTS = ("panels", "onednn")
+LAYOUT_ROWS = (32, 256)
+LAYOUT_SHAPES = ((1536, 576), (576, 1536))  # [N, K]
 CANDIDATES = (0, 512, 1024, 2048, 4096, 8192)  # bytes ahead of the stream
 NOISE = 0.05  # a prefetch must be this much faster than none to be kept
 SIZE_IN = 576
@@ -40,8 +52,16 @@ _log = logging.getLogger(__name__)
 def apply(lib, folder: Path) -> dict:
     """Sets the library's tuned parameters (from folder's file, the environment, or a measurement
     written to the file); returns them."""
+    overrides = {}
     if os.environ.get(PREFETCH_ENV):
-        params = {"linear_rows_prefetch": int(os.environ[PREFETCH_ENV]), "source": PREFETCH_ENV}
+        overrides[PREFETCH_ENV] = ("linear_rows_prefetch", int(os.environ[PREFETCH_ENV]))
+    if os.environ.get(LAYOUT_ENV) in LAYOUTS:
+        overrides[LAYOUT_ENV] = ("linear_bf16_layout", os.environ[LAYOUT_ENV])
+    elif os.environ.get(LAYOUT_ENV):
+        _log.warning("native_kernels_layout_ignored: %s=%r is not one of %s; the measured layout is used",
+                     LAYOUT_ENV, os.environ[LAYOUT_ENV], ", ".join(LAYOUTS))
+    if len(overrides) == 2:
+        params = {}
     else:
         path = folder / FILE_NAME
         params = _read(path)
@@ -49,12 +69,26 @@ def apply(lib, folder: Path) -> dict:
             params = measure(lib)
             _write(path, params)
             _log.info("native_kernels_tuned: %s", json.dumps(params))
+    params = {**params, **dict(overrides.values())}
+    if overrides:
+        params["source"] = ",".join(overrides)
     lib.linear_rows_set_prefetch(int(params["linear_rows_prefetch"]))
+    lib._pagedserve_tuning = params
     return params
 
 
+def linear_bf16_layout(lib) -> str:
+    """The layout the library's host keeps for bfloat16 linear layers (module doc)."""
+    return getattr(lib, "_pagedserve_tuning", {}).get("linear_bf16_layout", "onednn")
+
+
 def measure(lib) -> dict:
-    """Times linear_rows_bf16 at one row for every candidate distance; returns the parameters."""
+    """Measures every parameter on this host; returns them."""
+    return {**measure_prefetch(lib), **measure_layout(lib)}
+
+
+def measure_prefetch(lib) -> dict:
+    """Times linear_rows_bf16 at one row for every candidate distance."""
     import torch
 
     threads = torch.get_num_threads()
@@ -87,10 +121,53 @@ def measure(lib) -> dict:
             "threads": len(os.sched_getaffinity(0))}
 
 
+def measure_layout(lib) -> dict:
+    """Times panel_linear_bf16 against oneDNN's prepacked matmul (module doc)."""
+    import torch
+
+    from pagedserve.kernels.linear import onednn, panels
+
+    weights = [torch.randn(n, k).to(torch.bfloat16) for n, k in LAYOUT_SHAPES]
+    if not (lib.panel_linear_available() and onednn.can_prepack(weights[0])):
+        return {"linear_bf16_layout": "onednn", "layout_ms": {}}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    try:
+        packed = {"panels": [panels.pack(w) for w in weights],
+                  "onednn": [onednn.prepack_linear_weight(w) for w in weights]}
+        run = {"panels": lambda x, w: panels.panel_linear(x, w, None, lib),
+               "onednn": lambda x, w: onednn.prepacked_linear(x, w, None)}
+        medians = {}
+        for rows in LAYOUT_ROWS:
+            inputs = [torch.randn(rows, k).to(torch.bfloat16) for _, k in LAYOUT_SHAPES]
+
+            def one_pass(layout: str) -> float:
+                start = time.perf_counter()
+                for x, w in zip(inputs, packed[layout]):
+                    run[layout](x, w)
+                return time.perf_counter() - start
+
+            for layout in LAYOUTS:
+                one_pass(layout)
+            times = {}
+            for _ in range(ROUNDS):
+                for layout in LAYOUTS:
+                    times.setdefault(layout, []).extend(one_pass(layout) for _ in range(PASSES))
+            medians[rows] = {layout: statistics.median(values) for layout, values in times.items()}
+    finally:
+        torch.set_num_threads(threads)
+    wins = all(pair["panels"] < pair["onednn"] for pair in medians.values())
+    return {"linear_bf16_layout": "panels" if wins else "onednn",
+            "layout_ms": {str(rows): {layout: round(t * 1e3, 3) for layout, t in pair.items()}
+                          for rows, pair in medians.items()}}
+
+
 def _read(path: Path) -> dict | None:
     try:
         params = json.loads(path.read_text())
         int(params["linear_rows_prefetch"])
+        if params["linear_bf16_layout"] not in LAYOUTS:
+            return None
         return params
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -41,37 +41,49 @@ def test_supports_only_few_contiguous_bfloat16_rows():
     assert native_rows.supports(torch.randn(8, 32).bfloat16(), weight, max_rows=native_rows.KERNEL_MAX_ROWS)
 
 
-def test_a_bfloat16_layer_uses_it_for_few_rows_and_onednn_for_many():
+def test_a_bfloat16_layer_uses_it_for_few_rows_and_its_prepacked_copy_for_many():
+    from pagedserve.kernels.linear import panels
     from pagedserve.worker.layers.parallel import ColumnParallelLinear, ShardRange
     from pagedserve.worker.loading.prepacked_weights import prepack_model
 
     layer = ColumnParallelLinear(64, [ShardRange(96, 0, 96)], bias=False, dtype=torch.bfloat16, device="cpu")
     torch.nn.init.normal_(layer.weight)
     if not prepack_model(layer):
-        pytest.skip("oneDNN bfloat16 is not available on this CPU")
+        pytest.skip("neither panels nor oneDNN bfloat16 on this CPU")
     few, many = torch.randn(1, 64).bfloat16(), torch.randn(16, 64).bfloat16()
     assert torch.equal(layer(few), native_rows.linear_rows(few, layer.weight, None))
-    assert torch.equal(layer(many), F.linear(many, layer.weight))
+    if isinstance(layer.prepacked_weight, panels.PanelWeight):
+        assert torch.equal(layer(many), panels.panel_linear(many, layer.prepacked_weight, None))
+    else:
+        assert torch.equal(layer(many), F.linear(many, layer.weight))
 
 
-def test_ops_linear_picks_the_path_by_weight_and_rows(monkeypatch):
+@pytest.mark.parametrize("layout", ["panels", "onednn"])
+def test_ops_linear_picks_the_path_by_weight_and_rows(monkeypatch, layout):
     """ops.linear, the worker's one entry for linear layers: the native kernel up to MAX_ROWS rows
-    beside a prepacked weight, oneDNN above (both bit for bit against their own kernel), F.linear
-    without a prepacked copy, the quantized kernel for a packed weight."""
+    beside a prepacked weight, the prepacked copy above (panels or oneDNN's layout, as the host's
+    tuning chose; both bit for bit against their own kernel), F.linear without a prepacked copy,
+    the quantized kernel for a packed weight."""
     from pagedserve.kernels import ops
+    from pagedserve.kernels.linear import panels
     from pagedserve.kernels.linear.onednn import prepacked_linear
     from pagedserve.worker.quantization.quantizers import quantize_int8
 
+    lib = native_lib.load()
+    monkeypatch.setattr(lib, "_pagedserve_tuning", {**lib._pagedserve_tuning, "linear_bf16_layout": layout})
     generator = torch.Generator().manual_seed(5)
     weight = (torch.randn(96, 64, generator=generator) / 8).bfloat16()
     bias = torch.randn(96, generator=generator).bfloat16()
     prepacked = ops.prepack_weight(weight)
+    assert isinstance(prepacked, panels.PanelWeight) == (layout == "panels")
     assert prepacked is not None and ops.prepack_weight(weight.float()) is None
     for num_rows in range(1, native_rows.MAX_ROWS + 3):
         x = torch.randn(num_rows, 64, generator=generator).bfloat16()
         chosen = ops.linear(x, weight, bias, prepacked=prepacked)
         if num_rows <= native_rows.MAX_ROWS:
             assert torch.equal(chosen, native_rows.linear_rows(x, weight, bias))
+        elif layout == "panels":
+            assert torch.equal(chosen, panels.panel_linear(x, prepacked, bias))
         else:
             assert torch.equal(chosen, prepacked_linear(x, prepacked, bias))
         assert torch.equal(ops.linear(x, weight, bias), F.linear(x, weight, bias))
@@ -103,20 +115,36 @@ def test_tuning_measures_once_then_reads_its_file(tmp_path, monkeypatch):
     from pagedserve.kernels.native import tuning
 
     lib = native_lib.load()
-    before = lib.linear_rows_prefetch()
+    before, tuned = lib.linear_rows_prefetch(), lib._pagedserve_tuning
     monkeypatch.delenv(tuning.PREFETCH_ENV, raising=False)
+    monkeypatch.delenv(tuning.LAYOUT_ENV, raising=False)
     monkeypatch.setattr(tuning, "WEIGHT_BYTES", 4 << 20)  # a quick measurement; the choice is not checked
+    monkeypatch.setattr(tuning, "LAYOUT_ROWS", (4, 32))
     try:
         measured = tuning.apply(lib, tmp_path)
         assert measured["source"] == "measured" and measured["linear_rows_prefetch"] in tuning.CANDIDATES
         assert set(measured["gb_per_s"]) == {str(distance) for distance in tuning.CANDIDATES}
         assert lib.linear_rows_prefetch() == measured["linear_rows_prefetch"]
-        (tmp_path / tuning.FILE_NAME).write_text('{"linear_rows_prefetch": 2048, "source": "measured"}')
+        layout_ms = measured["layout_ms"]
+        assert set(layout_ms) == {"4", "32"} and all(set(pair) == set(tuning.LAYOUTS) for pair in layout_ms.values())
+        faster = all(pair["panels"] < pair["onednn"] for pair in layout_ms.values())
+        assert measured["linear_bf16_layout"] == ("panels" if faster else "onednn")
+        assert tuning.linear_bf16_layout(lib) == measured["linear_bf16_layout"]
+        (tmp_path / tuning.FILE_NAME).write_text(
+            '{"linear_rows_prefetch": 2048, "linear_bf16_layout": "onednn", "source": "measured"}')
         assert tuning.apply(lib, tmp_path)["linear_rows_prefetch"] == 2048 and lib.linear_rows_prefetch() == 2048
+        assert tuning.linear_bf16_layout(lib) == "onednn"
         monkeypatch.setenv(tuning.PREFETCH_ENV, "4096")
         assert tuning.apply(lib, tmp_path)["source"] == tuning.PREFETCH_ENV and lib.linear_rows_prefetch() == 4096
-        (tmp_path / tuning.FILE_NAME).write_text("not json")
+        monkeypatch.setenv(tuning.LAYOUT_ENV, "panels")
+        assert tuning.apply(lib, tmp_path)["source"] == f"{tuning.PREFETCH_ENV},{tuning.LAYOUT_ENV}"
+        assert tuning.linear_bf16_layout(lib) == "panels"
+        (tmp_path / tuning.FILE_NAME).write_text('{"linear_rows_prefetch": 2048, "source": "measured"}')
         monkeypatch.delenv(tuning.PREFETCH_ENV)
+        monkeypatch.delenv(tuning.LAYOUT_ENV)
+        assert tuning.apply(lib, tmp_path)["source"] == "measured"  # a file without the layout is measured anew
+        (tmp_path / tuning.FILE_NAME).write_text("not json")
         assert tuning.apply(lib, tmp_path)["source"] == "measured"  # an unreadable file is measured anew
     finally:
         lib.linear_rows_set_prefetch(before)
+        lib._pagedserve_tuning = tuned

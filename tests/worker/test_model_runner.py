@@ -89,6 +89,7 @@ def test_bfloat16_prepacked_weights_give_the_logits_of_the_dense_ones(checkpoint
     import torch
 
     from pagedserve.kernels.linear.onednn import can_prepack
+    from pagedserve.kernels.linear.panels import PanelWeight
     from pagedserve.worker.loading.prepacked_weights import prepack_model
 
     if not can_prepack(torch.zeros(2, 2, dtype=torch.bfloat16)):
@@ -96,7 +97,7 @@ def test_bfloat16_prepacked_weights_give_the_logits_of_the_dense_ones(checkpoint
     bf16 = ModelRunner(checkpoint_dir(NAME), device="cpu", dtype="bfloat16", block_size=16)
     bf16.load()
     model = bf16.model
-    prepacked = [module for module in model.modules() if getattr(module, "onednn_weight", None) is not None]
+    prepacked = [module for module in model.modules() if getattr(module, "prepacked_weight", None) is not None]
     assert len(prepacked) == 2 * len(model.layers) * 2 + 1  # qkv, o, gate_up, down per layer; the LM head
     dense_bytes = sum(param.numel() * param.element_size() for param in model.parameters())
     assert bf16.num_prepacked_bytes > 0 and bf16.num_weight_bytes == dense_bytes + bf16.num_prepacked_bytes
@@ -110,9 +111,14 @@ def test_bfloat16_prepacked_weights_give_the_logits_of_the_dense_ones(checkpoint
     with torch.inference_mode():
         packed_logits = model.compute_logits(model(inputs.token_ids, inputs.metadata, bf16.cache.gpu_cache))
         for module in prepacked:
-            module.onednn_weight = None
+            module.prepacked_weight = None
         dense_logits = model.compute_logits(model(inputs.token_ids, inputs.metadata, bf16.cache.gpu_cache))
-        assert torch.equal(packed_logits, dense_logits)
+        if any(isinstance(module.prepacked_weight, PanelWeight) for module in prepacked):
+            # the panels sum in another order than oneDNN: within bfloat16 rounding, same greedy tokens
+            assert torch.allclose(packed_logits.float(), dense_logits.float(), rtol=0.05, atol=0.05)
+            assert torch.equal(packed_logits.argmax(-1), dense_logits.argmax(-1))
+        else:
+            assert torch.equal(packed_logits, dense_logits)
         monkeypatch.setenv("PAGEDSERVE_KERNELS", "reference")
         assert prepack_model(model) == 0
     float32 = ModelRunner(checkpoint_dir(NAME), device="cpu", dtype="float32", block_size=16)

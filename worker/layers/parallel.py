@@ -156,7 +156,7 @@ class ParallelLMHead(torch.nn.Module):
         else:
             self.embedding = VocabParallelEmbedding(vocab_size, hidden_size, tp=tp, dtype=dtype, device=device)
 
-    onednn_weight: torch.Tensor | None = None  # the weight prepacked (worker/loading/prepacked_weights.py)
+    prepacked_weight: object | None = None  # panels or oneDNN copy (worker/loading/prepacked_weights.py)
     blocks: ops.BlockQuantWeight | None = None  # a GGUF file's blocks of the weight (--quantization auto)
 
     @property
@@ -177,7 +177,7 @@ class ParallelLMHead(torch.nn.Module):
         if self.blocks is not None and ops.block_quant_prefers(hidden, self.blocks):
             logits = ops.block_quant_linear(hidden, self.blocks)  # [L, rows_per_rank]
         else:
-            logits = ops.linear(hidden, self.weight, prepacked=self.onednn_weight)  # [L, rows_per_rank]
+            logits = ops.linear(hidden, self.weight, prepacked=self.prepacked_weight)  # [L, rows_per_rank]
         logits = self.tp.gather_to_first(logits, dim=-1)  # [L, rows_per_rank * world_size] on rank 0
         if logits is None or logits.shape[-1] == self.vocab_size:
             return logits

@@ -34,10 +34,10 @@ class QuantizableLinear(torch.nn.Module):
     """Subclasses create `self.weight` and `self.bias` and describe their input shard."""
 
     packed: PackedWeight | None = None
-    onednn_weight: torch.Tensor | None = None  # the dense weight prepacked (worker/loading/prepacked_weights.py)
+    prepacked_weight: object | None = None  # panels or oneDNN copy (worker/loading/prepacked_weights.py)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # [T, in] -> [T, out]
-        return ops.linear(x, self.weight, bias, packed=self.packed, prepacked=self.onednn_weight)
+        return ops.linear(x, self.weight, bias, packed=self.packed, prepacked=self.prepacked_weight)
 
     def input_range(self) -> tuple[int, int, int]:
         """(full input size, this rank's first input, its number of inputs)."""
@@ -61,7 +61,7 @@ class QuantizableLinear(torch.nn.Module):
         tensors = {name: getattr(self, f"weight_{name}") for name in packed.tensors()}
         self.packed = type(packed)(**{**_fields(packed), **tensors})
         self.weight = None
-        self.onednn_weight = None
+        self.prepacked_weight = None
 
     def quantize_weight(self, config: QuantizationConfig, layer_name: str = "") -> None:
         if self.weight is None:

@@ -1,0 +1,94 @@
+"""bfloat16 linear layers on the CPU with the weight repacked once, at load, into panels of 16
+output columns (kernels/native/panel_linear.c multiplies them); reference F.linear on the weight
+unpacked.
+
+    panels = pack(weight)                      # PanelWeight, beside the dense weight
+    y = panel_linear(x, panels, bias, lib)     # x [M, K] -> [M, N], any M
+    y = panel_linear_ref(x, panels, bias)      # F.linear(x, unpack(panels), bias)
+
+Layout: [ceil(N / 16), K / 2, 16, 2]: element [j, p, c, e] = weight[16 j + c, 2 p + e], the
+columns past N zero. One 64-byte row of a panel is the operand of one AVX-512 BF16 dot product
+against a pair of x's inputs broadcast, so each of the 16 lanes sums its own output column and the
+kernel reads the weight once per block of 8 rows of x with no horizontal sums (the kernel's
+comment has the blocking). K must be even.
+
+Which bfloat16 layout a host's layers take, this one or oneDNN's (linear/onednn.py), is measured
+once per host (kernels/native/tuning.py, `linear_bf16_layout`): on AMD Zen 4 (AVX-512 BF16 without
+AMX) these panels ran SmolLM2's projections 1.4-2x faster than oneDNN's prepacked weights from 4
+to 64 rows and about even at 512 (bench/panel_linear.py; docs/kernels.md); where oneDNN has AMX
+tiles the measurement decides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.kernels.native import library as native_lib
+
+PANEL = 16
+
+
+@dataclass(frozen=True)
+class PanelWeight:
+    """A weight [out_features, in_features] in panels (module doc)."""
+
+    data: torch.Tensor  # [ceil(out / 16), in / 2, 16, 2] bfloat16, contiguous
+    out_features: int
+    in_features: int
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """A bfloat16 CPU weight [out, in] with an even number of inputs."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
+            and weight.shape[1] % 2 == 0 and weight.shape[0] > 0)
+
+
+def pack(weight: torch.Tensor) -> PanelWeight:
+    """weight [N, K] (can_pack) -> its panels."""
+    out_features, in_features = weight.shape
+    num_panels = -(-out_features // PANEL)
+    padded = weight.detach()
+    if num_panels * PANEL != out_features:
+        padded = torch.cat([padded, padded.new_zeros(num_panels * PANEL - out_features, in_features)])
+    data = padded.reshape(num_panels, PANEL, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return PanelWeight(data, out_features, in_features)
+
+
+def unpack(panels: PanelWeight) -> torch.Tensor:
+    """The dense weight [N, K] the panels were packed from."""
+    num_panels = panels.data.shape[0]
+    dense = panels.data.permute(0, 2, 1, 3).reshape(num_panels * PANEL, panels.in_features)
+    return dense[:panels.out_features].contiguous()
+
+
+def library():
+    """The native library where it has the panel kernel (AVX-512 BF16), else None."""
+    lib = native_lib.load()
+    if lib is None:
+        return None
+    flag = getattr(lib, "_pagedserve_panel_linear", None)
+    if flag is None:
+        flag = lib._pagedserve_panel_linear = bool(lib.panel_linear_available())
+    return lib if flag else None
+
+
+def panel_linear(x: torch.Tensor, panels: PanelWeight, bias: torch.Tensor | None, lib=None) -> torch.Tensor:
+    """x [..., K] bfloat16 on the CPU @ the panels' weight^T + bias [N] -> [..., N] (bfloat16)."""
+    lib = lib or library()
+    if lib is None or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        return panel_linear_ref(x, panels, bias)
+    leading = x.shape[:-1]
+    rows = x.reshape(-1, panels.in_features).contiguous()
+    bias = bias.contiguous() if bias is not None else None
+    y = torch.empty(rows.shape[0], panels.out_features, dtype=torch.bfloat16)
+    if rows.shape[0]:
+        lib.panel_linear_bf16(rows.data_ptr(), panels.data.data_ptr(), bias.data_ptr() if bias is not None else None,
+                              y.data_ptr(), rows.shape[0], panels.out_features, panels.in_features)
+    return y.reshape(*leading, panels.out_features)
+
+
+def panel_linear_ref(x: torch.Tensor, panels: PanelWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, unpack(panels), bias)

@@ -1,0 +1,115 @@
+/* y = x @ w^T (+ bias) in bfloat16 for any number of rows, with w repacked once, at load, into
+ * panels of 16 output columns; torch reference: kernels/linear/panels.py (panel_linear_ref: the
+ * panels unpacked, then F.linear).
+ *
+ * Layout (panels.pack builds it in torch): panels [ceil(N / 16), K / 2, 16, 2] bfloat16, K even;
+ * element [j, p, c, e] is w[16 j + c, 2 p + e], zero for the columns N..16 ceil(N / 16) - 1.
+ * One 64-byte vector of a panel holds, for one pair of inputs (2p, 2p + 1), the 16 columns' two
+ * weights side by side: the operand of an AVX-512 BF16 dot product (vdpbf16ps), whose other
+ * operand is the pair x[m, 2p..2p+1] broadcast to every lane. Each lane then accumulates its own
+ * output column over K in float32, so no horizontal sums are needed at the end.
+ *
+ * Register block: ROWS (8) rows of x times WIDTH (3) panels, 24 float32 accumulators; per pair of
+ * inputs, 3 panel vectors and 8 broadcasts feed 24 dot products. The block walks K once; the
+ * panels of one block of columns (3 x K x 32 bytes) stay in L2 while every row block of x passes
+ * over them. Work is split over the threads in tasks of (block of columns, up to TASK_ROWS rows),
+ * each thread a contiguous range of tasks, so the columns a thread owns stream from memory once.
+ *
+ * Sums: float32 products of bfloat16 values added in another order than oneDNN's (the results
+ * differ from F.linear in the last bits of some values); the bias (bfloat16) is added in float32
+ * and the sum rounded to bfloat16 once, to nearest even, NaN kept, as torch rounds. The dot product
+ * instruction counts denormal inputs as zero and flushes denormal products, as in linear_rows.c and
+ * oneDNN's AVX-512 BF16 kernels. */
+#include <immintrin.h>
+
+#include "common.h"
+#include "pagedserve_cpu.h"
+
+#define PANEL 16
+#define ROWS 8
+#define WIDTH 3
+#define TASK_ROWS 64
+
+#if defined(__AVX512BF16__)
+/* 16 float32 lanes rounded to bfloat16 as common.h's f32_to_bf16 (denormals kept, NaN quieted) */
+static inline __m256i round_bf16(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet));
+}
+
+/* R rows of x from row m, P panels from panel j: y[m.., 16 j ..] */
+static inline __attribute__((always_inline)) void block(const int R, const int P, const uint16_t *x, int64_t m,
+                                                         const uint16_t *panels, const uint16_t *bias, uint16_t *y,
+                                                         int64_t j, int64_t N, int64_t K) {
+    const int64_t pairs = K / 2, stride = pairs * 2 * PANEL;
+    const uint16_t *w = panels + j * stride;
+    __m512 acc[ROWS][WIDTH];
+    for (int r = 0; r < R; r++)
+        for (int q = 0; q < P; q++) acc[r][q] = _mm512_setzero_ps();
+    const int32_t *xr[ROWS];
+    for (int r = 0; r < R; r++) xr[r] = (const int32_t *)(x + (m + r) * K);
+    for (int64_t p = 0; p < pairs; p++) {
+        __m512bh wv[WIDTH];
+        for (int q = 0; q < P; q++) wv[q] = (__m512bh)_mm512_loadu_si512(w + q * stride + p * 2 * PANEL);
+        for (int r = 0; r < R; r++) {
+            __m512bh xv = (__m512bh)_mm512_set1_epi32(xr[r][p]);
+            for (int q = 0; q < P; q++) acc[r][q] = _mm512_dpbf16_ps(acc[r][q], xv, wv[q]);
+        }
+    }
+    for (int q = 0; q < P; q++) {
+        int64_t n0 = (j + q) * PANEL;
+        __mmask16 mask = N - n0 >= PANEL ? (__mmask16)0xffff : (__mmask16)((1u << (N - n0)) - 1u);
+        __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                              _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + n0)), 16))
+                        : _mm512_setzero_ps();
+        for (int r = 0; r < R; r++)
+            _mm256_mask_storeu_epi16(y + (m + r) * N + n0, mask, round_bf16(_mm512_add_ps(acc[r][q], b)));
+    }
+}
+
+#define ROW_CASES(P)                                                                                  \
+    switch (R) {                                                                                      \
+    case 1: block(1, P, x, m, panels, bias, y, j, N, K); break;                                       \
+    case 2: block(2, P, x, m, panels, bias, y, j, N, K); break;                                       \
+    case 3: block(3, P, x, m, panels, bias, y, j, N, K); break;                                       \
+    case 4: block(4, P, x, m, panels, bias, y, j, N, K); break;                                       \
+    case 5: block(5, P, x, m, panels, bias, y, j, N, K); break;                                       \
+    case 6: block(6, P, x, m, panels, bias, y, j, N, K); break;                                       \
+    case 7: block(7, P, x, m, panels, bias, y, j, N, K); break;                                       \
+    default: block(8, P, x, m, panels, bias, y, j, N, K); break;                                      \
+    }
+
+void panel_linear_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y, int64_t M,
+                       int64_t N, int64_t K) {
+    const int64_t num_panels = (N + PANEL - 1) / PANEL, column_blocks = (num_panels + WIDTH - 1) / WIDTH;
+    const int64_t row_tasks = (M + TASK_ROWS - 1) / TASK_ROWS, tasks = column_blocks * row_tasks;
+#pragma omp parallel for schedule(static) if (tasks > 1 && M * N * K >= 16 * PARALLEL_MIN_ELEMENTS)
+    for (int64_t task = 0; task < tasks; task++) {
+        const int64_t j = task / row_tasks * WIDTH, P = num_panels - j < WIDTH ? num_panels - j : WIDTH;
+        const int64_t first = task % row_tasks * TASK_ROWS, last = first + TASK_ROWS < M ? first + TASK_ROWS : M;
+        for (int64_t m = first; m < last; m += ROWS) {
+            const int64_t R = last - m < ROWS ? last - m : ROWS;
+            if (P == 3) {
+                ROW_CASES(3)
+            } else if (P == 2) {
+                ROW_CASES(2)
+            } else {
+                ROW_CASES(1)
+            }
+        }
+    }
+}
+
+int32_t panel_linear_available(void) { return 1; }
+#else
+void panel_linear_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y, int64_t M,
+                       int64_t N, int64_t K) {
+    (void)x, (void)panels, (void)bias, (void)y, (void)M, (void)N, (void)K;
+}
+
+int32_t panel_linear_available(void) { return 0; } /* no AVX-512 BF16: the callers keep oneDNN */
+#endif

@@ -1,0 +1,79 @@
+"""The bfloat16 panel kernel (kernels/native/panel_linear.c, kernels/linear/panels.py) against its
+reference: F.linear on the panels unpacked, and a float64 product."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedserve.kernels.linear import panels
+
+pytestmark = pytest.mark.skipif(panels.library() is None, reason="needs a C compiler and AVX-512 BF16")
+
+
+@pytest.mark.parametrize("size_out,size_in", [(960, 576), (40, 64), (17, 2), (576, 1536), (3, 34)])
+def test_pack_keeps_every_weight_and_pads_the_last_panel_with_zeros(size_out, size_in):
+    weight = torch.randn(size_out, size_in).bfloat16()
+    packed = panels.pack(weight)
+    num_panels = -(-size_out // panels.PANEL)
+    assert packed.data.shape == (num_panels, size_in // 2, panels.PANEL, 2) and packed.data.is_contiguous()
+    assert torch.equal(panels.unpack(packed), weight)
+    # element [j, p, c, e] is weight[16 j + c, 2 p + e]
+    j, p, c, e = num_panels - 1, size_in // 2 - 1, (size_out - 1) % panels.PANEL, 1
+    assert packed.data[j, p, c, e] == weight[size_out - 1, size_in - 1]
+    if size_out % panels.PANEL:
+        assert not packed.data[-1, :, size_out % panels.PANEL:].any()
+
+
+@pytest.mark.parametrize("num_rows", [1, 2, 7, 8, 9, 24, 33, 64, 65, 130])
+@pytest.mark.parametrize("size_out,size_in", [(960, 576), (40, 64), (50, 1536), (16, 2)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_a_float64_product_to_one_rounding(num_rows, size_out, size_in, with_bias):
+    generator = torch.Generator().manual_seed(num_rows * 1000 + size_out + size_in)
+    x = torch.randn(num_rows, size_in, generator=generator).bfloat16()
+    weight = (torch.randn(size_out, size_in, generator=generator) / size_in ** 0.5).bfloat16()
+    bias = torch.randn(size_out, generator=generator).bfloat16() if with_bias else None
+    packed = panels.pack(weight)
+    ours = panels.panel_linear(x, packed, bias)
+    exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    assert ours.shape == (num_rows, size_out) and ours.dtype == torch.bfloat16
+    # float32 sums rounded once to bfloat16: within a bfloat16 unit in the last place of the exact value
+    assert torch.all((ours.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-5)
+    reference = panels.panel_linear_ref(x, packed, bias)
+    assert torch.allclose(ours.float(), reference.float(), rtol=2 ** -7, atol=1e-2)
+    assert (ours != reference).float().mean() < 0.01  # another order of float32 sums: rarely another rounding
+
+
+def test_each_row_is_independent_of_the_others():
+    """A row's result does not depend on how many rows share the call or where it sits in a block."""
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 576, generator=generator).bfloat16()
+    packed = panels.pack(torch.randn(200, 576, generator=generator).bfloat16())
+    whole = panels.panel_linear(x, packed, None)
+    for first, last in [(0, 1), (5, 13), (30, 37), (8, 9)]:
+        assert torch.equal(panels.panel_linear(x[first:last], packed, None), whole[first:last])
+
+
+def test_leading_dimensions_strided_input_empty_rows_and_special_values():
+    generator = torch.Generator().manual_seed(4)
+    weight = torch.randn(48, 64, generator=generator).bfloat16()
+    packed = panels.pack(weight)
+    x = torch.randn(2, 5, 128, generator=generator).bfloat16()[..., ::2]  # not contiguous
+    assert torch.equal(panels.panel_linear(x, packed, None),
+                       panels.panel_linear(x.contiguous().reshape(10, 64), packed, None).reshape(2, 5, 48))
+    assert panels.panel_linear(torch.empty(0, 64).bfloat16(), packed, None).shape == (0, 48)
+    special = torch.zeros(3, 64).bfloat16()
+    special[0, 0], special[1, 0] = float("nan"), float("inf")
+    out = panels.panel_linear(special, packed, None)
+    assert torch.isnan(out[0]).all() and not torch.isfinite(out[1]).any()
+    # the rounding to bfloat16 keeps a denormal sum (here the bias of a zero product), as torch rounds
+    bias = torch.full((48,), 1e-39).bfloat16()
+    assert torch.equal(panels.panel_linear(torch.zeros(1, 64).bfloat16(), packed, bias), bias[None])
+
+
+def test_odd_inputs_and_other_dtypes_are_not_packed():
+    assert panels.can_pack(torch.zeros(8, 64, dtype=torch.bfloat16))
+    assert not panels.can_pack(torch.zeros(8, 63, dtype=torch.bfloat16))
+    assert not panels.can_pack(torch.zeros(8, 64))
+    assert not panels.can_pack(torch.zeros(64, dtype=torch.bfloat16))
