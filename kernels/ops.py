@@ -24,7 +24,8 @@ paths (plain torch), and under `reference` the references. Dense bfloat16 CPU we
 prepacked copy (`prepack_weight`): 16-column panels (linear/panels.py) where the host's measured
 tuning chose them (kernels/native/tuning.py), else oneDNN's blocked layout (linear/onednn.py); a
 step of one or two rows takes the native few-rows kernel on the dense weight
-(linear/native_rows.py), more rows the prepacked copy; other dense weights F.linear.
+(linear/native_rows.py), or the panels where the tuning found them faster at one row too, more
+rows the prepacked copy; other dense weights F.linear.
 GGUF blocks kept as the file has them (`block_quant_linear`, linear/block_quant.py) take the native
 block kernel at up to 32 rows on the CPU and an exact dequantize-then-matmul otherwise.
 
@@ -267,11 +268,15 @@ def linear(x, weight, bias=None, *, packed=None, prepacked=None):
     the path: `packed` (Int8Weight/Int4Weight) -> quantized_linear; else the dense weight [N, K]
     beside its copy `prepacked` (prepack_weight) -> the native few-rows kernel where it takes x and
     weight (bfloat16, up to native_rows.MAX_ROWS rows, AVX-512 BF16), the prepacked copy above
-    (panels or oneDNN); with no prepacked copy (float32, float16, CUDA,
+    (panels or oneDNN); panels at every row count where the host's tuning chose them for few rows
+    too (tuning.panels_for_few_rows); with no prepacked copy (float32, float16, CUDA,
     PAGEDSERVE_KERNELS=reference) -> F.linear."""
     if packed is not None:
         return quantized_linear(x, packed, bias)
     if prepacked is not None:
+        if isinstance(prepacked, panels.PanelWeight) and (lib := panels.library()) is not None \
+                and native_tuning.panels_for_few_rows(lib):
+            return panels.panel_linear(x, prepacked, bias, lib)
         lib = native_rows.supports(x, weight)
         if lib is not None:
             return native_rows.linear_rows(x, weight, bias, lib)
@@ -279,6 +284,12 @@ def linear(x, weight, bias=None, *, packed=None, prepacked=None):
             return panels.panel_linear(x, prepacked, bias)
         return prepacked_linear(x, prepacked, bias)
     return F.linear(x, weight, bias)
+
+
+def panels_for_few_rows() -> bool:
+    """Whether layers with panels multiply them at one or two rows too (kernels/native/tuning.py)."""
+    lib = panels.library()
+    return lib is not None and native_tuning.panels_for_few_rows(lib)
 
 
 def prepack_weight(weight):

@@ -22,10 +22,12 @@ import torch
 from pagedserve.kernels.attention.native import MAX_GROUP, MAX_GROUP_WIDTH, MAX_HEAD_SIZE
 from pagedserve.kernels.linear import native_rows
 from pagedserve.kernels.linear.block_quant import BlockQuantWeight
+from pagedserve.kernels.linear.panels import PanelWeight
 from pagedserve.kernels.native.abi import DTYPE_CODES, BlockLinear, LayerWeights, StepRows
 
-# (weight [out, in] dense in the layer's dtype, or GGUF blocks kept as the file has them; bias [out] or None)
-Linear = tuple[torch.Tensor | BlockQuantWeight, torch.Tensor | None]
+# (weight [out, in] dense in the layer's dtype, bfloat16 panels (linear/panels.py), or GGUF blocks kept
+# as the file has them; bias [out] or None)
+Linear = tuple[torch.Tensor | PanelWeight | BlockQuantWeight, torch.Tensor | None]
 
 
 def decode_layer_library():
@@ -50,20 +52,21 @@ def _ptr(tensor: torch.Tensor | None) -> int | None:
 def layer_weights(norm1: torch.Tensor, norm2: torch.Tensor, qkv: Linear, o: Linear, gate_up: Linear, down: Linear,
                   key_cache: torch.Tensor, value_cache: torch.Tensor, *, num_heads: int, num_kv_heads: int,
                   head_size: int, eps: float, scale: float, sliding_window: int | None) -> LayerWeights:
-    """One layer's structure: norms [H], contiguous weights in the norms' dtype or GGUF blocks (and
-    biases or None), caches [num_blocks, block_size, kvh, hs] (supports_decode_layer)."""
+    """One layer's structure: norms [H], contiguous weights in the norms' dtype, bfloat16 panels or
+    GGUF blocks (and biases or None), caches [num_blocks, block_size, kvh, hs] (supports_decode_layer)."""
     num_blocks, block_size = key_cache.shape[:2]
     linears = (qkv, o, gate_up, down)
     blocks = [BlockLinear(weight.qs.data_ptr(), weight.scales.data_ptr(), _ptr(weight.mins), weight.bits)
               if isinstance(weight, BlockQuantWeight) else None for weight, _ in linears]
-    dense = [None if isinstance(weight, BlockQuantWeight) else weight.data_ptr() for weight, _ in linears]
-    inner = down[0].in_features if isinstance(down[0], BlockQuantWeight) else down[0].shape[1]
+    panels = [weight.data.data_ptr() if isinstance(weight, PanelWeight) else None for weight, _ in linears]
+    dense = [weight.data_ptr() if isinstance(weight, torch.Tensor) else None for weight, _ in linears]
+    inner = down[0].shape[1] if isinstance(down[0], torch.Tensor) else down[0].in_features
     weights = LayerWeights(
         _ptr(norm1), _ptr(norm2), dense[0], _ptr(qkv[1]), dense[1], _ptr(o[1]), dense[2], _ptr(gate_up[1]),
         dense[3], _ptr(down[1]), key_cache.data_ptr(), value_cache.data_ptr(), norm1.shape[0], num_heads,
         num_kv_heads, head_size, inner, num_blocks * block_size, block_size, eps, scale,
         DTYPE_CODES[key_cache.dtype], sliding_window or 0, DTYPE_CODES[norm1.dtype],
-        *[ctypes.addressof(block) if block is not None else None for block in blocks])
+        *[ctypes.addressof(block) if block is not None else None for block in blocks], *panels)
     # the pointers stay valid while the structure lives
     weights._keep = (key_cache, value_cache, blocks, [weight for weight, _ in linears])
     return weights

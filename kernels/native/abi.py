@@ -27,7 +27,8 @@ class LayerWeights(ctypes.Structure):
         (name, _I64) for name in ("hidden", "num_heads", "num_kv_heads", "head_size", "inner", "num_slots",
                                   "block_size")] + [("eps", _F32), ("scale", _F32), ("cache_dtype", _I32),
                                                     ("sliding_window", _I32), ("dtype", _I32)] + [
-        (name, _P) for name in ("qkv_blocks", "o_blocks", "gate_up_blocks", "down_blocks")]
+        (name, _P) for name in ("qkv_blocks", "o_blocks", "gate_up_blocks", "down_blocks")] + [
+        (name, _P) for name in ("qkv_panels", "o_panels", "gate_up_panels", "down_panels")]
 
 
 class BlockLinear(ctypes.Structure):

@@ -9,6 +9,8 @@
  *   residual += attn @ w_o^T (+ b_o); normed = norm2(residual)
  *   out = silu_mul(normed @ w_gate_up^T (+ b)) @ w_down^T (+ b)
  *
+ * A bfloat16 projection with panels (its *_panels pointer) goes through panel_linear.c, as ops.linear
+ * sends it there (the host's tuning chose panels for few rows too: kernels/native/tuning.py).
  * A projection with GGUF blocks (its *_blocks pointer) goes through block_quant_rows.c's kernels
  * (bfloat16 activations: block_quant_rows_bf16, float32: block_quant_rows) into float32, then the
  * bias is added and the sum rounded to the dtype: what ops.linear does for such a layer.
@@ -20,8 +22,12 @@
 #include "common.h"
 #include "pagedserve_cpu.h"
 
-static void linear(int32_t dtype, const struct block_linear *blocks, float *f32, const void *x, const void *w,
-                   const void *bias, void *y, int64_t M, int64_t N, int64_t K) {
+static void linear(int32_t dtype, const struct block_linear *blocks, const void *panels, float *f32, const void *x,
+                   const void *w, const void *bias, void *y, int64_t M, int64_t N, int64_t K) {
+    if (panels && dtype == DTYPE_BF16) {
+        panel_linear_bf16(x, panels, bias, y, M, N, K);
+        return;
+    }
     if (blocks) {
         if (dtype == DTYPE_BF16)
             block_quant_rows_bf16(x, blocks->qs, blocks->scales, blocks->mins, f32, M, N, K, (int32_t)blocks->bits);
@@ -51,16 +57,16 @@ void decode_layer(const struct layer_weights *lw, const struct step_rows *st, vo
     int32_t dtype = lw->dtype;
     if (!has_residual) residual = x;
     add_rms_norm(x, has_residual ? residual : NULL, lw->norm1, normed, M, H, lw->eps, dtype, has_residual);
-    linear(dtype, lw->qkv_blocks, f32, normed, lw->w_qkv, lw->b_qkv, qkv, M, qkv_width, H);
+    linear(dtype, lw->qkv_blocks, lw->qkv_panels, f32, normed, lw->w_qkv, lw->b_qkv, qkv, M, qkv_width, H);
     rotary_write_kv(qkv, st->cos_sin, st->positions, st->slot_mapping, lw->key_cache, lw->value_cache, M,
                     lw->num_heads, lw->num_kv_heads, hs, qkv_width, lw->num_slots, dtype, lw->cache_dtype);
     paged_decode_attention(qkv, qkv_width, attn, q_width, lw->key_cache, lw->value_cache, st->block_tables,
                            st->max_blocks, st->seq_lens, st->query_start_loc, st->seqs, M, lw->num_heads,
                            lw->num_kv_heads, hs, lw->block_size, lw->scale, lw->sliding_window, 1.0f, dtype,
                            lw->cache_dtype);
-    linear(dtype, lw->o_blocks, f32, attn, lw->w_o, lw->b_o, o, M, H, q_width);
+    linear(dtype, lw->o_blocks, lw->o_panels, f32, attn, lw->w_o, lw->b_o, o, M, H, q_width);
     add_rms_norm(o, residual, lw->norm2, normed, M, H, lw->eps, dtype, 1);
-    linear(dtype, lw->gate_up_blocks, f32, normed, lw->w_gate_up, lw->b_gate_up, gate_up, M, 2 * lw->inner, H);
+    linear(dtype, lw->gate_up_blocks, lw->gate_up_panels, f32, normed, lw->w_gate_up, lw->b_gate_up, gate_up, M, 2 * lw->inner, H);
     silu_mul(gate_up, act, M, lw->inner, 2 * lw->inner, dtype);
-    linear(dtype, lw->down_blocks, f32, act, lw->w_down, lw->b_down, out, M, H, lw->inner);
+    linear(dtype, lw->down_blocks, lw->down_panels, f32, act, lw->w_down, lw->b_down, out, M, H, lw->inner);
 }

@@ -38,6 +38,7 @@ struct layer_weights {
     int32_t cache_dtype, sliding_window; /* sliding_window 0: none */
     int32_t dtype;                       /* of the activations and weights */
     const struct block_linear *qkv_blocks, *o_blocks, *gate_up_blocks, *down_blocks; /* or NULL: dense */
+    const void *qkv_panels, *o_panels, *gate_up_panels, *down_panels; /* bfloat16 panels (panel_linear.c) or NULL */
 };
 
 /* One decode step's rows, shared by every layer of the step (decode_layer). */

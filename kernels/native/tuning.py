@@ -14,9 +14,15 @@ no result, only when the bytes arrive.
 `linear_bf16_layout`: the layout the bfloat16 linear layers keep beside their dense weight for more
 than two rows, "panels" (kernels/linear/panels.py, panel_linear.c) or "onednn" (oneDNN's blocked
 layout, linear/onednn.py). Both are timed on SmolLM2's two projection shapes ([1536, 576] and
-[576, 1536]) at LAYOUT_ROWS rows of x, interleaved; the panels are kept when they are faster at
-each row count, else oneDNN (which has AMX tiles where the CPU has them). "panels" only where the
+[576, 1536]) at LAYOUT_ROWS rows of x, interleaved; the panels are kept when they are faster than
+oneDNN by more than NOISE at one of the row counts and not slower by more than NOISE at any, else
+oneDNN (which has AMX tiles where the CPU has them). "panels" only where the
 library has the panel kernel and torch has oneDNN's bfloat16 matmul to compare with.
+
+`linear_bf16_few_rows`: with panels kept, what one or two rows multiply, "panels" or "rows" (the
+row kernel on the dense weight, linear_rows.c): both timed at one row over the prefetch
+measurement's weight (far beyond the caches, as a decode step reads its weights), interleaved;
+the panels are kept when they beat the row kernel by more than NOISE.
 
     tuning.apply(lib, folder)       # reads folder/tuning.json, or measures and writes it
 
@@ -82,9 +88,56 @@ def linear_bf16_layout(lib) -> str:
     return getattr(lib, "_pagedserve_tuning", {}).get("linear_bf16_layout", "onednn")
 
 
+def panels_for_few_rows(lib) -> bool:
+    """Whether one or two rows multiply the panels too (module doc), rather than the row kernel."""
+    params = getattr(lib, "_pagedserve_tuning", {})
+    return params.get("linear_bf16_layout") == "panels" and params.get("linear_bf16_few_rows") == "panels"
+
+
 def measure(lib) -> dict:
     """Measures every parameter on this host; returns them."""
-    return {**measure_prefetch(lib), **measure_layout(lib)}
+    params = {**measure_prefetch(lib), **measure_layout(lib)}
+    lib.linear_rows_set_prefetch(int(params["linear_rows_prefetch"]))
+    params.update(measure_few_rows(lib) if params["linear_bf16_layout"] == "panels"
+                  else {"linear_bf16_few_rows": "rows"})
+    return params
+
+
+def measure_few_rows(lib) -> dict:
+    """Times the row kernel against the panels at one row (module doc)."""
+    import torch
+
+    from pagedserve.kernels.linear import panels
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    try:
+        weight = torch.ones(WEIGHT_BYTES // (2 * SIZE_IN), SIZE_IN, dtype=torch.bfloat16)  # [N, K]
+        packed = panels.pack(weight)
+        x = torch.ones(1, SIZE_IN, dtype=torch.bfloat16)
+        y = torch.empty(1, weight.shape[0], dtype=torch.bfloat16)
+        calls = {"rows": lambda: lib.linear_rows_bf16(x.data_ptr(), weight.data_ptr(), None, y.data_ptr(), 1,
+                                                      weight.shape[0], SIZE_IN),
+                 "panels": lambda: lib.panel_linear_bf16(x.data_ptr(), packed.data.data_ptr(), None, y.data_ptr(),
+                                                         1, weight.shape[0], SIZE_IN)}
+
+        def one_pass(kernel: str) -> float:
+            start = time.perf_counter()
+            calls[kernel]()
+            return time.perf_counter() - start
+
+        for kernel in calls:
+            one_pass(kernel)
+        times = {}
+        for _ in range(ROUNDS):
+            for kernel in calls:
+                times.setdefault(kernel, []).extend(one_pass(kernel) for _ in range(PASSES))
+    finally:
+        torch.set_num_threads(threads)
+    medians = {kernel: statistics.median(values) for kernel, values in times.items()}
+    choice = "panels" if medians["panels"] < medians["rows"] * (1 - NOISE) else "rows"
+    return {"linear_bf16_few_rows": choice,
+            "few_rows_gb_per_s": {kernel: round(WEIGHT_BYTES / t / 1e9, 2) for kernel, t in medians.items()}}
 
 
 def measure_prefetch(lib) -> dict:
@@ -156,7 +209,8 @@ def measure_layout(lib) -> dict:
             medians[rows] = {layout: statistics.median(values) for layout, values in times.items()}
     finally:
         torch.set_num_threads(threads)
-    wins = all(pair["panels"] < pair["onednn"] for pair in medians.values())
+    wins = (all(pair["panels"] < pair["onednn"] * (1 + NOISE) for pair in medians.values())
+            and any(pair["panels"] < pair["onednn"] * (1 - NOISE) for pair in medians.values()))
     return {"linear_bf16_layout": "panels" if wins else "onednn",
             "layout_ms": {str(rows): {layout: round(t * 1e3, 3) for layout, t in pair.items()}
                           for rows, pair in medians.items()}}
@@ -166,7 +220,7 @@ def _read(path: Path) -> dict | None:
     try:
         params = json.loads(path.read_text())
         int(params["linear_rows_prefetch"])
-        if params["linear_bf16_layout"] not in LAYOUTS:
+        if params["linear_bf16_layout"] not in LAYOUTS or params["linear_bf16_few_rows"] not in ("rows", "panels"):
             return None
         return params
     except (OSError, ValueError, KeyError, TypeError):

@@ -136,8 +136,9 @@ def test_a_wrong_structure_is_named(header, layouts):
         "struct layer_weights.dtype: offset 168 in C, 172 in Widened"]  # the pointers after it align to 176
     assert check(layer_weights=Packed) == [
         *[f"struct layer_weights.{name}: offset {176 + 8 * i} in C, {172 + 8 * i} in Packed"
-          for i, name in enumerate(("qkv_blocks", "o_blocks", "gate_up_blocks", "down_blocks"))],
-        "struct layer_weights: sizeof 208 in C, 204 in Packed"]
+          for i, name in enumerate(("qkv_blocks", "o_blocks", "gate_up_blocks", "down_blocks",
+                                    "qkv_panels", "o_panels", "gate_up_panels", "down_panels"))],
+        "struct layer_weights: sizeof 240 in C, 236 in Packed"]
     assert structure_mismatches(header, {"step_rows": abi.StepRows}, layouts) == [
         "struct block_linear: in the header, no ctypes Structure",
         "struct layer_weights: in the header, no ctypes Structure"]

@@ -126,3 +126,30 @@ def test_native_layers_multiply_kept_gguf_blocks_as_the_per_op_path(all_kept, gg
         tolerance = 1e-4 if dtype == "float32" else 0.03
         assert (native - per_op).abs().max() <= tolerance * scale
         assert torch.equal(native.argmax(-1), per_op.argmax(-1))
+
+
+@pytest.mark.parametrize("few_rows", ["panels", "rows"])
+def test_native_layers_multiply_the_panels_where_ops_linear_does(checkpoint_dir, monkeypatch, few_rows):
+    """A host whose tuning keeps bfloat16 panels (kernels/native/tuning.py): with panels for few rows
+    too, the native layers multiply the panels as ops.linear does; otherwise the dense weight."""
+    from pagedserve.kernels import ops
+
+    lib = native_lib.load()
+    if lib is None or not lib.panel_linear_available():
+        pytest.skip("needs the native panel kernel (AVX-512 BF16)")
+    monkeypatch.setattr(lib, "_pagedserve_tuning", {**lib._pagedserve_tuning, "linear_bf16_layout": "panels",
+                                                    "linear_bf16_few_rows": few_rows})
+    prompts = make_prompts(seed=4, lengths=(5, 17, 40, 81))
+    bf16 = _runner(checkpoint_dir("qwen2-bias-tied"), "bfloat16")
+    native = _decode_logits(bf16, prompts, True, monkeypatch)
+    per_op = _decode_logits(bf16, prompts, False, monkeypatch)
+    layer = bf16.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj.prepacked_weight, ops.PanelWeight)
+    weights = layer._native_decode[1]
+    assert bool(weights.qkv_panels) == bool(weights.down_panels) == (few_rows == "panels")
+    assert bool(weights.w_qkv) == (few_rows == "rows")
+    exact = _decode_logits(_runner(checkpoint_dir("qwen2-bias-tied"), "float32"), prompts, False, monkeypatch)
+    scale = exact.abs().max()
+    assert (native - per_op).abs().max() <= 0.03 * scale
+    assert torch.equal(native.argmax(-1), per_op.argmax(-1))
+    assert (native - exact).abs().max() <= 2 * (per_op - exact).abs().max() + 0.01 * scale

@@ -29,12 +29,15 @@ MAX_ROWS = 4
 
 
 def _native_weight(linear, dtype: torch.dtype):
-    """What the native layer multiplies by: the dense weight in the layer's dtype, or GGUF blocks kept
-    as the file has them; None when the layer holds anything else (int8/int4 packs)."""
+    """What the native layer multiplies by: the dense weight in the layer's dtype, its bfloat16
+    panels where ops.linear would take them at few rows, or GGUF blocks kept as the file has them;
+    None when the layer holds anything else (int8/int4 packs)."""
     if linear.bias is not None and not linear.bias.is_contiguous():
         return None
     if isinstance(linear.packed, ops.BlockQuantWeight):
         return linear.packed
+    if isinstance(linear.prepacked_weight, ops.PanelWeight) and ops.panels_for_few_rows():
+        return linear.prepacked_weight  # as ops.linear multiplies it (tuning.panels_for_few_rows)
     weight = linear.weight
     if linear.packed is None and weight is not None and weight.dtype == dtype and weight.is_contiguous():
         return weight
@@ -46,7 +49,8 @@ def _layer_weights(layer, kv_cache, dtype: torch.dtype):
     attention, mlp = layer.self_attn, layer.mlp
     key_cache, value_cache = kv_cache
     identity = (id(attention.qkv_proj.packed) if attention.qkv_proj.weight is None
-                else attention.qkv_proj.weight.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr())
+                else attention.qkv_proj.weight.data_ptr(), id(attention.qkv_proj.prepacked_weight),
+                key_cache.data_ptr(), value_cache.data_ptr())
     cached = getattr(layer, "_native_decode", None)
     if cached is not None and cached[0] == identity:
         return cached[1]
