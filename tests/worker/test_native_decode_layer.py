@@ -26,11 +26,12 @@ pytestmark = pytest.mark.skipif(
 FOR_STEP = llama_native.NativeDecodeStep.for_step.__func__
 
 
-def _runner(path, dtype: str, kv_cache_dtype: str = "auto", quantization: str = "auto") -> ModelRunner:
+def _runner(path, dtype: str, kv_cache_dtype: str = "auto", quantization: str = "auto",
+            num_blocks: int = 64) -> ModelRunner:
     runner = ModelRunner(path, device="cpu", dtype=dtype, block_size=16, kv_cache_dtype=kv_cache_dtype,
                          quantization=quantization)
     runner.load()
-    runner.init_cache(64, 0)
+    runner.init_cache(num_blocks, 0)
     return runner
 
 
@@ -49,8 +50,8 @@ def _decode_logits(runner: ModelRunner, prompts: list[list[int]], native: bool, 
     monkeypatch.setattr(llama_native.NativeDecodeStep, "for_step", classmethod(for_step))
 
     def forward(seqs):
-        inputs = build_model_input(seqs, block_size=16, num_blocks=64, max_positions=model.max_positions,
-                                   device=runner.device)
+        inputs = build_model_input(seqs, block_size=16, num_blocks=runner.cache.num_gpu_blocks,
+                                   max_positions=model.max_positions, device=runner.device)
         with torch.inference_mode():
             return model.compute_logits(model(inputs.token_ids, inputs.metadata, runner.cache.gpu_cache))
 
@@ -90,7 +91,16 @@ def test_a_float32_cache_under_a_bfloat16_model(checkpoint_dir, monkeypatch):
     assert (native - per_op).abs().max() <= 0.03 * per_op.abs().max()
 
 
+def _tuned(monkeypatch, layout: str, few_rows: str) -> None:
+    """This host's kernel tuning as if it had chosen `layout` and `few_rows` (kernels/native/tuning.py)."""
+    lib = native_lib.load()
+    if lib is not None:
+        monkeypatch.setattr(lib, "_pagedserve_tuning", {**getattr(lib, "_pagedserve_tuning", {}),
+                                                        "linear_bf16_layout": layout, "linear_bf16_few_rows": few_rows})
+
+
 def test_steps_it_does_not_take(checkpoint_dir, monkeypatch):
+    _tuned(monkeypatch, "onednn", "rows")  # dense weights
     prompts = make_prompts(seed=4, lengths=(20, 21, 22, 23, 24))
     runner = _runner(checkpoint_dir("llama-gqa-untied"), "bfloat16")
     _decode_logits(runner, prompts, True, monkeypatch, expect_native=False)  # five rows: above MAX_ROWS
@@ -114,11 +124,13 @@ def test_native_layers_multiply_kept_gguf_blocks_as_the_per_op_path(all_kept, gg
     with the same block kernels as the per-op path (dense projections beside them, llama-mixed, keep
     the row kernel), so the logits agree but for the order of float32 sums in RMSNorm and attention."""
     path = all_kept if model == "all-kept" else gguf_model("llama-mixed") / GGUF_FILE
-    runner = _runner(path, dtype)
+    runner = _runner(path, dtype, num_blocks=96)
     kinds = {type(module.packed).__name__ for name, module in runner.model.named_modules()
              if name.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))}
     assert BlockQuantWeight.__name__ in kinds and (model == "all-kept") == (kinds == {BlockQuantWeight.__name__})
-    for lengths in [(70,), (5, 17, 40, 81)]:
+    # nine rows: the all-kept model's layers are all blocks (llama_native.MAX_PACKED_ROWS)
+    nine = [(3, 9, 17, 12, 5, 30, 8, 21, 14)] if model == "all-kept" else []
+    for lengths in [(70,), (5, 17, 40, 81), *nine]:
         prompts = make_prompts(seed=len(lengths), lengths=lengths)
         native = _decode_logits(runner, prompts, True, monkeypatch)
         per_op = _decode_logits(runner, prompts, False, monkeypatch)
@@ -126,6 +138,29 @@ def test_native_layers_multiply_kept_gguf_blocks_as_the_per_op_path(all_kept, gg
         tolerance = 1e-4 if dtype == "float32" else 0.03
         assert (native - per_op).abs().max() <= tolerance * scale
         assert torch.equal(native.argmax(-1), per_op.argmax(-1))
+
+
+def test_layers_in_panels_take_up_to_32_rows(checkpoint_dir, monkeypatch):
+    """With every projection in panels, the native layers take decode steps of up to MAX_PACKED_ROWS
+    rows (the per-op path calls the same panel kernel at any row count); dense layers stop at MAX_ROWS."""
+    lib = native_lib.load()
+    if lib is None or not lib.panel_linear_available():
+        pytest.skip("needs the native panel kernel (AVX-512 BF16)")
+    _tuned(monkeypatch, "panels", "panels")
+    prompts = make_prompts(seed=6, lengths=tuple(range(3, 3 + llama_native.MAX_PACKED_ROWS + 1)))
+    runner = _runner(checkpoint_dir("qwen2-bias-tied"), "bfloat16", num_blocks=8 * len(prompts))
+    exact = _decode_logits(_runner(checkpoint_dir("qwen2-bias-tied"), "float32", num_blocks=8 * 9), prompts[:9], False,
+                           monkeypatch)
+    native = _decode_logits(runner, prompts[:9], True, monkeypatch)  # nine rows: above MAX_ROWS
+    per_op = _decode_logits(runner, prompts[:9], False, monkeypatch)
+    scale = exact.abs().max()
+    assert (native - per_op).abs().max() <= 0.03 * scale
+    assert torch.equal(native.argmax(-1), per_op.argmax(-1))
+    assert (native - exact).abs().max() <= 2 * (per_op - exact).abs().max() + 0.01 * scale
+    _decode_logits(runner, prompts, True, monkeypatch, expect_native=False)  # 33 rows
+    _tuned(monkeypatch, "onednn", "rows")
+    _decode_logits(_runner(checkpoint_dir("qwen2-bias-tied"), "bfloat16", num_blocks=8 * 9), prompts[:9], True,
+                   monkeypatch, expect_native=False)
 
 
 @pytest.mark.parametrize("few_rows", ["panels", "rows"])

@@ -9,7 +9,8 @@ measurements).
     hidden, residual = step.run(hidden)                            # after the embedding
 
 It applies when every row of the step is a one-token decode, there are at most MAX_ROWS (4) of
-them, the model is bfloat16 or float32 on one CPU rank whose linear layers are dense or keep a
+them (MAX_PACKED_ROWS, 32, when every projection is in bfloat16 panels or GGUF blocks, whose
+kernels the per-op path calls at any row count too), the model is bfloat16 or float32 on one CPU rank whose linear layers are dense or keep a
 GGUF file's blocks (--quantization auto: Q4_0, Q4_1, Q8_0; int8/int4 packs are not taken), the caches hold the model's dtype or float32, and the native
 library is built. In float32 the results differ from the per-op path in the last bits (sums in
 another order: the matmuls, RMSNorm's sum of squares), as bfloat16's do.
@@ -26,6 +27,9 @@ from pagedserve.kernels import ops
 # up to 4 rows: the row kernel streams the weights at least as fast as oneDNN there (bench/linear_rows.py,
 # docs/kernels.md) and the layer saves the per-op calls
 MAX_ROWS = 4
+# layers whose projections are all panels or GGUF blocks multiply them with the same kernels as the
+# per-op path at any row count (the block kernel up to its 32 rows): up to 32 rows, the calls saved
+MAX_PACKED_ROWS = 32
 
 
 def _native_weight(linear, dtype: torch.dtype):
@@ -93,6 +97,11 @@ def _model_layer_weights(model, kv_caches, dtype: torch.dtype) -> list | None:
     return layer_weights
 
 
+def _is_packed(weights) -> bool:
+    """No projection of the layer multiplies a dense weight (all panels or GGUF blocks)."""
+    return not (weights.w_qkv or weights.w_o or weights.w_gate_up or weights.w_down)
+
+
 class NativeDecodeStep:
     def __init__(self, model, layers: "ops.DecodeLayers") -> None:
         self.model = model
@@ -102,14 +111,14 @@ class NativeDecodeStep:
     def for_step(cls, model, metadata, kv_caches) -> "NativeDecodeStep | None":
         num_rows = metadata.num_tokens
         dtype = model.rotary.cos_sin.dtype
-        if not (0 < num_rows <= MAX_ROWS and metadata.num_seqs == num_rows and model.tp.world_size == 1
+        if not (0 < num_rows <= MAX_PACKED_ROWS and metadata.num_seqs == num_rows and model.tp.world_size == 1
                 and model.rotary.cos_sin.device.type == "cpu"):
             return None
         lib = ops.decode_layer_library()
         if lib is None or metadata.query_start_loc.tolist() != list(range(num_rows + 1)):
             return None
         layer_weights = _model_layer_weights(model, kv_caches, dtype)
-        if layer_weights is None:
+        if layer_weights is None or (num_rows > MAX_ROWS and not all(map(_is_packed, layer_weights))):
             return None
         model.rotary.check_positions(metadata.positions, metadata.step_plans)
         return cls(model, ops.DecodeLayers(lib, layer_weights, model.rotary.cos_sin, metadata.positions,
