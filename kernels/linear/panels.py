@@ -14,9 +14,9 @@ comment has the blocking). K must be even.
 
 Which bfloat16 layout a host's layers take, this one or oneDNN's (linear/onednn.py), is measured
 once per host (kernels/native/tuning.py, `linear_bf16_layout`): on AMD Zen 4 (AVX-512 BF16 without
-AMX) these panels ran SmolLM2's projections 1.4-2x faster than oneDNN's prepacked weights from 4
-to 64 rows and about even at 512 (bench/panel_linear.py; docs/kernels.md); where oneDNN has AMX
-tiles the measurement decides.
+AMX) these panels ran SmolLM2's 121 projections 1.3-1.6x faster than oneDNN's prepacked weights
+at 1 to 16 rows, 1.07x at 32 and 64 and about even at 128 and 512 (bench/panel_linear.py;
+docs/kernels.md); where oneDNN has AMX tiles the measurement decides.
 """
 
 from __future__ import annotations
