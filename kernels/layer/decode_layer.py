@@ -51,14 +51,19 @@ def _ptr(tensor: torch.Tensor | None) -> int | None:
 
 def layer_weights(norm1: torch.Tensor, norm2: torch.Tensor, qkv: Linear, o: Linear, gate_up: Linear, down: Linear,
                   key_cache: torch.Tensor, value_cache: torch.Tensor, *, num_heads: int, num_kv_heads: int,
-                  head_size: int, eps: float, scale: float, sliding_window: int | None) -> LayerWeights:
+                  head_size: int, eps: float, scale: float, sliding_window: int | None,
+                  panels: list[PanelWeight | None] | None = None) -> LayerWeights:
     """One layer's structure: norms [H], contiguous weights in the norms' dtype, bfloat16 panels or
-    GGUF blocks (and biases or None), caches [num_blocks, block_size, kvh, hs] (supports_decode_layer)."""
+    GGUF blocks (and biases or None), caches [num_blocks, block_size, kvh, hs] (supports_decode_layer).
+    `panels`: per projection, the panels of a dense weight, which decode_layer.c multiplies above
+    two rows (as ops.linear does), the dense weight at one or two."""
     num_blocks, block_size = key_cache.shape[:2]
     linears = (qkv, o, gate_up, down)
     blocks = [BlockLinear(weight.qs.data_ptr(), weight.scales.data_ptr(), _ptr(weight.mins), weight.bits)
               if isinstance(weight, BlockQuantWeight) else None for weight, _ in linears]
-    panels = [weight.data.data_ptr() if isinstance(weight, PanelWeight) else None for weight, _ in linears]
+    panels = [weight if isinstance(weight, PanelWeight) else extra
+              for (weight, _), extra in zip(linears, panels or [None] * len(linears))]
+    panel_pointers = [weight.data.data_ptr() if weight is not None else None for weight in panels]
     dense = [weight.data_ptr() if isinstance(weight, torch.Tensor) else None for weight, _ in linears]
     inner = down[0].shape[1] if isinstance(down[0], torch.Tensor) else down[0].in_features
     weights = LayerWeights(
@@ -66,9 +71,9 @@ def layer_weights(norm1: torch.Tensor, norm2: torch.Tensor, qkv: Linear, o: Line
         dense[3], _ptr(down[1]), key_cache.data_ptr(), value_cache.data_ptr(), norm1.shape[0], num_heads,
         num_kv_heads, head_size, inner, num_blocks * block_size, block_size, eps, scale,
         DTYPE_CODES[key_cache.dtype], sliding_window or 0, DTYPE_CODES[norm1.dtype],
-        *[ctypes.addressof(block) if block is not None else None for block in blocks], *panels)
+        *[ctypes.addressof(block) if block is not None else None for block in blocks], *panel_pointers)
     # the pointers stay valid while the structure lives
-    weights._keep = (key_cache, value_cache, blocks, [weight for weight, _ in linears])
+    weights._keep = (key_cache, value_cache, blocks, [weight for weight, _ in linears], panels)
     return weights
 
 

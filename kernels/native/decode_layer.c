@@ -9,8 +9,10 @@
  *   residual += attn @ w_o^T (+ b_o); normed = norm2(residual)
  *   out = silu_mul(normed @ w_gate_up^T (+ b)) @ w_down^T (+ b)
  *
- * A bfloat16 projection with panels (its *_panels pointer) goes through panel_linear.c, as ops.linear
- * sends it there (the host's tuning chose panels for few rows too: kernels/native/tuning.py).
+ * A bfloat16 projection with panels (its *_panels pointer) goes through panel_linear.c above
+ * DENSE_MAX_ROWS rows, and at any number of rows when it has no dense weight (the host's tuning
+ * chose panels for few rows too: kernels/native/tuning.py); the row kernel on the dense weight
+ * otherwise: the choice ops.linear makes.
  * A projection with GGUF blocks (its *_blocks pointer) goes through block_quant_rows.c's kernels
  * (bfloat16 activations: block_quant_rows_bf16, float32: block_quant_rows) into float32, then the
  * bias is added and the sum rounded to the dtype: what ops.linear does for such a layer.
@@ -22,9 +24,11 @@
 #include "common.h"
 #include "pagedserve_cpu.h"
 
+#define DENSE_MAX_ROWS 2 /* kernels/linear/native_rows.py MAX_ROWS: the row kernel's rows beside panels */
+
 static void linear(int32_t dtype, const struct block_linear *blocks, const void *panels, float *f32, const void *x,
                    const void *w, const void *bias, void *y, int64_t M, int64_t N, int64_t K) {
-    if (panels && dtype == DTYPE_BF16) {
+    if (panels && dtype == DTYPE_BF16 && (M > DENSE_MAX_ROWS || !w)) {
         panel_linear_bf16(x, panels, bias, y, M, N, K);
         return;
     }

@@ -6,8 +6,8 @@ Two parameters. `linear_rows_prefetch`: how far ahead of its weight stream the f
 kernel (linear_rows.c) issues a software prefetch, in bytes, 0 meaning none (the hardware
 prefetchers alone). Measured on SmolLM2-sized projections (rows of 576 bfloat16 values, 96 MiB, far beyond
 any last-level cache) at one row of x with every core of the process's CPU set: each candidate's
-median time over passes interleaved with the others'; a distance other than 0 is kept only when it beats no prefetch by
-more than NOISE. On AMD Zen 4 the hardware prefetchers already follow the kernel's one stream
+fastest pass of those interleaved with the others'; a distance other than 0 is kept only when it
+beats no prefetch by more than NOISE. On AMD Zen 4 the hardware prefetchers already follow the kernel's one stream
 per thread at the measured read bandwidth, and a prefetch only adds loads. The distance changes
 no result, only when the bytes arrive.
 
@@ -35,7 +35,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import statistics
 import time
 from pathlib import Path
 
@@ -103,74 +102,73 @@ def measure(lib) -> dict:
     return params
 
 
-def measure_few_rows(lib) -> dict:
-    """Times the row kernel against the panels at one row (module doc)."""
+def _interleaved_times(candidates: dict) -> dict:
+    """{name: run()} -> {name: seconds of its fastest run()}: after one warm-up run each, ROUNDS
+    rounds in which every candidate runs PASSES times, so a drift of the machine meets them all;
+    on every core of the process's CPU set. The fastest pass, not the median: another process on
+    the cores only ever adds time, and a first start on a busy host would otherwise choose by
+    whose passes that process happened to slow down."""
     import torch
 
-    from pagedserve.kernels.linear import panels
+    def timed(run) -> float:
+        start = time.perf_counter()
+        run()
+        return time.perf_counter() - start
 
     threads = torch.get_num_threads()
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     try:
-        weight = torch.ones(WEIGHT_BYTES // (2 * SIZE_IN), SIZE_IN, dtype=torch.bfloat16)  # [N, K]
-        packed = panels.pack(weight)
-        x = torch.ones(1, SIZE_IN, dtype=torch.bfloat16)
-        y = torch.empty(1, weight.shape[0], dtype=torch.bfloat16)
-        calls = {"rows": lambda: lib.linear_rows_bf16(x.data_ptr(), weight.data_ptr(), None, y.data_ptr(), 1,
-                                                      weight.shape[0], SIZE_IN),
-                 "panels": lambda: lib.panel_linear_bf16(x.data_ptr(), packed.data.data_ptr(), None, y.data_ptr(),
-                                                         1, weight.shape[0], SIZE_IN)}
-
-        def one_pass(kernel: str) -> float:
-            start = time.perf_counter()
-            calls[kernel]()
-            return time.perf_counter() - start
-
-        for kernel in calls:
-            one_pass(kernel)
-        times = {}
+        for run in candidates.values():
+            run()
+        times = {name: [] for name in candidates}
         for _ in range(ROUNDS):
-            for kernel in calls:
-                times.setdefault(kernel, []).extend(one_pass(kernel) for _ in range(PASSES))
+            for name, run in candidates.items():
+                times[name].extend(timed(run) for _ in range(PASSES))
     finally:
         torch.set_num_threads(threads)
-    medians = {kernel: statistics.median(values) for kernel, values in times.items()}
-    choice = "panels" if medians["panels"] < medians["rows"] * (1 - NOISE) else "rows"
+    return {name: min(values) for name, values in times.items()}
+
+
+def _row_weight():
+    """The prefetch measurement's weight [N, SIZE_IN] (WEIGHT_BYTES), one row of x and its output."""
+    import torch
+
+    weight = torch.ones(WEIGHT_BYTES // (2 * SIZE_IN), SIZE_IN, dtype=torch.bfloat16)
+    return weight, torch.ones(1, SIZE_IN, dtype=torch.bfloat16), torch.empty(1, weight.shape[0], dtype=torch.bfloat16)
+
+
+def measure_few_rows(lib) -> dict:
+    """Times the row kernel against the panels at one row (module doc)."""
+    from pagedserve.kernels.linear import panels
+
+    weight, x, y = _row_weight()
+    packed = panels.pack(weight)
+    times = _interleaved_times({
+        "rows": lambda: lib.linear_rows_bf16(x.data_ptr(), weight.data_ptr(), None, y.data_ptr(), 1,
+                                             weight.shape[0], SIZE_IN),
+        "panels": lambda: lib.panel_linear_bf16(x.data_ptr(), packed.data.data_ptr(), None, y.data_ptr(), 1,
+                                                weight.shape[0], SIZE_IN)})
+    choice = "panels" if times["panels"] < times["rows"] * (1 - NOISE) else "rows"
     return {"linear_bf16_few_rows": choice,
-            "few_rows_gb_per_s": {kernel: round(WEIGHT_BYTES / t / 1e9, 2) for kernel, t in medians.items()}}
+            "few_rows_gb_per_s": {kernel: round(WEIGHT_BYTES / t / 1e9, 2) for kernel, t in times.items()}}
 
 
 def measure_prefetch(lib) -> dict:
     """Times linear_rows_bf16 at one row for every candidate distance."""
-    import torch
+    weight, x, y = _row_weight()
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
-    try:
-        weight = torch.ones(WEIGHT_BYTES // (2 * SIZE_IN), SIZE_IN, dtype=torch.bfloat16)  # [N, K]
-        x = torch.ones(1, SIZE_IN, dtype=torch.bfloat16)  # [1, K]
-        y = torch.empty(1, weight.shape[0], dtype=torch.bfloat16)  # [1, N]
-
-        def one_pass() -> float:
-            start = time.perf_counter()
+    def at(distance: int):
+        def run() -> None:
+            lib.linear_rows_set_prefetch(distance)
             lib.linear_rows_bf16(x.data_ptr(), weight.data_ptr(), None, y.data_ptr(), 1, weight.shape[0], SIZE_IN)
-            return time.perf_counter() - start
+        return run
 
-        for _ in range(3):
-            one_pass()
-        times = {}
-        for _ in range(ROUNDS):
-            for distance in CANDIDATES:
-                lib.linear_rows_set_prefetch(distance)
-                times.setdefault(distance, []).extend(one_pass() for _ in range(PASSES))
-    finally:
-        torch.set_num_threads(threads)
-    medians = {distance: statistics.median(values) for distance, values in times.items()}
-    best = min(medians, key=medians.get)
-    if best != 0 and medians[best] > medians[0] * (1 - NOISE):
+    times = _interleaved_times({distance: at(distance) for distance in CANDIDATES})
+    best = min(times, key=times.get)
+    if best != 0 and times[best] > times[0] * (1 - NOISE):
         best = 0
     return {"linear_rows_prefetch": best, "source": "measured",
-            "gb_per_s": {str(d): round(WEIGHT_BYTES / t / 1e9, 2) for d, t in medians.items()},
+            "gb_per_s": {str(d): round(WEIGHT_BYTES / t / 1e9, 2) for d, t in times.items()},
             "threads": len(os.sched_getaffinity(0))}
 
 
@@ -183,37 +181,19 @@ def measure_layout(lib) -> dict:
     weights = [torch.randn(n, k).to(torch.bfloat16) for n, k in LAYOUT_SHAPES]
     if not (lib.panel_linear_available() and onednn.can_prepack(weights[0])):
         return {"linear_bf16_layout": "onednn", "layout_ms": {}}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
-    try:
-        packed = {"panels": [panels.pack(w) for w in weights],
-                  "onednn": [onednn.prepack_linear_weight(w) for w in weights]}
-        run = {"panels": lambda x, w: panels.panel_linear(x, w, None, lib),
-               "onednn": lambda x, w: onednn.prepacked_linear(x, w, None)}
-        medians = {}
-        for rows in LAYOUT_ROWS:
-            inputs = [torch.randn(rows, k).to(torch.bfloat16) for _, k in LAYOUT_SHAPES]
-
-            def one_pass(layout: str) -> float:
-                start = time.perf_counter()
-                for x, w in zip(inputs, packed[layout]):
-                    run[layout](x, w)
-                return time.perf_counter() - start
-
-            for layout in LAYOUTS:
-                one_pass(layout)
-            times = {}
-            for _ in range(ROUNDS):
-                for layout in LAYOUTS:
-                    times.setdefault(layout, []).extend(one_pass(layout) for _ in range(PASSES))
-            medians[rows] = {layout: statistics.median(values) for layout, values in times.items()}
-    finally:
-        torch.set_num_threads(threads)
-    wins = (all(pair["panels"] < pair["onednn"] * (1 + NOISE) for pair in medians.values())
-            and any(pair["panels"] < pair["onednn"] * (1 - NOISE) for pair in medians.values()))
+    panel_weights = [panels.pack(w) for w in weights]
+    onednn_weights = [onednn.prepack_linear_weight(w) for w in weights]
+    times = {}
+    for rows in LAYOUT_ROWS:
+        inputs = [torch.randn(rows, k).to(torch.bfloat16) for _, k in LAYOUT_SHAPES]
+        times[rows] = _interleaved_times({
+            "panels": lambda: [panels.panel_linear(x, w, None, lib) for x, w in zip(inputs, panel_weights)],
+            "onednn": lambda: [onednn.prepacked_linear(x, w, None) for x, w in zip(inputs, onednn_weights)]})
+    wins = (all(pair["panels"] < pair["onednn"] * (1 + NOISE) for pair in times.values())
+            and any(pair["panels"] < pair["onednn"] * (1 - NOISE) for pair in times.values()))
     return {"linear_bf16_layout": "panels" if wins else "onednn",
             "layout_ms": {str(rows): {layout: round(t * 1e3, 3) for layout, t in pair.items()}
-                          for rows, pair in medians.items()}}
+                          for rows, pair in times.items()}}
 
 
 def _read(path: Path) -> dict | None:

@@ -140,13 +140,15 @@ def test_native_layers_multiply_kept_gguf_blocks_as_the_per_op_path(all_kept, gg
         assert torch.equal(native.argmax(-1), per_op.argmax(-1))
 
 
-def test_layers_in_panels_take_up_to_32_rows(checkpoint_dir, monkeypatch):
+@pytest.mark.parametrize("few_rows", ["panels", "rows"])
+def test_layers_in_panels_take_up_to_32_rows(checkpoint_dir, monkeypatch, few_rows):
     """With every projection in panels, the native layers take decode steps of up to MAX_PACKED_ROWS
-    rows (the per-op path calls the same panel kernel at any row count); dense layers stop at MAX_ROWS."""
+    rows (the per-op path calls the same panel kernel there), whether one or two rows take the
+    panels or the row kernel; without panels they stop at MAX_ROWS."""
     lib = native_lib.load()
     if lib is None or not lib.panel_linear_available():
         pytest.skip("needs the native panel kernel (AVX-512 BF16)")
-    _tuned(monkeypatch, "panels", "panels")
+    _tuned(monkeypatch, "panels", few_rows)
     prompts = make_prompts(seed=6, lengths=tuple(range(3, 3 + llama_native.MAX_PACKED_ROWS + 1)))
     runner = _runner(checkpoint_dir("qwen2-bias-tied"), "bfloat16", num_blocks=8 * len(prompts))
     exact = _decode_logits(_runner(checkpoint_dir("qwen2-bias-tied"), "float32", num_blocks=8 * 9), prompts[:9], False,
@@ -174,17 +176,19 @@ def test_native_layers_multiply_the_panels_where_ops_linear_does(checkpoint_dir,
         pytest.skip("needs the native panel kernel (AVX-512 BF16)")
     monkeypatch.setattr(lib, "_pagedserve_tuning", {**lib._pagedserve_tuning, "linear_bf16_layout": "panels",
                                                     "linear_bf16_few_rows": few_rows})
-    prompts = make_prompts(seed=4, lengths=(5, 17, 40, 81))
     bf16 = _runner(checkpoint_dir("qwen2-bias-tied"), "bfloat16")
-    native = _decode_logits(bf16, prompts, True, monkeypatch)
-    per_op = _decode_logits(bf16, prompts, False, monkeypatch)
+    float32 = _runner(checkpoint_dir("qwen2-bias-tied"), "float32")
+    for lengths in [(9, 33), (5, 17, 40, 81)]:  # the row kernel's two rows, then the panels' four
+        prompts = make_prompts(seed=len(lengths), lengths=lengths)
+        native = _decode_logits(bf16, prompts, True, monkeypatch)
+        per_op = _decode_logits(bf16, prompts, False, monkeypatch)
+        exact = _decode_logits(float32, prompts, False, monkeypatch)
+        scale = exact.abs().max()
+        assert (native - per_op).abs().max() <= 0.03 * scale
+        assert torch.equal(native.argmax(-1), per_op.argmax(-1))
+        assert (native - exact).abs().max() <= 2 * (per_op - exact).abs().max() + 0.01 * scale
     layer = bf16.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj.prepacked_weight, ops.PanelWeight)
     weights = layer._native_decode[1]
-    assert bool(weights.qkv_panels) == bool(weights.down_panels) == (few_rows == "panels")
-    assert bool(weights.w_qkv) == (few_rows == "rows")
-    exact = _decode_logits(_runner(checkpoint_dir("qwen2-bias-tied"), "float32"), prompts, False, monkeypatch)
-    scale = exact.abs().max()
-    assert (native - per_op).abs().max() <= 0.03 * scale
-    assert torch.equal(native.argmax(-1), per_op.argmax(-1))
-    assert (native - exact).abs().max() <= 2 * (per_op - exact).abs().max() + 0.01 * scale
+    assert weights.qkv_panels and weights.down_panels  # above two rows, or always without the dense weight
+    assert bool(weights.w_qkv) == bool(weights.w_down) == (few_rows == "rows")

@@ -33,9 +33,10 @@ MAX_PACKED_ROWS = 32
 
 
 def _native_weight(linear, dtype: torch.dtype):
-    """What the native layer multiplies by: the dense weight in the layer's dtype, its bfloat16
-    panels where ops.linear would take them at few rows, or GGUF blocks kept as the file has them;
-    None when the layer holds anything else (int8/int4 packs)."""
+    """What the native layer multiplies by: the dense weight in the layer's dtype (its panels beside
+    it above two rows: _layer_weights), the panels alone where ops.linear takes them at every row
+    count, or GGUF blocks kept as the file has them; None when the layer holds anything else
+    (int8/int4 packs)."""
     if linear.bias is not None and not linear.bias.is_contiguous():
         return None
     if isinstance(linear.packed, ops.BlockQuantWeight):
@@ -65,12 +66,14 @@ def _layer_weights(layer, kv_cache, dtype: torch.dtype):
                                           attention.num_kv_heads, attention.head_size)):
         layer._native_decode = None
         return None
+    panels = [linear.prepacked_weight if isinstance(linear.prepacked_weight, ops.PanelWeight)
+              and dtype == torch.bfloat16 else None for linear in linears]
     weights = ops.layer_weights(
         layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
         *[(weight, linear.bias) for weight, linear in zip(weights, linears)],
         key_cache, value_cache, num_heads=attention.num_heads, num_kv_heads=attention.num_kv_heads,
         head_size=attention.head_size, eps=layer.input_layernorm.eps, scale=attention.attn.scale,
-        sliding_window=attention.attn.sliding_window)
+        sliding_window=attention.attn.sliding_window, panels=panels)
     layer._native_decode = (identity, weights)
     return weights
 
@@ -98,8 +101,11 @@ def _model_layer_weights(model, kv_caches, dtype: torch.dtype) -> list | None:
 
 
 def _is_packed(weights) -> bool:
-    """No projection of the layer multiplies a dense weight (all panels or GGUF blocks)."""
-    return not (weights.w_qkv or weights.w_o or weights.w_gate_up or weights.w_down)
+    """Every projection of the layer has panels or GGUF blocks (its dense weight, if any, serves one
+    or two rows only)."""
+    return all(panels or blocks for panels, blocks in (
+        (weights.qkv_panels, weights.qkv_blocks), (weights.o_panels, weights.o_blocks),
+        (weights.gate_up_panels, weights.gate_up_blocks), (weights.down_panels, weights.down_blocks)))
 
 
 class NativeDecodeStep:
