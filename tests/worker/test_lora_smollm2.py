@@ -30,12 +30,10 @@ def test_smollm2_with_an_adapter_equals_the_merged_model(tmp_path):
         prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}]))
         adapter = build_peft_adapter(path.parent, tmp_path / "adapter", seed=900, b_std=0.02, gguf_file=path.name)
         reference = merged_model(path.parent, adapter, gguf_file=path.name)
-        base = merged_model(path.parent, None, gguf_file=path.name)
         expected = greedy(reference, prompt, MAX_NEW_TOKENS)
-        assert expected != greedy(base, prompt, MAX_NEW_TOKENS)  # the adapter changes the answer
         with torch.no_grad():
             expected_logits = reference(torch.tensor([prompt])).logits[0, -1]
-        del reference, base
+        del reference
 
         runner = ModelRunner(path, device="cpu", dtype="float32", block_size=16, lora=LoraConfig(max_lora_rank=8))
         runner.load()
@@ -44,6 +42,11 @@ def test_smollm2_with_an_adapter_equals_the_merged_model(tmp_path):
         seq = DrivenSeq(seq_id=0, prompt=prompt, max_new_tokens=MAX_NEW_TOKENS, lora_slot=0)
         PlanDriver(runner, NUM_BLOCKS).run_to_completion([seq], lora_loads=[load])
         assert seq.generated == expected
+        # the adapter changes the answer: the base model (its greedy tokens equal transformers',
+        # test_gguf_smollm2.py) answers otherwise
+        base = DrivenSeq(seq_id=2, prompt=prompt, max_new_tokens=MAX_NEW_TOKENS)
+        PlanDriver(runner, NUM_BLOCKS).run_to_completion([base])
+        assert base.generated != expected
 
         scheduled = [ScheduledSeq(1, prompt, 0, list(range(-(-len(prompt) // 16))), SampleSpec(), lora_slot=0)]
         inputs = build_model_input(scheduled, block_size=16, num_blocks=NUM_BLOCKS, max_positions=2048,
