@@ -10,9 +10,10 @@ measurements).
 
 It applies when every row of the step is a one-token decode, there are at most MAX_ROWS (4) of
 them (MAX_PACKED_ROWS, 32, when every projection is in bfloat16 panels or GGUF blocks, whose
-kernels the per-op path calls at any row count too), the model is bfloat16 or float32 on one CPU rank whose linear layers are dense or keep a
-GGUF file's blocks (--quantization auto: Q4_0, Q4_1, Q8_0; int8/int4 packs are not taken), the caches hold the model's dtype or float32, and the native
-library is built. In float32 the results differ from the per-op path in the last bits (sums in
+kernels the per-op path calls at any row count too), the model is bfloat16 or float32 on one CPU
+rank whose linear layers are dense, in panels or keep a GGUF file's blocks (--quantization auto:
+Q4_0, Q4_1, Q8_0; int8/int4 packs are not taken), the caches hold the model's dtype or float32,
+and the native library is built. In float32 the results differ from the per-op path in the last bits (sums in
 another order: the matmuls, RMSNorm's sum of squares), as bfloat16's do.
 Each layer's weight and cache pointers are gathered once into the kernel's structure
 (ops.layer_weights) kept on the layer, and rebuilt if a tensor moved.
