@@ -1,0 +1,68 @@
+"""The frontend's client of the scheduler's internal service reads each Submit stream on the thread
+that iterates it (no channel spin thread between gRPC and that thread), and still ends the stream
+the way the rest of the frontend expects: every message, then the end; a cancel from another
+thread; a deadline."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from pagedserve.contracts.request_types import Request
+from pagedserve.contracts.sampling_params import SamplingParams
+from pagedserve.frontend.upstream.scheduler_client import SchedulerClient, SchedulerTimeout, SubmitCancelled
+
+
+@pytest.fixture()
+def client(scheduler_server):
+    client = SchedulerClient(scheduler_server.address, frontend_id="test")
+    yield client
+    client.close()
+
+
+def _request(request_id: str, max_tokens: int) -> Request:
+    return Request(request_id=request_id, prompt_token_ids=[5, 6, 7],
+                   sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0))
+
+
+def _grpc_client_threads() -> set[threading.Thread]:
+    """Threads gRPC's channel code runs (the channel spin thread among them)."""
+    return {thread for thread in threading.enumerate()
+            if "_run_with_context" in getattr(getattr(thread, "_target", None), "__qualname__", "")}
+
+
+def test_a_stream_is_read_on_the_iterating_thread(client, fake):
+    fake.step_delay_s = 0.02
+    outputs, before, started = [], _grpc_client_threads(), set()
+    for output in client.submit(_request("r-read", 5), timeout=10.0):
+        outputs.append(output)
+        started |= _grpc_client_threads() - before  # while the call is open
+    tokens = [token for output in outputs for delta in output.deltas for token in delta.token_ids]
+    assert tokens == fake.tokens_by_index[0][:5]
+    assert outputs[-1].is_finished
+    assert started == set()  # gRPC ran no thread of its own to receive the stream
+
+
+def test_a_cancel_from_another_thread_ends_the_stream(client, fake):
+    fake.step_delay_s = 0.05
+    fake.tokens_by_index = {0: list(range(40, 140))}
+    stream = client.submit(_request("r-cancel", 100), timeout=10.0)
+    received = []
+    threading.Timer(0.3, stream.cancel).start()
+    started = time.monotonic()
+    with pytest.raises(SubmitCancelled):
+        for output in stream:
+            received.append(output)
+    assert time.monotonic() - started < 3.0
+    assert 0 < len(received) < 100
+    assert fake.stream_closed.wait(5.0)
+    assert "r-cancel" in fake.cancelled_ids
+
+
+def test_a_deadline_ends_the_stream(client, fake):
+    fake.step_delay_s = 0.05
+    fake.tokens_by_index = {0: list(range(40, 140))}
+    with pytest.raises(SchedulerTimeout):
+        list(client.submit(_request("r-deadline", 100), timeout=0.4))
