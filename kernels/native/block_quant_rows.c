@@ -28,6 +28,16 @@
 #define BLOCK_QUANT_MAX_ROWS 32
 #define ROW_CHUNK 4
 
+/* How far ahead of the 4-bit codes the bfloat16 kernel's exact path prefetches, in bytes (0: the
+ * hardware prefetchers alone); measured per host (kernels/native/tuning.py). On AMD Zen 4, without
+ * it one thread read the codes at 12 GB/s, stalled on each new line: the loop does little work per
+ * byte, and the hardware prefetchers do not run far enough ahead of it. */
+static int64_t prefetch_bytes = 0;
+
+void block_quant_set_prefetch(int64_t bytes) { prefetch_bytes = bytes > 0 ? bytes : 0; }
+
+int64_t block_quant_prefetch(void) { return prefetch_bytes; }
+
 #if defined(__AVX512F__) && defined(__F16C__)
 static inline __m512 widen_u8(__m128i bytes) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)); }
 
@@ -225,22 +235,57 @@ int32_t block_quant_rows_available(void) { return 1; }
  * the order of float32 sums (no rounding of q * d + m to bfloat16, which the prefill path and
  * --quantization none have; llama.cpp instead rounds the activations to int8).
  *
- * 4 bits, per pair of groups (g, g + 1): the 32 packed bytes widen to 32 words, whose low and high
- * nibbles are groups g and g + 1's values 0-15 and 16-31, turned into bfloat16 by a 16-entry table
- * (one word permute each); the activations are copied once per call into that order
- * ([g 0-15, g+1 0-15], [g 16-31, g+1 16-31]), so each pair takes two dot products per activation
- * row into 16 lanes (0-7 group g's, 8-15 group g + 1's), scaled by [d_g x 8, d_g+1 x 8]. 8 bits: one
- * group per dot product, the codes widened to words and converted the same way (a sign-aware table
- * would need 256 entries: the codes go through float32 instead, exact).
+ * 4 bits, per run of 4 groups: the 64 packed bytes, read as 32 words, give their 4 nibbles each
+ * (shifts by 0, 4, 8 and 12) to a 32-entry table of bfloat16 values (one word permute per nibble);
+ * the activations are copied once per call into the order that yields (order_activations_q4), so a
+ * run takes four dot products per activation row into 16 lanes (4 per group), scaled by
+ * [d_g x 4, .., d_g+3 x 4]. Two or three groups left over go as a pair the same way with widened
+ * bytes (two dot products into 8 lanes per group), a last odd one alone. The codes are prefetched
+ * block_quant_prefetch() bytes ahead (tuned per host). 8 bits: one group per dot product, the codes
+ * widened to words and converted through float32 (a sign-aware table would need 256 entries), exact.
  * Each thread walks a contiguous run of weight rows (one stream of codes, as linear_rows.c);
  * activation rows are taken EXACT_ROWS at a time. */
 #define EXACT_ROWS 8
 #define MAX_GROUPS 256 /* K up to 8192 */
 
-/* bfloat16 bit patterns of 0..15 */
+/* bfloat16 bit patterns of 0..15, twice: entry i is i & 15 (a word permute reads an index's low 5
+ * bits, so the bit above a nibble needs no mask) */
 static inline __m512i nibble_table(void) {
-    return _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130,
-                            0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);
+    return _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0,
+                            0x4080, 0x4040, 0x4000, 0x3f80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120,
+                            0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);
+}
+
+/* Activation order of the 4-bit kernel (block_quant_rows_bf16 copies x into it once per call): per
+ * run of 4 groups (64 bytes of codes, read as 32 words), the 128 inputs as the word permutes of
+ * exact_chunk_q4 produce their codes: word w holds bytes 2w and 2w + 1 of the run, and byte b holds
+ * values b % 16 (low nibble) and b % 16 + 16 (high nibble) of group b / 16, so the four quarters are
+ * [low nibble of byte 2w], [its high nibble], [low nibble of byte 2w + 1], [its high nibble] for w =
+ * 0..31; then, when 2 or 3 groups remain, one pair of groups as [g 0-15, g+1 0-15], [g 16-31, g+1
+ * 16-31]; then a last odd group in input order. */
+static void order_activations_q4(const uint16_t *xr, uint16_t *out, int64_t K) {
+    const int64_t num_groups = K / GROUP, num_runs = num_groups / 4;
+    for (int64_t c = 0; c < num_runs; c++) {
+        const uint16_t *xc = xr + c * 4 * GROUP;
+        uint16_t *oc = out + c * 4 * GROUP;
+        for (int w = 0; w < 32; w++)
+            for (int half = 0; half < 2; half++) {
+                const int b = 2 * w + half, value = b / 16 * GROUP + b % 16;
+                oc[64 * half + w] = xc[value];
+                oc[64 * half + 32 + w] = xc[value + 16];
+            }
+    }
+    int64_t g = num_runs * 4;
+    if (num_groups - g >= 2) {
+        for (int j = 0; j < 16; j++) {
+            out[g * GROUP + j] = xr[g * GROUP + j];
+            out[g * GROUP + 16 + j] = xr[(g + 1) * GROUP + j];
+            out[g * GROUP + 32 + j] = xr[g * GROUP + 16 + j];
+            out[g * GROUP + 48 + j] = xr[(g + 1) * GROUP + 16 + j];
+        }
+        g += 2;
+    }
+    if (g < num_groups) memcpy(out + g * GROUP, xr + g * GROUP, 2 * GROUP);
 }
 
 /* weight row (4 bits) against activation rows r0 .. r0 + R - 1 (x_pairs: the pair order above) */
@@ -248,12 +293,37 @@ static inline __attribute__((always_inline)) void exact_chunk_q4(const int R, co
                                                                   const uint8_t *row, const uint16_t *d,
                                                                   const uint16_t *m, const float *group_sums,
                                                                   float *sums, int64_t K) {
-    const int64_t num_groups = K / GROUP, num_pairs = num_groups / 2;
+    const int64_t num_groups = K / GROUP, num_runs = num_groups / 4, num_pairs = num_groups / 2;
     const __m512i low_bits = _mm512_set1_epi16(0x0f), table = nibble_table();
     const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i quarters = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const int64_t distance = prefetch_bytes;
     __m512 acc[EXACT_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < num_pairs; p++) {
+    /* runs of 4 groups: 64 bytes of codes as 32 words, whose 4 nibbles (shifts by 0, 4, 8, 12) are
+     * turned into bfloat16 by one word permute each, 4 permutes for 128 codes where widening the
+     * bytes first takes 6 (the shuffle unit bounds this loop at one row); lanes 4i..4i + 3 sum group
+     * g + i's products, scaled by [d_g x 4, .., d_g+3 x 4] */
+    for (int64_t c = 0; c < num_runs; c++) {
+        if (distance) _mm_prefetch((const char *)(row + c * 2 * GROUP) + distance, _MM_HINT_T0);
+        const __m512i words = _mm512_loadu_si512((const void *)(row + c * 2 * GROUP));
+        const __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(words, table);
+        const __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table);
+        const __m512bh w2 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 8), table);
+        const __m512bh w3 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 12), table);
+        int64_t d4;
+        memcpy(&d4, d + 4 * c, 8);
+        const __m512 scale = _mm512_permutexvar_ps(quarters, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi64_si128(d4))));
+        for (int r = 0; r < R; r++) {
+            const uint16_t *xp = x_pairs + (r0 + r) * K + c * 4 * GROUP;
+            __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), w0, (__m512bh)_mm512_loadu_si512((const void *)xp));
+            t = _mm512_dpbf16_ps(t, w1, (__m512bh)_mm512_loadu_si512((const void *)(xp + 32)));
+            t = _mm512_dpbf16_ps(t, w2, (__m512bh)_mm512_loadu_si512((const void *)(xp + 64)));
+            t = _mm512_dpbf16_ps(t, w3, (__m512bh)_mm512_loadu_si512((const void *)(xp + 96)));
+            acc[r] = _mm512_fmadd_ps(t, scale, acc[r]);
+        }
+    }
+    for (int64_t p = 2 * num_runs; p < num_pairs; p++) { /* one pair of groups left */
         __m512i codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(row + p * GROUP)));
         __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(codes, low_bits), table);
         __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 4), table);
@@ -413,7 +483,7 @@ static void decoded_rows_bf16(const uint16_t *x, const uint8_t *qs, const uint16
 /* block_quant_rows with x bfloat16 [M, K], the exact weights (above) */
 void block_quant_rows_bf16(const uint16_t *x, const uint8_t *qs, const uint16_t *d, const uint16_t *m, float *y,
                            int64_t M, int64_t N, int64_t K, int32_t bits) {
-    const int64_t num_groups = K / GROUP, num_pairs = num_groups / 2;
+    const int64_t num_groups = K / GROUP;
     if (M > EXACT_ROWS || num_groups > MAX_GROUPS) {
         decoded_rows_bf16(x, qs, d, m, y, M, N, K, bits);
         return;
@@ -430,15 +500,7 @@ void block_quant_rows_bf16(const uint16_t *x, const uint8_t *qs, const uint16_t 
         }
         for (int64_t r = 0; r < M; r++) {
             const uint16_t *xr = x + r * K;
-            uint16_t *out = x_pairs + r * K;
-            for (int64_t p = 0; p < num_pairs; p++)
-                for (int j = 0; j < 16; j++) {
-                    out[p * 64 + j] = xr[2 * p * GROUP + j];
-                    out[p * 64 + 16 + j] = xr[(2 * p + 1) * GROUP + j];
-                    out[p * 64 + 32 + j] = xr[2 * p * GROUP + 16 + j];
-                    out[p * 64 + 48 + j] = xr[(2 * p + 1) * GROUP + 16 + j];
-                }
-            if (num_groups & 1) memcpy(out + (num_groups - 1) * GROUP, xr + (num_groups - 1) * GROUP, 2 * GROUP);
+            order_activations_q4(xr, x_pairs + r * K, K);
             for (int64_t g = 0; g < num_groups; g++) {
                 float s = 0.0f;
                 for (int j = 0; j < GROUP; j++) s += bf16_to_f32(xr[g * GROUP + j]);

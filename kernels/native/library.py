@@ -69,13 +69,15 @@ SIGNATURES = {  # exported function -> argument types, as pagedserve_cpu.h decla
     "block_quant_rows_bf16": (P, P, P, P, P, I64, I64, I64, I32),
     "block_quant_rows_bf16_available": (),
     "block_quant_dequantize": (P, P, P, P, I64, I64, I32, I32),
+    "block_quant_set_prefetch": (I64,),
+    "block_quant_prefetch": (),
     "decode_layer": (P, P, P, P, I32, P, P),
     "paged_decode_attention": (P, I64, P, I64, P, P, P, I64, P, P, P, I64, I64, I64, I64, I64, F32, I32, F32, I32,
                                I32),
 }
 RESTYPES = {"linear_rows_available": I32, "linear_rows_prefetch": I64, "panel_linear_available": I32,
             "block_quant_rows_available": I32, "block_quant_rows_bf16_available": I32,
-            "block_quant_dequantize": I32}  # the others return void
+            "block_quant_dequantize": I32, "block_quant_prefetch": I64}  # the others return void
 
 
 class NativeBuildError(RuntimeError):

@@ -90,6 +90,8 @@ void block_quant_rows_bf16(const uint16_t *x, const uint8_t *qs, const uint16_t 
 int32_t block_quant_rows_bf16_available(void);
 int32_t block_quant_dequantize(const uint8_t *qs, const uint16_t *d, const uint16_t *m, void *out, int64_t N,
                                int64_t K, int32_t bits, int32_t dtype);
+void block_quant_set_prefetch(int64_t bytes);
+int64_t block_quant_prefetch(void);
 
 /* decode_layer.c */
 void decode_layer(const struct layer_weights *lw, const struct step_rows *st, void *x, void *residual,

@@ -103,7 +103,8 @@ def _bf16_lib(weight, num_rows: int):
 
 @pytest.mark.parametrize("tensor_type", TYPES)
 @pytest.mark.parametrize("num_rows", [1, 3, 8, 9, 32])
-@pytest.mark.parametrize("in_features", [320, 352])  # 10 groups, and 11 (one left after the pairs)
+# groups: 10 (runs of 4, then a pair), 11 (then one more), 3 (a pair and one), 5 (a run and one), 16
+@pytest.mark.parametrize("in_features", [320, 352, 96, 160, 512])
 def test_bfloat16_rows_match_their_weights_product_before_rounding(tensor_type, num_rows, in_features):
     """On bfloat16 activations, up to EXACT_ROWS rows the BF16 variant multiplies the exact weights
     (the codes, exact in bfloat16, scaled per group in float32); from there on the weights decoded
@@ -149,3 +150,23 @@ def test_native_dequantize_gives_the_torch_values_bit_for_bit(tensor_type, dtype
                                       75, 320, weight.bits, abi.DTYPE_CODES[dtype]) == 1
     assert torch.equal(out, weight.dequantize(torch.float32).to(dtype))
     assert torch.equal(block_quant.dequantize(weight, dtype), out)
+
+
+@pytest.mark.parametrize("num_rows", [1, 3])
+def test_the_code_prefetch_changes_no_result(num_rows):
+    """The 4-bit kernel's prefetch distance (tuned per host) moves loads earlier, nothing else."""
+    weight, _ = _gguf_weight("Q4_1", 300, 576, seed=60 + num_rows)
+    lib = _bf16_lib(weight, num_rows)
+    x = torch.randn(num_rows, 576, generator=torch.Generator().manual_seed(num_rows)).bfloat16()
+    before = lib.block_quant_prefetch()
+    try:
+        results = []
+        for distance in (0, 64, 4096, 1 << 20):
+            lib.block_quant_set_prefetch(distance)
+            assert lib.block_quant_prefetch() == distance
+            results.append(_bf16_rows(lib, weight, x))
+        lib.block_quant_set_prefetch(-5)
+        assert lib.block_quant_prefetch() == 0
+    finally:
+        lib.block_quant_set_prefetch(before)
+    assert all(torch.equal(result, results[0]) for result in results[1:])

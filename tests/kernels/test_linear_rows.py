@@ -122,8 +122,9 @@ def test_tuning_measures_once_then_reads_its_file(tmp_path, monkeypatch):
     from pagedserve.kernels.native import tuning
 
     lib = native_lib.load()
-    before, tuned = lib.linear_rows_prefetch(), lib._pagedserve_tuning
+    before, before_blocks, tuned = lib.linear_rows_prefetch(), lib.block_quant_prefetch(), lib._pagedserve_tuning
     monkeypatch.delenv(tuning.PREFETCH_ENV, raising=False)
+    monkeypatch.delenv(tuning.BLOCK_PREFETCH_ENV, raising=False)
     monkeypatch.delenv(tuning.LAYOUT_ENV, raising=False)
     monkeypatch.setattr(tuning, "WEIGHT_BYTES", 4 << 20)  # a quick measurement; the choice is not checked
     monkeypatch.setattr(tuning, "LAYOUT_ROWS", (4, 32))
@@ -132,6 +133,9 @@ def test_tuning_measures_once_then_reads_its_file(tmp_path, monkeypatch):
         assert measured["source"] == "measured" and measured["linear_rows_prefetch"] in tuning.CANDIDATES
         assert set(measured["gb_per_s"]) == {str(distance) for distance in tuning.CANDIDATES}
         assert lib.linear_rows_prefetch() == measured["linear_rows_prefetch"]
+        assert measured["block_quant_prefetch"] in tuning.CANDIDATES
+        assert set(measured["block_gb_per_s"]) == {str(distance) for distance in tuning.CANDIDATES}
+        assert lib.block_quant_prefetch() == measured["block_quant_prefetch"]
         layout_ms = measured["layout_ms"]
         assert set(layout_ms) == {"4", "32"} and all(set(pair) == set(tuning.LAYOUTS) for pair in layout_ms.values())
         assert measured["linear_bf16_layout"] in tuning.LAYOUTS  # timings decide; the choice is not checked
@@ -139,15 +143,24 @@ def test_tuning_measures_once_then_reads_its_file(tmp_path, monkeypatch):
         assert set(measured.get("few_rows_gb_per_s", {})) <= {"rows", "panels"}
         assert tuning.linear_bf16_layout(lib) == measured["linear_bf16_layout"]
         (tmp_path / tuning.FILE_NAME).write_text(
-            '{"linear_rows_prefetch": 2048, "linear_bf16_layout": "onednn", "linear_bf16_few_rows": "rows",'
-            ' "source": "measured"}')
+            '{"linear_rows_prefetch": 2048, "block_quant_prefetch": 1024, "linear_bf16_layout": "onednn",'
+            ' "linear_bf16_few_rows": "rows", "source": "measured"}')
         assert tuning.apply(lib, tmp_path)["linear_rows_prefetch"] == 2048 and lib.linear_rows_prefetch() == 2048
+        assert lib.block_quant_prefetch() == 1024
         assert tuning.linear_bf16_layout(lib) == "onednn"
         monkeypatch.setenv(tuning.PREFETCH_ENV, "4096")
         assert tuning.apply(lib, tmp_path)["source"] == tuning.PREFETCH_ENV and lib.linear_rows_prefetch() == 4096
         monkeypatch.setenv(tuning.LAYOUT_ENV, "panels")
         assert tuning.apply(lib, tmp_path)["source"] == f"{tuning.PREFETCH_ENV},{tuning.LAYOUT_ENV}"
         assert tuning.linear_bf16_layout(lib) == "panels"
+        monkeypatch.setenv(tuning.BLOCK_PREFETCH_ENV, "512")
+        assert tuning.apply(lib, tmp_path)["block_quant_prefetch"] == 512 and lib.block_quant_prefetch() == 512
+        (tmp_path / tuning.FILE_NAME).write_text(
+            '{"linear_rows_prefetch": 2048, "linear_bf16_layout": "onednn", "linear_bf16_few_rows": "rows",'
+            ' "source": "measured"}')
+        monkeypatch.delenv(tuning.BLOCK_PREFETCH_ENV)
+        assert tuning.apply(lib, tmp_path)["source"] == f"{tuning.PREFETCH_ENV},{tuning.LAYOUT_ENV}"
+        assert "block_gb_per_s" in lib._pagedserve_tuning  # a file without the block distance is measured anew
         (tmp_path / tuning.FILE_NAME).write_text('{"linear_rows_prefetch": 2048, "source": "measured"}')
         monkeypatch.delenv(tuning.PREFETCH_ENV)
         monkeypatch.delenv(tuning.LAYOUT_ENV)
@@ -156,4 +169,5 @@ def test_tuning_measures_once_then_reads_its_file(tmp_path, monkeypatch):
         assert tuning.apply(lib, tmp_path)["source"] == "measured"  # an unreadable file is measured anew
     finally:
         lib.linear_rows_set_prefetch(before)
+        lib.block_quant_set_prefetch(before_blocks)
         lib._pagedserve_tuning = tuned
