@@ -23,7 +23,7 @@ library has the panel kernel and torch has oneDNN's bfloat16 matmul to compare w
 activations (block_quant_rows.c), timed at one row on Q4 weights of SmolLM2's projection shapes
 (WEIGHT_BYTES of codes), with the same candidates and rule. On AMD Zen 4 that loop, which does
 little work per byte, ran about a fifth faster with 2048-4096 bytes than with the hardware
-prefetchers alone (15.8-18.3 against 18.4-21.7 GB/s of codes in three measurements).
+prefetchers alone (18.4-21.7 against 15.8-18.3 GB/s of codes in three measurements).
 
 `linear_bf16_few_rows`: with panels kept, what one or two rows multiply, "panels" or "rows" (the
 row kernel on the dense weight, linear_rows.c): both timed at one row over the prefetch
