@@ -29,6 +29,7 @@ def test_a_port_offered_again_is_skipped(monkeypatch):
             return ("127.0.0.1", self.port)
 
     monkeypatch.setattr(serve_config, "_handed_out_ports", set())
+    monkeypatch.setattr(serve_config, "ephemeral_port_range", lambda: None)  # the system picks
     monkeypatch.setattr(socket, "socket", Probe)
     assert [free_port(), free_port()] == [61001, 61002]
 
@@ -38,3 +39,31 @@ def test_ports_are_distinct_and_bindable():
     assert len(set(ports)) == len(ports)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", ports[-1]))
+
+
+def test_ports_are_drawn_below_the_ephemeral_range(monkeypatch):
+    """Outgoing connections take local ports from the ephemeral range, so a port from it may be
+    taken before the process it was given to binds it: free_port draws below the range."""
+    monkeypatch.setattr(serve_config, "ephemeral_port_range", lambda: (32768, 60999))
+    ports = [free_port() for _ in range(50)]
+    assert all(serve_config.LOWEST_FREE_PORT <= port < 32768 for port in ports)
+    assert len(set(ports)) == len(ports)
+
+
+def test_a_port_in_use_is_not_handed_out(monkeypatch):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        drawn = []
+
+        def draw(low: int, high: int) -> int:
+            drawn.append(taken)
+            return taken
+
+        monkeypatch.setattr(serve_config, "ephemeral_port_range", lambda: (taken + 10, 60999))
+        monkeypatch.setattr(serve_config, "LOWEST_FREE_PORT", taken)
+        monkeypatch.setattr(serve_config, "FREE_PORT_TRIES", 3)
+        monkeypatch.setattr(serve_config.random, "randrange", draw)  # every candidate is the taken port
+        port = free_port()
+        assert drawn == [taken] * 3 and port != taken  # then the system picks one

@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import socket
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pagedserve.config.flags import add_flags, flags_of, from_args, option, require, to_argv
 from pagedserve.frontend.config import FrontendConfig
@@ -48,12 +50,40 @@ WORKER_RECOVERY_SECONDS = 120.0  # the scheduler holds requests this long for re
 
 
 _handed_out_ports: set[int] = set()
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST_FREE_PORT = 10000  # free_port's ports below the ephemeral range start here
+FREE_PORT_TRIES = 200
+
+
+def ephemeral_port_range() -> tuple[int, int] | None:
+    """The range the system takes outgoing connections' local ports from (Linux), or None."""
+    try:
+        low, high = (int(value) for value in EPHEMERAL_RANGE_FILE.read_text().split())
+    except (OSError, ValueError):
+        return None
+    return low, high
 
 
 def free_port(host: str = DEFAULT_HOST) -> int:
     """A port free now, never one this process handed out before: the system may give a port
     that was just probed and closed again, and two addresses of one deployment (plan and result
-    sockets) on one port fail to bind."""
+    sockets) on one port fail to bind. Where the system says which range its outgoing
+    connections take their local ports from, the port is drawn below it: a port from that range
+    can become the local end of some connection before the process it was given to binds it
+    (a frontend then failed to listen on its port at every restart)."""
+    span = ephemeral_port_range()
+    if span is not None and span[0] > LOWEST_FREE_PORT + FREE_PORT_TRIES:
+        for _ in range(FREE_PORT_TRIES):
+            port = random.randrange(LOWEST_FREE_PORT, span[0])
+            if port in _handed_out_ports:
+                continue
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.bind((host, port))
+                except OSError:
+                    continue
+            _handed_out_ports.add(port)
+            return port
     while True:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind((host, 0))
