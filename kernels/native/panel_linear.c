@@ -14,8 +14,9 @@
  * panels of one block of columns (3 x K x 32 bytes) stay in L2 while every row block of x passes
  * over them. The block fits any AVX-512 core's 32 vector registers; its shape (8 x 3 against 6 x 4,
  * 4 x 6, 12 x 2, 8 x 2) was chosen by timing on AMD Zen 4 only, and whether a host uses this kernel
- * at all is measured on the host (kernels/native/tuning.py). Work is split over the threads in tasks of (block of columns, up to TASK_ROWS rows),
- * each thread a contiguous range of tasks, so the columns a thread owns stream from memory once.
+ * at all is measured on the host (kernels/native/tuning.py). Work is split over the threads in
+ * tasks of (block of columns, up to TASK_ROWS rows), each thread a contiguous range of tasks, so
+ * the columns a thread owns stream from memory once.
  *
  * Sums: float32 products of bfloat16 values added in another order than oneDNN's (the results
  * differ from F.linear in the last bits of some values); the bias (bfloat16) is added in float32

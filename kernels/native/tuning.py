@@ -164,6 +164,12 @@ def measure_few_rows(lib) -> dict:
             "few_rows_gb_per_s": {kernel: round(WEIGHT_BYTES / t / 1e9, 2) for kernel, t in times.items()}}
 
 
+def _best_distance(times: dict) -> int:
+    """The fastest prefetch distance, or 0 unless it beats no prefetch by more than NOISE."""
+    best = min(times, key=times.get)
+    return best if best == 0 or times[best] <= times[0] * (1 - NOISE) else 0
+
+
 def measure_prefetch(lib) -> dict:
     """Times linear_rows_bf16 at one row for every candidate distance."""
     weight, x, y = _row_weight()
@@ -175,9 +181,7 @@ def measure_prefetch(lib) -> dict:
         return run
 
     times = _interleaved_times({distance: at(distance) for distance in CANDIDATES})
-    best = min(times, key=times.get)
-    if best != 0 and times[best] > times[0] * (1 - NOISE):
-        best = 0
+    best = _best_distance(times)
     return {"linear_rows_prefetch": best, "source": "measured",
             "gb_per_s": {str(d): round(WEIGHT_BYTES / t / 1e9, 2) for d, t in times.items()},
             "threads": len(os.sched_getaffinity(0))}
@@ -209,9 +213,7 @@ def measure_block_prefetch(lib) -> dict:
         return run
 
     times = _interleaved_times({distance: at(distance) for distance in CANDIDATES})
-    best = min(times, key=times.get)
-    if best != 0 and times[best] > times[0] * (1 - NOISE):
-        best = 0
+    best = _best_distance(times)
     lib.block_quant_set_prefetch(best)
     num_bytes = len(weights) // len(BLOCK_SHAPES) * layer_bytes
     return {"block_quant_prefetch": best,
