@@ -301,13 +301,13 @@ async def _serve(config: SchedulerServerConfig, engine_config: SchedulerConfig, 
                                  max_undelivered_bytes=config.max_undelivered_bytes, grammars=grammars)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     bound = server.add_insecure_port(f"{config.host}:{config.port}")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # before the line that says it listens
+        loop.add_signal_handler(sig, stop.set)
     await server.start()
     log.info("scheduler_listening", address=f"{config.host}:{bound}",
              plan_address=config.plan_address, result_address=config.result_address)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("scheduler_draining", num_open_streams=servicer.num_open_streams,
              shutdown_timeout=config.shutdown_timeout)
