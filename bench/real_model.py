@@ -1,7 +1,8 @@
 """The real model against its real peers: pagedserve, Hugging Face transformers and llama.cpp's
 llama-server on SmolLM2-135M-Instruct, in one run.
 
-    python bench/real_model.py [--dtypes float32,bfloat16,q4_1] [--streams 1,32] [--systems pagedserve,hf,llama.cpp]
+    python bench/real_model.py [--dtypes float32,bfloat16,q4_1] [--streams 1,32]
+                               [--systems pagedserve,pagedserve-stream,hf,llama.cpp,llama.cpp-poll0]
                                [--threads 2] [--num-single-requests 4] [--llama-server PATH]
 
 Workload: the 32 chat prompts of bench/data/quant_prompts.json through the model's chat template
@@ -14,14 +15,18 @@ as it is (pagedserve and llama.cpp; HF has no Q4_1 kernels and is not run):
     pagedserve   `pagedserve serve --model smollm2 --dtype D --quantization none`, for q4_1
                  `pagedserve serve --model smollm2 --quantization auto` (the GGUF's Q4_1 linear
                  weights kept as int4, --dtype auto activations); nothing else: its DEFAULT flags
-                 (threads, batch sizes, KV pool); requests over GenerateStream (gRPC), token ids in
+                 (threads, batch sizes, KV pool); requests over unary Generate (gRPC), token ids
+                 in, the whole answer at the end, as llama.cpp's and HF's below are asked
+    pagedserve-stream  the same, over GenerateStream: a message per token to the client, whose
+                 CPU shares the machine; its token times give the 32-stream decode phase
     hf           transformers `generate` on the GGUF's weights dequantized once into a float32
                  folder (cached), loaded in D, --threads torch threads; 32 streams = one static batch of 32, left-padded, run to the longest
                  output (only requested tokens count); 1 stream = batch 1
     llama.cpp    `llama-server -t T -tb T -np S -c S*256` on the GGUF dequantized to D
                  (bench/lib/gguf_convert.py; F32 or BF16 weights, its default F16 KV cache), for
                  q4_1 on the GGUF itself;
-                 `/completion` with token-id prompts, n_predict, ignore_eos, temperature 0.
+                 `/completion` with token-id prompts, n_predict, ignore_eos, temperature 0,
+                 stream false (the whole answer at the end).
                  Twice: with its defaults (its threads spin-wait: --poll 50) and with --poll 0
                  (they sleep), the better of the two is the "llama.cpp best" the targets use.
                  Skipped, with a note, when the binary is not found (--llama-server or
@@ -38,7 +43,8 @@ token. Every figure is also given as a share of this CPU's limits, measured at t
 per token (the GGUF's size for q4_1), 32 streams against the GEMM peak at 32 rows / 2 x parameters
 FLOPs per token; the figures and limits are also kept in bench/results/kept/ (make perf-tables).
 The roofline (bench/roofline.py on SmolLM2's shapes, --threads threads) gives the model
-FLOP utilization of pagedserve's 32-stream decode phase. Targets (issue "Performance on a real
+FLOP utilization of pagedserve-stream's 32-stream decode phase. The targets and ratios compare
+"pagedserve" (whole answers) with llama.cpp (whole answers). Targets (issue "Performance on a real
 model"): 32 streams >= 1.5x llama.cpp and >= 1.5x HF, >= 75 % of the roofline in decode-heavy
 steps; 1 stream >= 1.0x llama.cpp. A table goes to stdout, JSON to bench/results/.
 """
@@ -74,7 +80,8 @@ from lib.workload import BenchRequest, ModelShape
 DATA = Path(__file__).resolve().parent / "data"
 SMOLLM2 = ModelShape(hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, intermediate_size=1536,
                      vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True)
-SYSTEMS = ("pagedserve", "hf", "llama.cpp", "llama.cpp-poll0")
+SYSTEMS = ("pagedserve", "pagedserve-stream", "hf", "llama.cpp", "llama.cpp-poll0")
+PAGEDSERVE = {"pagedserve": True, "pagedserve-stream": False}  # system -> whole answers (unary Generate)
 LLAMA_ARGS = {"llama.cpp": [], "llama.cpp-poll0": ["--poll", "0"]}  # --poll 0: its threads wait without spinning
 OUTPUT_LENS = (48, 128)
 CONTEXT_PER_SLOT = 256
@@ -108,21 +115,24 @@ def timed(traces) -> dict:
 
 
 def run_pagedserve(dtype: str, workloads: dict[int, tuple[list[BenchRequest], bool]], log_dir: Path,
-                   serve_args: list[str]) -> dict:
+                   serve_args: list[str], whole: bool) -> dict:
     precision_args = ["--quantization", "auto"] if dtype == QUANTIZED else ["--dtype", dtype, "--quantization", "none"]
-    results = {"config": " ".join(["pagedserve serve --model smollm2", *precision_args, *serve_args])}
-    with ServeProcess("smollm2", log_dir / f"serve-{dtype}.log", [*precision_args, *serve_args],
-                      env={"GOMP_SPINCOUNT": ""}) as server:
-        run_requests(server.address, [BenchRequest(workloads[max(workloads)][0][0].prompt_token_ids, WARMUP_TOKENS)])
+    results = {"config": " ".join(["pagedserve serve --model smollm2", *precision_args, *serve_args])
+               + ("; unary Generate (whole answers)" if whole else "; GenerateStream")}
+    with ServeProcess("smollm2", log_dir / f"serve-{dtype}{'' if whole else '-stream'}.log",
+                      [*precision_args, *serve_args], env={"GOMP_SPINCOUNT": ""}) as server:
+        run_requests(server.address, [BenchRequest(workloads[max(workloads)][0][0].prompt_token_ids, WARMUP_TOKENS)],
+                     whole=whole)
         for streams, (requests, concurrent) in workloads.items():
             with StepRecorder(server) as recorder:
                 if concurrent:
-                    traces = run_requests(server.address, requests)
+                    traces = run_requests(server.address, requests, whole=whole)
                 else:
-                    traces = [trace for request in requests for trace in run_requests(server.address, [request])]
+                    traces = [trace for request in requests
+                              for trace in run_requests(server.address, [request], whole=whole)]
             results[streams] = timed(traces)
             results[streams]["steps"] = step_summary(list(recorder.records.values()), len(requests))
-            if concurrent and len(requests) > 1:
+            if concurrent and len(requests) > 1 and not whole:
                 results[streams]["decode_phase"] = decode_phase(traces, SMOLLM2)
     return results
 
@@ -263,10 +273,10 @@ def main() -> None:
         for system in systems:
             if system == "hf" and dtype == QUANTIZED:
                 continue
-            if system == "pagedserve":
-                run = run_pagedserve(dtype, workloads, log_dir, args.serve_args)
+            if system in PAGEDSERVE:
+                run = run_pagedserve(dtype, workloads, log_dir, args.serve_args, whole=PAGEDSERVE[system])
                 for streams in streams_list:
-                    if roofline is not None and "decode_phase" in run[streams]:
+                    if roofline is not None and "decode_phase" in run.get(streams, {}):
                         entry["mfu_decode"][streams] = (run[streams]["decode_phase"]["gflops_per_second"]
                                                         / entry["roofline"]["peak_gflops"])
             elif system == "hf":

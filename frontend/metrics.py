@@ -88,14 +88,16 @@ class RequestTimer:
     def on_accepted(self, num_prompt_tokens: int) -> None:
         self._metrics.prompt_tokens.labels(protocol=self._protocol).inc(num_prompt_tokens)
 
-    def on_tokens(self, num_tokens: int) -> None:
-        """One scheduler output carried `num_tokens` new tokens (over all completions)."""
+    def on_tokens(self, num_tokens: int, *, is_merged: bool = False) -> None:
+        """One scheduler output carried `num_tokens` new tokens (over all completions). is_merged:
+        it may merge several steps' outputs (a held request's), so its gap is no inter-token
+        latency (the first output of a request still gives its time to first token)."""
         if num_tokens <= 0:
             return
         now = time.monotonic()
         if self._last_token_time is None:
             self._time_to_first_token.observe(now - self._arrival)
-        else:
+        elif not is_merged:
             self._inter_token_latency.observe(now - self._last_token_time)
         self._last_token_time = now
         self._generation_tokens.inc(num_tokens)

@@ -151,8 +151,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             self.engine.abort(request.request_id)
             log.warning("request_aborted", reason="undelivered_output_cap", max_bytes=self.max_undelivered_bytes)
 
-        outputs = UndeliveredOutput(self.max_undelivered_bytes, on_overflow)
         internal = request_from_proto(request, self.model.eos_token_ids)
+        # beam search sends its completions once, whole, at the end: nothing to merge
+        outputs = UndeliveredOutput(self.max_undelivered_bytes, on_overflow,
+                                    hold=internal.hold_output and not internal.sampling.is_beam_search)
         try:
             check_submitted(internal, self.model.vocab_size)
             constraint = internal.sampling.constraint
@@ -167,6 +169,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.num_open_streams += 1
         is_finished = is_started = False
         finish_reasons: dict[int, str] = {}
+        num_messages = 0  # sent on the stream (a held request's are few: UndeliveredOutput)
         try:
             while not is_finished:
                 item = await outputs.get()
@@ -182,8 +185,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 for delta in output.deltas:
                     if delta.finish_reason is not None:
                         finish_reasons[delta.index] = delta.finish_reason.value
+                num_messages += 1
                 yield item.message
-            log.info("request_finished", finish_reasons=[finish_reasons[i] for i in sorted(finish_reasons)])
+            log.info("request_finished", finish_reasons=[finish_reasons[i] for i in sorted(finish_reasons)],
+                     num_messages=num_messages)
         finally:
             self.num_open_streams -= 1
             if not is_finished:

@@ -23,10 +23,11 @@ def _limits(date: str, cpu: str, read: float, gemm32: float) -> dict:
             "read_gb_per_s": read, "gemm_gflops": {"bfloat16": {"1": 10.0, "32": gemm32, "512": 300.0}}}
 
 
-def _real_model(date: str, cpu: str, ours: float, theirs: float) -> dict:
+def _real_model(date: str, cpu: str, ours: float, theirs: float,
+                config: str = "serve --model m --dtype bfloat16; unary Generate (whole answers)") -> dict:
     return {"date": date, "machine": {"cpu": cpu}, "load_average_start": [2.0, 1.0, 1.0], "serve_args": [],
             "dtypes": {"bfloat16": {"token_limits": {"1": 100.0},
-                                    "configs": {"pagedserve": "serve --model m --dtype bfloat16"},
+                                    "configs": {"pagedserve": config},
                                     "systems": {"pagedserve": {"1": {"tokens_per_second": ours}},
                                                 "llama.cpp": {"1": {"tokens_per_second": theirs}}}}}}
 
@@ -47,7 +48,19 @@ def test_tables_name_the_cpu_and_dates_and_take_medians(tmp_path):
     assert "| GEMM bfloat16, 32 rows (GFLOP/s) | 200.0 |" in page
     assert "| read bandwidth (GB/s) | 50.0 |" in page  # CPU B on its own
     assert "| bfloat16 | 1 | 50.0 (50 %) | 80.0 (80 %) |" in page  # medians and their share of the limit
-    assert "- bfloat16, pagedserve: serve --model m --dtype bfloat16" in page  # the flags each figure ran with
+    # the flags each figure ran with
+    assert "- bfloat16, pagedserve: serve --model m --dtype bfloat16; unary Generate (whole answers)" in page
+
+
+def test_real_model_runs_kept_before_whole_answers_count_as_streamed(tmp_path):
+    tables = _perf_tables()
+    tables.save_kept("real_model", _real_model("20261101T010000Z", "CPU A", 40.0, 80.0, config="serve --model m"),
+                     tmp_path)
+    tables.save_kept("real_model", _real_model("20261102T010000Z", "CPU A", 60.0, 70.0), tmp_path)
+    page = tables.render(tables.load_kept(tmp_path))
+    assert "| dtype | streams | pagedserve | pagedserve-stream | llama.cpp |" in page
+    assert "| bfloat16 | 1 | 60.0 (60 %) | 40.0 (40 %) | 75.0 (75 %) |" in page
+    assert "- bfloat16, pagedserve-stream: serve --model m" in page
 
 
 def _guidellm_chat(date: str, ours: float, theirs: float) -> dict:

@@ -27,6 +27,15 @@ def test_request_round_trip() -> None:
         assert request_from_proto(msg, eos_token_ids=[2]) == request
 
 
+def test_hold_output_round_trips() -> None:
+    for hold in (False, True):
+        request = _request(seed=None)
+        request.hold_output = hold
+        msg = scheduler_pb2.SubmitRequest.FromString(request_to_proto(request).SerializeToString())
+        assert msg.hold_output is hold
+        assert request_from_proto(msg, eos_token_ids=[2]) == request
+
+
 def test_output_round_trip() -> None:
     output = RequestOutput(
         request_id="r-1",

@@ -3,7 +3,8 @@
 One asyncio task per request on one channel; a request is sent at its arrival time (all at once
 when none is given). Each stream message is stamped on arrival, with the number of tokens it
 carries, so TTFT, inter-token latency and the token rate of any interval can be computed after
-the run.
+the run. With whole=True the requests go over unary Generate instead (the whole answer at the
+end, as a client that does not stream asks): every token is then stamped at the answer's arrival.
 """
 
 from __future__ import annotations
@@ -54,10 +55,16 @@ def greedy_request(request: BenchRequest) -> pb.GenerateRequest:
 
 
 async def _one(stub, request: BenchRequest, trace: RequestTrace, start: float, delay: float,
-               on_done) -> None:
+               on_done, whole: bool) -> None:
     if delay > 0:
         await asyncio.sleep(max(0.0, start + delay - time.perf_counter()))
     trace.sent_at = time.perf_counter()
+    if whole:
+        response = await stub.Generate(greedy_request(request))
+        now = trace.finished_at = time.perf_counter()
+        trace.token_times.extend([now] * sum(len(completion.token_ids) for completion in response.completions))
+        on_done()
+        return
     async for response in stub.GenerateStream(greedy_request(request)):
         now = time.perf_counter()
         for completion in response.completions:
@@ -67,19 +74,20 @@ async def _one(stub, request: BenchRequest, trace: RequestTrace, start: float, d
 
 
 async def _run_all(address: str, requests: list[BenchRequest], arrivals: list[float] | None,
-                   on_done) -> list[RequestTrace]:
+                   on_done, whole: bool) -> list[RequestTrace]:
     traces = [RequestTrace(request.prompt_len, request.max_tokens) for request in requests]
     options = [("grpc.max_receive_message_length", 64 << 20)]
     async with grpc.aio.insecure_channel(address, options=options) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         start = time.perf_counter()
         delays = arrivals or [0.0] * len(requests)
-        await asyncio.gather(*(_one(stub, request, trace, start, delay, on_done)
+        await asyncio.gather(*(_one(stub, request, trace, start, delay, on_done, whole)
                                for request, trace, delay in zip(requests, traces, delays)))
     return traces
 
 
 def run_requests(address: str, requests: list[BenchRequest], arrivals: list[float] | None = None,
-                 on_done=lambda: None) -> list[RequestTrace]:
-    """Blocks until every request finished; arrivals are seconds after the start, one per request."""
-    return asyncio.run(_run_all(address, requests, arrivals, on_done))
+                 on_done=lambda: None, whole: bool = False) -> list[RequestTrace]:
+    """Blocks until every request finished; arrivals are seconds after the start, one per request;
+    whole: over unary Generate (the module's docstring)."""
+    return asyncio.run(_run_all(address, requests, arrivals, on_done, whole))

@@ -68,13 +68,16 @@ class Admission:
         info = self.readiness.info
         return max_prompt_bytes(info.max_model_len) if info is not None else FALLBACK_MAX_PROMPT_BYTES
 
-    def start(self, request: ValidatedRequest, timer: RequestTimer, timeout: float | None = None) -> Generation:
+    def start(self, request: ValidatedRequest, timer: RequestTimer, timeout: float | None = None, *,
+              whole: bool = False) -> Generation:
         """A Generation for the request, registered in flight (raises Draining once draining); it
-        goes to the scheduler instance of readiness's latest answer."""
+        goes to the scheduler instance of readiness's latest answer. whole: the client takes the
+        result at the end, not streamed (Generation's)."""
         info = self.readiness.info
         replicas = self.readiness if isinstance(self.readiness, ReplicaSet) else None
         generation = Generation(request, self.client, self.tokenizer, timer, timeout=timeout, recovery=self.recovery,
-                                instance_id=info.instance_id if info is not None else "", replicas=replicas)
+                                instance_id=info.instance_id if info is not None else "", replicas=replicas,
+                                whole=whole)
         self.in_flight.enter(generation)
         return generation
 

@@ -50,11 +50,14 @@ class Generation:
     def __init__(self, request: ValidatedRequest, client: SchedulerClient, decoder: Decoder,
                  timer: RequestTimer, timeout: float | None = None, *,
                  recovery: SchedulerRecovery | None = None, instance_id: str = "",
-                 replicas: ReplicaSet | None = None) -> None:
+                 replicas: ReplicaSet | None = None, whole: bool = False) -> None:
         """instance_id: the scheduler instance the request goes to (readiness's latest answer).
         replicas: several replicas; the request is placed on one when it runs (client and
-        instance_id then come from that replica)."""
+        instance_id then come from that replica). whole: the client takes the result at the end
+        (no stream); without stop strings, which the frontend must see each token to find, the
+        scheduler then holds the outputs after the first and sends them merged (hold_output)."""
         self.request = request
+        self.holds_output = whole and not request.params.stop and not request.params.is_beam_search
         self._client = client
         self._timer = timer
         self._deadline = None if timeout is None else time.monotonic() + timeout
@@ -134,7 +137,8 @@ class Generation:
                     self._is_accepted = True
                     self._timer.on_accepted(output.prompt_tokens or len(self.request.prompt_token_ids))
                 updates = self._updates.apply(output)
-                self._timer.on_tokens(sum(len(update.token_ids) for update in updates))
+                self._timer.on_tokens(sum(len(update.token_ids) for update in updates),
+                                      is_merged=self.holds_output)
                 is_stream_closed = output.is_finished
                 if self._updates.is_finished:
                     yield GenerationUpdate(updates, self._updates.usage())
@@ -154,7 +158,8 @@ class Generation:
     def _scheduler_request(self) -> Request:
         request = Request(request_id=self.request.request_id,
                           prompt_token_ids=self.request.prompt_token_ids, sampling=self.request.params,
-                          priority=self.request.priority, adapter=self.request.adapter)
+                          priority=self.request.priority, adapter=self.request.adapter,
+                          hold_output=self.holds_output)
         if self.num_resumes:
             request.continuations = self.continuations()
         return request

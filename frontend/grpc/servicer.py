@@ -131,7 +131,7 @@ class GenerationServicer:
         timer = self._metrics.start_request(PROTOCOL)
         generation = None
         try:
-            generation = self._start(request, context, timer)
+            generation = self._start(request, context, timer, whole=True)
             with structlog.contextvars.bound_contextvars(request_id=generation.request.request_id):
                 usage = None
                 for update in generation.run():
@@ -231,7 +231,7 @@ class GenerationServicer:
 
         return self._watchdog.watch(on_timeout)
 
-    def _start(self, request, context, timer: RequestTimer) -> Generation:
+    def _start(self, request, context, timer: RequestTimer, *, whole: bool = False) -> Generation:
         if isinstance(request, UndecodableRequest):
             raise RequestFailed(RequestError(ErrorKind.INVALID, request.message, "rejected", request.field_name or None))
         limits = self._admission.limits()
@@ -243,7 +243,7 @@ class GenerationServicer:
         validated.adapter = adapter
         remaining = context.time_remaining()
         timeout = remaining if remaining is not None and remaining < NO_DEADLINE_S else None
-        generation = self._admission.start(validated, timer, timeout=timeout)
+        generation = self._admission.start(validated, timer, timeout=timeout, whole=whole)
         context.add_callback(generation.cancel)
         return generation
 

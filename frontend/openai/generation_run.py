@@ -76,12 +76,12 @@ class GenerationRun:
     def is_finished(self) -> bool:
         return self._num_running == 0
 
-    def start(self, requests: list[ValidatedRequest], timers: list[RequestTimer]) -> None:
+    def start(self, requests: list[ValidatedRequest], timers: list[RequestTimer], *, whole: bool = False) -> None:
         """Admits every request (all or none: Draining cancels those already admitted) and starts
-        their pumps."""
+        their pumps. whole: the response is sent when every prompt has ended, not streamed."""
         for request, timer in zip(requests, timers, strict=True):
             try:
-                self.generations.append(self._admission.start(request, timer))
+                self.generations.append(self._admission.start(request, timer, whole=whole))
             except BaseException:
                 for generation in self.generations:
                     generation.cancel()

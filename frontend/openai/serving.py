@@ -161,7 +161,7 @@ class OpenAIServing:
             prepared = await loop.run_in_executor(self.executor, self.prepare, parsed, plan, request_id, is_chat)
             for validated in prepared.requests:
                 validated.adapter = adapter
-            run = self.start_run(prepared, timer, loop)
+            run = self.start_run(prepared, timer, loop, whole=not plan.is_stream)
         except Exception as exc:
             return self.refused(exc, timer)
         header = ResponseHeader(f"{'chatcmpl' if is_chat else 'cmpl'}-{request_id}", int(time.time()),
@@ -199,15 +199,17 @@ class OpenAIServing:
 
         return on_timeout
 
-    def start_run(self, prepared: PreparedRequest, timer, loop: asyncio.AbstractEventLoop) -> GenerationRun:
-        """One Generation per prompt, running; each holds a slot of the limit until its pump ends."""
+    def start_run(self, prepared: PreparedRequest, timer, loop: asyncio.AbstractEventLoop, *,
+                  whole: bool = False) -> GenerationRun:
+        """One Generation per prompt, running; each holds a slot of the limit until its pump ends.
+        whole: the response is sent at the end, not streamed."""
         num_prompts = len(prepared.requests)
         self._limit.acquire(num_prompts)
         run = GenerationRun(self._admission, self.executor, loop, on_pump_end=self._limit.release_one,
                             max_undelivered=self._max_undelivered_messages)
         timers = [timer] + [self.metrics.start_request(PROTOCOL) for _ in range(num_prompts - 1)]
         try:
-            run.start(prepared.requests, timers)
+            run.start(prepared.requests, timers, whole=whole)
         except BaseException:
             self._limit.release(num_prompts)
             raise

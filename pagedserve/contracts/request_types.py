@@ -50,6 +50,9 @@ class Request:
     continuations: list[Continuation] = field(default_factory=list)  # empty: a fresh start
     priority: int = 0  # lower is served first under --scheduling-policy priority
     adapter: AdapterRef | None = None  # None: the base model
+    # the client takes the whole result at the end: the scheduler sends the first output, then
+    # the rest merged (scheduler/undelivered_output.py); the engine does not look at it
+    hold_output: bool = False
 
 
 @dataclass(slots=True)

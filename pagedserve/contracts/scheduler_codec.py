@@ -117,6 +117,7 @@ def request_to_proto(request: Request, frontend_id: str = "") -> scheduler_pb2.S
         sampling=sampling_to_proto(request.sampling),
         frontend_id=frontend_id,
         priority=request.priority,
+        hold_output=request.hold_output,
     )
     if request.adapter is not None:
         msg.adapter.name, msg.adapter.path, msg.adapter.digest = (request.adapter.name, request.adapter.path,
@@ -135,6 +136,7 @@ def request_from_proto(msg: scheduler_pb2.SubmitRequest, eos_token_ids: list[int
         sampling=sampling_from_proto(msg.sampling),
         eos_token_ids=list(eos_token_ids),
         priority=msg.priority,
+        hold_output=msg.hold_output,
         continuations=[
             Continuation(index=c.index, token_ids=list(c.token_ids), is_finished=c.is_finished,
                          cumulative_logprob=c.cumulative_logprob)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#pagedserve/internal/scheduler.proto\x12\x13pagedserve.internal\"\xe1\x04\n\x08Sampling\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x13\n\x0btemperature\x18\x03 \x01(\x02\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x10\n\x08has_seed\x18\x07 \x01(\x08\x12\x0c\n\x04seed\x18\x08 \x01(\x04\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\t\n\x01n\x18\x0e \x01(\r\x12\x12\n\nbeam_width\x18\x0f \x01(\r\x12\x16\n\x0elength_penalty\x18\x10 \x01(\x02\x12\x10\n\x08logprobs\x18\x11 \x01(\r\x12\x15\n\x0bjson_schema\x18\x12 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x13 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x14 \x01(\tH\x00\x12\x31\n\x06\x63hoice\x18\x15 \x01(\x0b\x32\x1f.pagedserve.internal.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x16 \x01(\tH\x00\x12@\n\nlogit_bias\x18\x17 \x03(\x0b\x32,.pagedserve.internal.Sampling.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nconstraint\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"a\n\x0c\x43ontinuation\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x13\n\x0bis_finished\x18\x03 \x01(\x08\x12\x1a\n\x12\x63umulative_logprob\x18\x04 \x01(\x01\"\x82\x02\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.pagedserve.internal.Sampling\x12\x13\n\x0b\x66rontend_id\x18\x04 \x01(\t\x12\x38\n\rcontinuations\x18\x05 \x03(\x0b\x32!.pagedserve.internal.Continuation\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x31\n\x07\x61\x64\x61pter\x18\x14 \x01(\x0b\x32 .pagedserve.internal.LoraAdapter\"9\n\x0bLoraAdapter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"_\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12,\n\x03top\x18\x03 \x03(\x0b\x32\x1f.pagedserve.internal.TopLogprob\"\xbe\x01\n\x0f\x43ompletionDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x33\n\x08logprobs\x18\x03 \x03(\x0b\x32!.pagedserve.internal.TokenLogprob\x12\x1a\n\x12\x63umulative_logprob\x18\x04 \x01(\x01\x12\x38\n\rfinish_reason\x18\x05 \x01(\x0e\x32!.pagedserve.internal.FinishReason\"\x90\x01\n\x0eSubmitResponse\x12\x34\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32$.pagedserve.internal.CompletionDelta\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x13\n\x0bis_finished\x18\x04 \x01(\x08\"<\n\x17\x46inishCompletionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\"\x1a\n\x18\x46inishCompletionResponse\"\x10\n\x0eGetInfoRequest\"\x8c\x02\n\rSchedulerInfo\x12\x10\n\x08is_ready\x18\x01 \x01(\x08\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x07 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x08 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\t \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\n \x01(\r\x12\x13\n\x0binstance_id\x18\x0b \x01(\t\"+\n\x0fGetStatsRequest\x12\x18\n\x10max_recent_steps\x18\x01 \x01(\r\"\x94\x01\n\x0bStepSummary\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\x12\x1a\n\x12num_prefill_tokens\x18\x03 \x01(\r\x12\x19\n\x11num_decode_tokens\x18\x04 \x01(\r\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\x12\x17\n\x0f\x66orward_seconds\x18\x06 \x01(\x01\"\xa6\x04\n\x0eSchedulerStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x13\n\x0bnum_swapped\x18\x03 \x01(\r\x12\x1c\n\x14num_gpu_blocks_total\x18\x04 \x01(\r\x12\x1b\n\x13num_gpu_blocks_free\x18\x05 \x01(\r\x12\x1b\n\x13num_gpu_blocks_used\x18\x06 \x01(\r\x12\x1d\n\x15num_gpu_blocks_cached\x18\x07 \x01(\r\x12\x1c\n\x14num_cpu_blocks_total\x18\x08 \x01(\r\x12\x1b\n\x13num_cpu_blocks_free\x18\t \x01(\r\x12\x1b\n\x13num_cpu_blocks_used\x18\n \x01(\r\x12\x1d\n\x15num_cpu_blocks_cached\x18\x0b \x01(\r\x12\x11\n\tnum_steps\x18\x0c \x01(\x04\x12\x1c\n\x14num_preemptions_swap\x18\r \x01(\x04\x12!\n\x19num_preemptions_recompute\x18\x0e \x01(\x04\x12 \n\x18num_prefix_cache_queries\x18\x0f \x01(\x04\x12\x1d\n\x15num_prefix_cache_hits\x18\x10 \x01(\x04\x12\x36\n\x0crecent_steps\x18\x11 \x03(\x0b\x32 .pagedserve.internal.StepSummary\x12\x1a\n\x12is_pool_consistent\x18\x12 \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xfc\x02\n\tScheduler\x12S\n\x06Submit\x12\".pagedserve.internal.SubmitRequest\x1a#.pagedserve.internal.SubmitResponse0\x01\x12o\n\x10\x46inishCompletion\x12,.pagedserve.internal.FinishCompletionRequest\x1a-.pagedserve.internal.FinishCompletionResponse\x12R\n\x07GetInfo\x12#.pagedserve.internal.GetInfoRequest\x1a\".pagedserve.internal.SchedulerInfo\x12U\n\x08GetStats\x12$.pagedserve.internal.GetStatsRequest\x1a#.pagedserve.internal.SchedulerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#pagedserve/internal/scheduler.proto\x12\x13pagedserve.internal\"\xe1\x04\n\x08Sampling\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x13\n\x0btemperature\x18\x03 \x01(\x02\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x10\n\x08has_seed\x18\x07 \x01(\x08\x12\x0c\n\x04seed\x18\x08 \x01(\x04\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\t\n\x01n\x18\x0e \x01(\r\x12\x12\n\nbeam_width\x18\x0f \x01(\r\x12\x16\n\x0elength_penalty\x18\x10 \x01(\x02\x12\x10\n\x08logprobs\x18\x11 \x01(\r\x12\x15\n\x0bjson_schema\x18\x12 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x13 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x14 \x01(\tH\x00\x12\x31\n\x06\x63hoice\x18\x15 \x01(\x0b\x32\x1f.pagedserve.internal.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x16 \x01(\tH\x00\x12@\n\nlogit_bias\x18\x17 \x03(\x0b\x32,.pagedserve.internal.Sampling.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nconstraint\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"a\n\x0c\x43ontinuation\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x13\n\x0bis_finished\x18\x03 \x01(\x08\x12\x1a\n\x12\x63umulative_logprob\x18\x04 \x01(\x01\"\x97\x02\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.pagedserve.internal.Sampling\x12\x13\n\x0b\x66rontend_id\x18\x04 \x01(\t\x12\x38\n\rcontinuations\x18\x05 \x03(\x0b\x32!.pagedserve.internal.Continuation\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x13\n\x0bhold_output\x18\x07 \x01(\x08\x12\x31\n\x07\x61\x64\x61pter\x18\x14 \x01(\x0b\x32 .pagedserve.internal.LoraAdapter\"9\n\x0bLoraAdapter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"_\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12,\n\x03top\x18\x03 \x03(\x0b\x32\x1f.pagedserve.internal.TopLogprob\"\xbe\x01\n\x0f\x43ompletionDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x33\n\x08logprobs\x18\x03 \x03(\x0b\x32!.pagedserve.internal.TokenLogprob\x12\x1a\n\x12\x63umulative_logprob\x18\x04 \x01(\x01\x12\x38\n\rfinish_reason\x18\x05 \x01(\x0e\x32!.pagedserve.internal.FinishReason\"\x90\x01\n\x0eSubmitResponse\x12\x34\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32$.pagedserve.internal.CompletionDelta\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x13\n\x0bis_finished\x18\x04 \x01(\x08\"<\n\x17\x46inishCompletionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\"\x1a\n\x18\x46inishCompletionResponse\"\x10\n\x0eGetInfoRequest\"\x8c\x02\n\rSchedulerInfo\x12\x10\n\x08is_ready\x18\x01 \x01(\x08\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x07 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x08 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\t \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\n \x01(\r\x12\x13\n\x0binstance_id\x18\x0b \x01(\t\"+\n\x0fGetStatsRequest\x12\x18\n\x10max_recent_steps\x18\x01 \x01(\r\"\x94\x01\n\x0bStepSummary\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\x12\x1a\n\x12num_prefill_tokens\x18\x03 \x01(\r\x12\x19\n\x11num_decode_tokens\x18\x04 \x01(\r\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\x12\x17\n\x0f\x66orward_seconds\x18\x06 \x01(\x01\"\xa6\x04\n\x0eSchedulerStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x13\n\x0bnum_swapped\x18\x03 \x01(\r\x12\x1c\n\x14num_gpu_blocks_total\x18\x04 \x01(\r\x12\x1b\n\x13num_gpu_blocks_free\x18\x05 \x01(\r\x12\x1b\n\x13num_gpu_blocks_used\x18\x06 \x01(\r\x12\x1d\n\x15num_gpu_blocks_cached\x18\x07 \x01(\r\x12\x1c\n\x14num_cpu_blocks_total\x18\x08 \x01(\r\x12\x1b\n\x13num_cpu_blocks_free\x18\t \x01(\r\x12\x1b\n\x13num_cpu_blocks_used\x18\n \x01(\r\x12\x1d\n\x15num_cpu_blocks_cached\x18\x0b \x01(\r\x12\x11\n\tnum_steps\x18\x0c \x01(\x04\x12\x1c\n\x14num_preemptions_swap\x18\r \x01(\x04\x12!\n\x19num_preemptions_recompute\x18\x0e \x01(\x04\x12 \n\x18num_prefix_cache_queries\x18\x0f \x01(\x04\x12\x1d\n\x15num_prefix_cache_hits\x18\x10 \x01(\x04\x12\x36\n\x0crecent_steps\x18\x11 \x03(\x0b\x32 .pagedserve.internal.StepSummary\x12\x1a\n\x12is_pool_consistent\x18\x12 \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xfc\x02\n\tScheduler\x12S\n\x06Submit\x12\".pagedserve.internal.SubmitRequest\x1a#.pagedserve.internal.SubmitResponse0\x01\x12o\n\x10\x46inishCompletion\x12,.pagedserve.internal.FinishCompletionRequest\x1a-.pagedserve.internal.FinishCompletionResponse\x12R\n\x07GetInfo\x12#.pagedserve.internal.GetInfoRequest\x1a\".pagedserve.internal.SchedulerInfo\x12U\n\x08GetStats\x12$.pagedserve.internal.GetStatsRequest\x1a#.pagedserve.internal.SchedulerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLING_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLING_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2736
-  _globals['_FINISHREASON']._serialized_end=2856
+  _globals['_FINISHREASON']._serialized_start=2757
+  _globals['_FINISHREASON']._serialized_end=2877
   _globals['_SAMPLING']._serialized_start=61
   _globals['_SAMPLING']._serialized_end=670
   _globals['_SAMPLING_LOGITBIASENTRY']._serialized_start=608
@@ -44,31 +44,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CONTINUATION']._serialized_start=703
   _globals['_CONTINUATION']._serialized_end=800
   _globals['_SUBMITREQUEST']._serialized_start=803
-  _globals['_SUBMITREQUEST']._serialized_end=1061
-  _globals['_LORAADAPTER']._serialized_start=1063
-  _globals['_LORAADAPTER']._serialized_end=1120
-  _globals['_TOPLOGPROB']._serialized_start=1122
-  _globals['_TOPLOGPROB']._serialized_end=1169
-  _globals['_TOKENLOGPROB']._serialized_start=1171
-  _globals['_TOKENLOGPROB']._serialized_end=1266
-  _globals['_COMPLETIONDELTA']._serialized_start=1269
-  _globals['_COMPLETIONDELTA']._serialized_end=1459
-  _globals['_SUBMITRESPONSE']._serialized_start=1462
-  _globals['_SUBMITRESPONSE']._serialized_end=1606
-  _globals['_FINISHCOMPLETIONREQUEST']._serialized_start=1608
-  _globals['_FINISHCOMPLETIONREQUEST']._serialized_end=1668
-  _globals['_FINISHCOMPLETIONRESPONSE']._serialized_start=1670
-  _globals['_FINISHCOMPLETIONRESPONSE']._serialized_end=1696
-  _globals['_GETINFOREQUEST']._serialized_start=1698
-  _globals['_GETINFOREQUEST']._serialized_end=1714
-  _globals['_SCHEDULERINFO']._serialized_start=1717
-  _globals['_SCHEDULERINFO']._serialized_end=1985
-  _globals['_GETSTATSREQUEST']._serialized_start=1987
-  _globals['_GETSTATSREQUEST']._serialized_end=2030
-  _globals['_STEPSUMMARY']._serialized_start=2033
-  _globals['_STEPSUMMARY']._serialized_end=2181
-  _globals['_SCHEDULERSTATS']._serialized_start=2184
-  _globals['_SCHEDULERSTATS']._serialized_end=2734
-  _globals['_SCHEDULER']._serialized_start=2859
-  _globals['_SCHEDULER']._serialized_end=3239
+  _globals['_SUBMITREQUEST']._serialized_end=1082
+  _globals['_LORAADAPTER']._serialized_start=1084
+  _globals['_LORAADAPTER']._serialized_end=1141
+  _globals['_TOPLOGPROB']._serialized_start=1143
+  _globals['_TOPLOGPROB']._serialized_end=1190
+  _globals['_TOKENLOGPROB']._serialized_start=1192
+  _globals['_TOKENLOGPROB']._serialized_end=1287
+  _globals['_COMPLETIONDELTA']._serialized_start=1290
+  _globals['_COMPLETIONDELTA']._serialized_end=1480
+  _globals['_SUBMITRESPONSE']._serialized_start=1483
+  _globals['_SUBMITRESPONSE']._serialized_end=1627
+  _globals['_FINISHCOMPLETIONREQUEST']._serialized_start=1629
+  _globals['_FINISHCOMPLETIONREQUEST']._serialized_end=1689
+  _globals['_FINISHCOMPLETIONRESPONSE']._serialized_start=1691
+  _globals['_FINISHCOMPLETIONRESPONSE']._serialized_end=1717
+  _globals['_GETINFOREQUEST']._serialized_start=1719
+  _globals['_GETINFOREQUEST']._serialized_end=1735
+  _globals['_SCHEDULERINFO']._serialized_start=1738
+  _globals['_SCHEDULERINFO']._serialized_end=2006
+  _globals['_GETSTATSREQUEST']._serialized_start=2008
+  _globals['_GETSTATSREQUEST']._serialized_end=2051
+  _globals['_STEPSUMMARY']._serialized_start=2054
+  _globals['_STEPSUMMARY']._serialized_end=2202
+  _globals['_SCHEDULERSTATS']._serialized_start=2205
+  _globals['_SCHEDULERSTATS']._serialized_end=2755
+  _globals['_SCHEDULER']._serialized_start=2880
+  _globals['_SCHEDULER']._serialized_end=3260
 # @@protoc_insertion_point(module_scope)

@@ -94,13 +94,14 @@ class Continuation(_message.Message):
     def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., is_finished: _Optional[bool] = ..., cumulative_logprob: _Optional[float] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "frontend_id", "continuations", "priority", "adapter")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "frontend_id", "continuations", "priority", "hold_output", "adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     FRONTEND_ID_FIELD_NUMBER: _ClassVar[int]
     CONTINUATIONS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    HOLD_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -108,8 +109,9 @@ class SubmitRequest(_message.Message):
     frontend_id: str
     continuations: _containers.RepeatedCompositeFieldContainer[Continuation]
     priority: int
+    hold_output: bool
     adapter: LoraAdapter
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., frontend_id: _Optional[str] = ..., continuations: _Optional[_Iterable[_Union[Continuation, _Mapping]]] = ..., priority: _Optional[int] = ..., adapter: _Optional[_Union[LoraAdapter, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., frontend_id: _Optional[str] = ..., continuations: _Optional[_Iterable[_Union[Continuation, _Mapping]]] = ..., priority: _Optional[int] = ..., hold_output: _Optional[bool] = ..., adapter: _Optional[_Union[LoraAdapter, _Mapping]] = ...) -> None: ...
 
 class LoraAdapter(_message.Message):
     __slots__ = ("name", "path", "digest")

@@ -37,7 +37,7 @@ def _value(samples: dict, name: str, **labels) -> float:
 def test_pinned_metrics_and_latency_histograms(service_server):
     frontend_before = _samples(service_server.metrics("frontend"))
     scheduler_before = _samples(service_server.metrics("scheduler"))
-    service_server.stub.Generate(token_request(PROMPT, max_tokens=8, ignore_eos=True), timeout=60)
+    list(service_server.stub.GenerateStream(token_request(PROMPT, max_tokens=8, ignore_eos=True), timeout=60))
     frontend = _samples(service_server.metrics("frontend"))
     names = {name for name, _ in frontend}
     assert set(FRONTEND_METRICS) <= names, set(FRONTEND_METRICS) - names
@@ -51,6 +51,14 @@ def test_pinned_metrics_and_latency_histograms(service_server):
     assert delta("pagedserve_request_latency_seconds_count") == 1
     assert delta("pagedserve_requests_total", finish_reason="length") == 1
     assert delta("pagedserve_prompt_tokens_total") == len(PROMPT)
+    assert delta("pagedserve_generation_tokens_total") == 8
+    # a whole answer (unary, no stop string) arrives as its first output and the rest merged
+    # (hold_output): a time to first token, no inter-token gaps
+    frontend_before = frontend
+    service_server.stub.Generate(token_request(PROMPT, max_tokens=8, ignore_eos=True), timeout=60)
+    frontend = _samples(service_server.metrics("frontend"))
+    assert delta("pagedserve_time_to_first_token_seconds_count") == 1
+    assert delta("pagedserve_inter_token_latency_seconds_count") == 0
     assert delta("pagedserve_generation_tokens_total") == 8
 
     assert wait_for(lambda: _value(_samples(service_server.metrics("scheduler")),

@@ -122,3 +122,39 @@ def test_stop_string_across_tokens(llama_server, streaming, include):
     assert stopped.text == (text[:cut + len(stop)] if include else text[:cut])
     assert stopped.finish_reason == STOP_SEQUENCE
     assert stopped.stop_sequence == stop
+
+
+def _with_id(request: generation_pb2.GenerateRequest, request_id: str) -> generation_pb2.GenerateRequest:
+    request.request_id = request_id
+    return request
+
+
+def _scheduler_messages(server, request_id: str) -> int:
+    (event,) = [event for event in server.log_events() if event.get("event") == "request_finished"
+                and event.get("process") == "scheduler" and event.get("request_id") == request_id]
+    return event["num_messages"]
+
+
+def test_a_whole_result_comes_in_two_scheduler_messages_and_equals_the_stream(llama_server):
+    """Generate (unary) without stop strings: the scheduler sends the first output, then the rest
+    merged (hold_output); tokens, logprobs and finish reasons equal those GenerateStream gathers
+    from one message per step. With a stop string the frontend needs every step, so none is held."""
+    params = dict(max_tokens=24, ignore_eos=True, n=2, temperature=0.9, seed=7, logprobs=2)
+    whole = llama_server.stub.Generate(_with_id(token_request(PROBE_PROMPT, **params), "whole-held"), timeout=60)
+    stream = list(llama_server.stub.GenerateStream(_with_id(token_request(PROBE_PROMPT, **params), "whole-streamed"),
+                                                   timeout=60))
+    for index in (0, 1):
+        streamed = [delta for message in stream for delta in message.completions if delta.index == index]
+        (held,) = [completion for completion in whole.completions if completion.index == index]
+        assert list(held.token_ids) == [t for delta in streamed for t in delta.token_ids]
+        assert len(held.token_ids) == 24 and held.finish_reason == LENGTH == streamed[-1].finish_reason
+        assert [(lp.token_id, round(lp.logprob, 4)) for lp in held.logprobs] == \
+            [(lp.token_id, round(lp.logprob, 4)) for delta in streamed for lp in delta.logprobs]
+        assert held.cumulative_logprob == pytest.approx(streamed[-1].cumulative_logprob, abs=1e-4)
+    assert whole.usage.completion_tokens == stream[-1].usage.completion_tokens == 48
+    assert _scheduler_messages(llama_server, "whole-held") == 2
+    assert _scheduler_messages(llama_server, "whole-streamed") >= 24
+    with_stop = llama_server.stub.Generate(_with_id(token_request(PROBE_PROMPT, max_tokens=12, ignore_eos=True,
+                                                                  stop=["never said"]), "whole-stop"), timeout=60)
+    assert len(with_stop.completions[0].token_ids) == 12
+    assert _scheduler_messages(llama_server, "whole-stop") >= 12

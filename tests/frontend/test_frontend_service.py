@@ -74,6 +74,18 @@ def test_generate_returns_the_whole_result(stub, fake, tokenizer):
     assert not completion.logprobs
 
 
+def test_generate_asks_the_scheduler_to_hold_its_output_and_a_stream_does_not(stub, fake, tokenizer):
+    (script,) = _script(fake, tokenizer, "one two three")
+    response = stub.Generate(_request(max_tokens=len(script)), timeout=10)
+    assert list(response.completions[0].token_ids) == script and fake.submits[-1].hold_output
+    list(stub.GenerateStream(_request(max_tokens=20), timeout=10))
+    assert not fake.submits[-1].hold_output
+    stub.Generate(_request(max_tokens=20, stop=["never said"]), timeout=10)
+    assert not fake.submits[-1].hold_output  # the frontend must see each token to find it
+    stub.Generate(_request(max_tokens=20, beam_width=2), timeout=10)
+    assert not fake.submits[-1].hold_output  # beam search sends its completions once anyway
+
+
 def test_stop_token_id_finishes_with_stop(stub, fake, tokenizer):
     (script,) = _script(fake, tokenizer, SCRIPT_0)
     response = stub.Generate(_request(max_tokens=50, stop_token_ids=[script[3]]), timeout=10)
@@ -297,19 +309,31 @@ def test_tokenize_and_model_info(stub, fake, tokenizer):
 
 
 def test_metrics_use_the_pinned_names(stub, fake, tokenizer, frontend):
+    """A stream's gaps are inter-token latencies; a unary Generate's outputs may be merged in the
+    scheduler (hold_output), so it gives a time to first token and no gaps."""
     (script,) = _script(fake, tokenizer, SCRIPT_0)
-    stub.Generate(_request(max_tokens=5), timeout=10)
     url = f"http://127.0.0.1:{frontend.metrics_port}/metrics"
-    body = urllib.request.urlopen(url, timeout=5).read().decode()
+
+    def values() -> dict[str, float]:
+        body = urllib.request.urlopen(url, timeout=5).read().decode()
+        return {line.split(" ")[0]: float(line.split(" ")[1]) for line in body.splitlines()
+                if line and not line.startswith("#")}
+
+    ttft, itl = ('pagedserve_time_to_first_token_seconds_count{protocol="grpc"}',
+                 'pagedserve_inter_token_latency_seconds_count{protocol="grpc"}')
+    stub.Generate(_request(max_tokens=5), timeout=10)
+    after_unary = values()
     for name in ("pagedserve_time_to_first_token_seconds_count", "pagedserve_inter_token_latency_seconds_count",
                  "pagedserve_request_latency_seconds_count", "pagedserve_prompt_tokens_total",
                  "pagedserve_generation_tokens_total"):
-        assert name in body, name
-    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in body.splitlines()
-              if line and not line.startswith("#")}
-    assert values['pagedserve_requests_total{finish_reason="length",protocol="grpc"}'] >= 1
-    assert values['pagedserve_generation_tokens_total{protocol="grpc"}'] >= 5
-    assert values['pagedserve_inter_token_latency_seconds_count{protocol="grpc"}'] >= 4
+        assert any(key.startswith(name) for key in after_unary), name
+    assert after_unary['pagedserve_requests_total{finish_reason="length",protocol="grpc"}'] >= 1
+    assert after_unary['pagedserve_generation_tokens_total{protocol="grpc"}'] >= 5
+    list(stub.GenerateStream(_request(max_tokens=5), timeout=10))
+    stub.Generate(_request(max_tokens=5), timeout=10)
+    after = values()
+    assert after[ttft] - after_unary[ttft] == 2
+    assert after[itl] - after_unary.get(itl, 0) == 4  # the stream's four gaps, none of the unary call
 
 
 def test_generate_cli_streams_text(frontend, fake, tokenizer):

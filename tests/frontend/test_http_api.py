@@ -65,6 +65,20 @@ def test_text_follows_the_script_and_stop_strings(client, fake, tokenizer, model
     assert fake.submits[-1].sampling.temperature == 1.0  # OpenAI's default, not gRPC's greedy
 
 
+def test_only_a_whole_answer_without_stop_strings_asks_the_scheduler_to_hold_its_output(client, fake, tokenizer,
+                                                                                       model_name):
+    """stream=false and no stop string: the scheduler may merge the outputs after the first
+    (hold_output); a stream, or a stop string the frontend must find token by token, never."""
+    (script,) = _script(fake, tokenizer, SCRIPT)
+    whole = client.completions.create(model=model_name, prompt="Hello", max_tokens=len(script))
+    assert whole.choices[0].text == SCRIPT and fake.submits[-1].hold_output
+    stopped = client.completions.create(model=model_name, prompt="Hello", max_tokens=40, stop=" to")
+    assert stopped.choices[0].text == "The keeper climbed the stairs" and not fake.submits[-1].hold_output
+    streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
+        model=model_name, prompt="Hello", max_tokens=len(script), stream=True) if chunk.choices)
+    assert streamed == SCRIPT and not fake.submits[-1].hold_output
+
+
 def test_echo_and_batched_prompts_number_choices_prompt_major(client, fake, tokenizer, model_name):
     _script(fake, tokenizer, SCRIPT, SCRIPT)
     answer = client.completions.create(model=model_name, prompt=["One", "Two"], n=2, max_tokens=2, echo=True)

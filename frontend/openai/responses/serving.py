@@ -51,7 +51,7 @@ class ResponsesServing:
                 prepared = await loop.run_in_executor(chat.executor, chat.prepare, parsed.chat, plan, request_id, True)
             except InvalidParameter as exc:
                 raise _renamed(exc) from None
-            run = chat.start_run(prepared, timer, loop)
+            run = chat.start_run(prepared, timer, loop, whole=not parsed.is_stream)
         except Exception as exc:
             return chat.refused(exc, timer)
         params = prepared.requests[0].params
