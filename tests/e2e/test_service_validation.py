@@ -205,7 +205,7 @@ def test_random_requests_never_crash_a_process_or_leak_a_block(service_server):
     outcomes: list[str] = []
 
     @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow],
-              database=None)
+              database=None, derandomize=True)
     @given(request=st.one_of(_requests(), _requests(), _requests(), st.binary(max_size=48)),
            method=st.sampled_from(["Generate", "GenerateStream"]))
     def send(request, method):
