@@ -263,7 +263,7 @@ class Engine:
         if scheduled is None:
             self._report_step()
             self._hold(self.scheduler.pop_pending_outputs())
-            self.state.num_waiting = self.scheduler.stats().num_waiting
+            self.state.num_waiting = len(self.scheduler.waiting)
             return False
         now = time.monotonic()
         queue_seconds = [seconds for group in scheduled.groups
@@ -286,7 +286,7 @@ class Engine:
         record = self._record(scheduled, time.perf_counter() - started)
         record.forward_seconds = result.forward_seconds
         record.queue_seconds = queue_seconds
-        self.state.num_waiting = self.scheduler.stats().num_waiting
+        self.state.num_waiting = len(self.scheduler.waiting)
         self._unreported = record
         return True
 
