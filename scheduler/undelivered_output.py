@@ -109,10 +109,8 @@ class UndeliveredOutput:
             self._enqueue(item)
             return
         if self._held is None:
-            self._held = RequestOutput(item.request_id, [_own_delta(delta) for delta in item.deltas],
-                                       item.prompt_tokens, item.cached_prompt_tokens, item.is_finished)
-        else:
-            merge_outputs(self._held, item)
+            self._held = RequestOutput(item.request_id, [], item.prompt_tokens, item.cached_prompt_tokens, False)
+        merge_outputs(self._held, item)
         self._num_held_tokens += sum(len(delta.token_ids) for delta in item.deltas)
         if item.is_finished or self._num_held_tokens >= HOLD_MAX_TOKENS:
             self._release_held()
