@@ -137,3 +137,15 @@ def test_lora_slots_and_loads_round_trip_and_cost_nothing_without_adapters() -> 
     assert plan_from_proto(step_pb2.SchedulerMessage.FromString(encode_plan(plan)).step_plan) == plan
     plain = plan_to_proto(StepPlan(step_id=8, seqs=[ScheduledSeq(2, [8], 4, [1], spec)]))
     assert not plain.lora_slots and not plain.lora_loads
+
+
+def test_a_decode_run_round_trips_and_one_step_costs_no_field() -> None:
+    plan = _plan()
+    plan.continuable, plan.num_steps = True, 6
+    assert plan_from_proto(plan_to_proto(plan)) == plan
+    result = StepResult(step_id=3, epoch=1, num_steps=2, samples=[
+        SeqSample(seq_id=2, token_id=11, logprob=-0.5), SeqSample(seq_id=2, token_id=12, logprob=-0.25)])
+    assert result_from_proto(result_to_proto(result)) == result
+    assert plan_to_proto(_plan()).num_steps == 0
+    assert result_to_proto(StepResult(step_id=3)).num_steps == 0
+    assert plan_from_proto(plan_to_proto(_plan())).num_steps == result_from_proto(result_to_proto(StepResult(3))).num_steps == 1

@@ -14,9 +14,17 @@ What the step computed ahead wrote stays harmless: only the KV of each sequence'
 in a block that sequence owned alone. A sequence that finished meanwhile frees that block, and its
 next owner writes every slot it reads; a sequence that goes on writes the same K/V there again.
 The cost of a miss is one forward that the next plan waits for (a finished request, a new one).
+
+A decode run (StepPlan.num_steps > 1: a continuable plan whose requests take their whole answer
+at the end, scheduler/core/continuable.py) is computed the same way without waiting for the plans
+in between: each step is the one before one position on, and the result holds every step's
+samples. A step that fails, or that next_plan cannot derive, ends the run before it; the
+scheduler plans that step again like any other. What a dropped step wrote is harmless as above.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from pagedserve.contracts.step_plan import ScheduledSeq, StepPlan, StepResult
 
@@ -33,7 +41,32 @@ def next_plan(plan: StepPlan, result: StepResult, block_size: int) -> StepPlan |
                 or seq.lora_slot >= 0 or seq.seq_id not in tokens or position // block_size >= len(seq.block_table)):
             return None
         seqs.append(ScheduledSeq(seq.seq_id, [tokens[seq.seq_id]], position, seq.block_table, seq.sample))
-    return StepPlan(step_id=plan.step_id + 1, seqs=seqs, epoch=plan.epoch)
+    return StepPlan(step_id=plan.step_id + 1, seqs=seqs, epoch=plan.epoch, continuable=True)
+
+
+def run_steps(result: StepResult, plan: StepPlan, block_size: int,
+              try_execute: Callable[[StepPlan], StepResult | None]) -> tuple[StepResult, StepPlan, StepResult]:
+    """`result` (of `plan`'s first step) with the later steps of its decode run (module doc) when
+    plan is one, computed by try_execute (None: that step failed, which ends the run). Also returns
+    the last step computed and its own result, which the step after the run follows."""
+    last, last_result, num_steps = plan, result, 1
+    samples, forward_seconds = result.samples, result.forward_seconds
+    while num_steps < plan.num_steps:
+        following = next_plan(last, last_result, block_size)
+        if following is None:
+            break
+        following.step_id = plan.step_id
+        step_result = try_execute(following)
+        if step_result is None or step_result.failures or len(step_result.samples) != len(plan.seqs):
+            break
+        if num_steps == 1:
+            samples = list(samples)
+        samples += step_result.samples
+        forward_seconds += step_result.forward_seconds
+        last, last_result, num_steps = following, step_result, num_steps + 1
+    if num_steps > 1:
+        result = StepResult(plan.step_id, samples, forward_seconds, plan.epoch, num_steps=num_steps)
+    return result, last, last_result
 
 
 def is_same_step(ahead: StepPlan, plan: StepPlan) -> bool:

@@ -38,7 +38,7 @@ from pagedserve.internal import step_pb2
 from pagedserve.log import configure_logging
 from pagedserve.contracts.plan_codec import encode_result, plan_from_proto
 from pagedserve.contracts.step_plan import StepPlan, StepResult
-from pagedserve.worker.continuation import is_same_step, next_plan
+from pagedserve.worker.continuation import is_same_step, next_plan, run_steps
 from pagedserve.worker import resident_memory
 from pagedserve.worker.cpu_share import CpuShare
 from pagedserve.worker.memory_budget import exceeds_available, plan_memory
@@ -230,6 +230,17 @@ def _serve_plans(config, runner, sub, pusher, state, log, cpu_share=None, layout
     message = step_pb2.SchedulerMessage()
     computes_ahead = config.world_size == 1  # other ranks would not know the sampled tokens
     ahead: tuple[StepPlan, StepResult] | None = None  # the likely next step, computed (continuation.py)
+
+    def try_execute(plan: StepPlan) -> StepResult | None:
+        """A step no plan asked for yet: one computed ahead, or a later step of a decode run. What
+        fails is dropped (None); the plan itself, when it comes, runs again and reports it."""
+        try:
+            return runner.execute(plan)
+        except WorkerStopped:
+            raise
+        except Exception:
+            log.debug("step_ahead_failed", step_id=plan.step_id, exc_info=True)
+            return None
     while True:
         message.ParseFromString(sub.recv())
         kind = message.WhichOneof("kind")
@@ -273,15 +284,15 @@ def _serve_plans(config, runner, sub, pusher, state, log, cpu_share=None, layout
             result = computed_ahead[1]
         else:
             result = runner.execute(plan, receive_masks)  # carries the plan's step id and epoch
+        last, last_result = plan, result
+        if computes_ahead and plan.num_steps > 1:  # a decode run: its later steps now (continuation.py)
+            result, last, last_result = run_steps(result, plan, runner.block_size, try_execute)
         if config.rank == 0:
             pusher.send(encode_result(result))
-        if computes_ahead and (following := next_plan(plan, result, runner.block_size)) is not None:
-            try:
-                ahead = following, runner.execute(following)
-            except WorkerStopped:
-                raise
-            except Exception:  # the plan itself, if it comes, runs again and reports what fails
-                log.debug("step_ahead_failed", step_id=following.step_id, exc_info=True)
+        if computes_ahead and (following := next_plan(last, last_result, runner.block_size)) is not None:
+            following.step_id = plan.step_id + 1
+            if (result_ahead := try_execute(following)) is not None:
+                ahead = following, result_ahead
         if cpu_share is not None and (num_threads := cpu_share.after_step()) is not None:
             torch.set_num_threads(num_threads)
             log.info("cpu_threads_changed", num_threads=num_threads, other_cores=round(cpu_share.other_cores, 2))

@@ -118,6 +118,8 @@ def plan_to_proto(plan: StepPlan) -> step_pb2.StepPlan:
             msg.token_bitmasks = b"".join(seq.token_bitmask for seq in seqs)
     if plan.continuable:
         msg.continuable = True
+    if plan.num_steps > 1:
+        msg.num_steps = plan.num_steps
     if plan.drafts_from_worker:
         msg.drafts_from_worker = True
         msg.draft_start_positions.extend([seq.draft_start_position for seq in seqs])
@@ -187,6 +189,7 @@ def plan_from_proto(msg: step_pb2.StepPlan) -> StepPlan:
     return StepPlan(
         masks_follow=msg.masks_follow,
         continuable=msg.continuable,
+        num_steps=max(1, msg.num_steps),
         step_id=msg.step_id,
         seqs=seqs,
         blocks_to_swap_out=_pairs_from_proto(msg.blocks_to_swap_out),
@@ -217,6 +220,8 @@ def result_to_proto(result: StepResult) -> step_pb2.StepResult:
     msg.failed_seq_ids.extend([failure.seq_id for failure in result.failures])
     msg.failure_messages.extend([failure.message for failure in result.failures])
     msg.failed_fetch_keys.extend(result.failed_fetch_keys)
+    if result.num_steps > 1:
+        msg.num_steps = result.num_steps
     return msg
 
 
@@ -243,7 +248,8 @@ def result_from_proto(msg: step_pb2.StepResult) -> StepResult:
         sample.beam_token_ids, sample.beam_logprobs = ids, logprobs
     failures = [SeqFailure(seq_id, message) for seq_id, message in zip(msg.failed_seq_ids, msg.failure_messages)]
     return StepResult(step_id=msg.step_id, samples=samples, forward_seconds=msg.forward_seconds,
-                      epoch=msg.epoch, failures=failures, failed_fetch_keys=list(msg.failed_fetch_keys))
+                      epoch=msg.epoch, failures=failures, failed_fetch_keys=list(msg.failed_fetch_keys),
+                      num_steps=max(1, msg.num_steps))
 
 
 def encode_plan(plan: StepPlan) -> bytes:

@@ -104,6 +104,10 @@ class StepPlan:
     # under a spec its tokens do not change, and nothing waits: a single-rank worker may compute
     # the likely next plan ahead (worker/continuation.py)
     continuable: bool = False
+    # More than 1: a decode run of a continuable plan whose requests take their whole answer at the
+    # end. A single-rank worker computes up to num_steps steps in a row, each one position on with
+    # the tokens the step before sampled, and answers them all in one StepResult
+    num_steps: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -139,3 +143,6 @@ class StepResult:
     epoch: int = 0
     failures: list[SeqFailure] = field(default_factory=list)
     failed_fetch_keys: list[bytes] = field(default_factory=list)  # block files no rank could use
+    # The steps of a decode run computed (StepPlan.num_steps): samples holds each step's, every
+    # sequence of the plan in plan order, one step after the other; a run has no failures
+    num_steps: int = 1

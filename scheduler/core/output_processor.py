@@ -3,6 +3,10 @@ beam_search.py, forked in beam_forking.py), forks followers whose shared prefix 
 and reports deltas. A sequence that verified speculative drafts gets several tokens at once
 (spec_acceptance.py).
 
+A decode run (StepPlan.num_steps > 1, continuable.py) answers several steps in one result: they
+are applied in order, as the steps they are (each sequence's KV one position on before its next
+token, its block registered once full), and each request gets one delta with all its tokens.
+
 A constrained sequence's matcher consumes every token appended (structured_output/): the
 worker's mask let only tokens the grammar accepts through, and EOS only once the value is
 complete, so a finished grammar ends the sequence with STOP.
@@ -39,6 +43,8 @@ class OutputProcessor:
     def process(self, step: ScheduledStep, result: StepResult) -> list[RequestOutput]:
         """Outputs of the step's groups. A group whose sampling failed on the worker, or whose
         output handling raises here, fails alone (Scheduler.fail_group); the others go on."""
+        if result.num_steps > 1:
+            return self._process_run(step, result)
         samples = {sample.seq_id: sample for sample in result.samples}
         verified = samples_by_seq(result.samples) if step.num_draft_tokens else {}
         worker_failures = {failure.seq_id: failure.message for failure in result.failures}
@@ -83,6 +89,9 @@ class OutputProcessor:
                 continue
             if deltas:
                 deltas_of[group] = deltas
+        return self._outputs(deltas_of)
+
+    def _outputs(self, deltas_of: dict[SequenceGroup, list[CompletionDelta]]) -> list[RequestOutput]:
         outputs = []
         for group, deltas in deltas_of.items():
             is_finished = not group.seqs
@@ -91,6 +100,51 @@ class OutputProcessor:
             outputs.append(RequestOutput(group.request.request_id, deltas, group.num_prompt_tokens,
                                          group.num_cached_prompt_tokens, is_finished))
         return outputs
+
+    def _process_run(self, step: ScheduledStep, result: StepResult) -> list[RequestOutput]:
+        """The steps of a decode run (module doc); a group whose token handling raises fails alone."""
+        sampled = step.sampled
+        num_seqs, num_steps = len(sampled), result.num_steps
+        if num_steps > step.plan.num_steps or result.failures or len(result.samples) != num_seqs * num_steps:
+            raise StepOrderError(f"step {result.step_id}: {len(result.samples)} samples and "
+                                 f"{len(result.failures)} failures for {num_steps} steps of a run of "
+                                 f"{step.plan.num_steps} over {num_seqs} sequences")
+        register = self.scheduler.block_manager.prefix_cache.register_computed
+        block_size = self.scheduler.block_manager.block_size
+        running = GroupStatus.RUNNING
+        deltas_of: dict[SequenceGroup, list[CompletionDelta]] = {}
+        failed: dict[SequenceGroup, str] = {}
+        for index in range(num_steps):
+            samples = {sample.seq_id: sample for sample in result.samples[index * num_seqs:(index + 1) * num_seqs]}
+            for group, seq in sampled:
+                if group.status is not running or seq.finish_reason is not None or group in failed:
+                    continue
+                sample = samples.get(seq.seq_id)
+                if sample is None:
+                    raise StepOrderError(f"step {result.step_id}: no sample for sequence {seq.seq_id} "
+                                         f"in step {index} of its run")
+                if index:  # this step computed the KV of the token the step before sampled
+                    seq.num_computed_tokens += 1
+                    step.num_decode_tokens += 1
+                    if seq.num_computed_tokens % block_size == 0:
+                        register(seq)
+                try:
+                    delta = self._append(group, seq, sample)
+                except Exception as exc:
+                    failed[group] = f"handling the sampled token failed: {type(exc).__name__}: {exc}"
+                    continue
+                deltas = deltas_of.setdefault(group, [])
+                if deltas:  # one delta per request: its tokens joined
+                    last = deltas[-1]
+                    last.token_ids += delta.token_ids
+                    last.logprobs += delta.logprobs
+                    last.cumulative_logprob, last.finish_reason = delta.cumulative_logprob, delta.finish_reason
+                else:
+                    deltas.append(delta)
+        for group, message in failed.items():
+            deltas_of.pop(group, None)
+            self.scheduler.fail_group(group, message)
+        return self._outputs(deltas_of)
 
     def _append(self, group: SequenceGroup, seq: Sequence, sample: SeqSample) -> CompletionDelta:
         token_id = sample.token_id

@@ -42,7 +42,9 @@ pass like one that lacks blocks. Each scheduled sequence names its slot, and the
 adapters the workers load before the forward.
 
 Continuable steps (continuable.py): a plan of a few in-place decodes, nothing else pending, says so,
-and a single-rank worker computes the step after it ahead.
+and a single-rank worker computes the step after it ahead. When their requests take the whole
+answer at the end, the plan is a decode run: the worker computes up to num_steps steps of it in a
+row, and OutputProcessor applies them as the steps they are.
 
 Beam search steps all live beams together: a beam group samples only in a step where every beam
 computes its whole tail; otherwise its beams compute up to their last token and sample later.
@@ -54,7 +56,7 @@ from bisect import insort
 from typing import TYPE_CHECKING
 
 from pagedserve.scheduler.core.priority_passes import PriorityPasses
-from pagedserve.scheduler.core.continuable import is_continuable_step, is_predictable_decode
+from pagedserve.scheduler.core.continuable import MAX_RUN_STEPS, is_continuable_step, is_predictable_decode, run_length
 from pagedserve.scheduler.core.chunk_planning import Chunk, num_decode_tokens, plan_chunks
 from pagedserve.scheduler.core.preemption import choose_victim, preempt
 from pagedserve.scheduler.core.scheduled_step import ScheduledStep
@@ -95,6 +97,7 @@ class StepBuilder(PriorityPasses):
         self.num_priority_preemptions = 0  # of num_preemptions, those made for a higher priority
         self.adapter_slots = StepAdapterSlots(scheduler.lora_slots)
         self.num_continuable = 0  # scheduled decodes whose next step the worker may compute ahead
+        self.num_run_steps = MAX_RUN_STEPS  # the longest decode run every continuable decode allows
         self.speculates = False  # proposals may come in any step: the next step is not predictable
 
     def build(self, step_id: int, epoch: int) -> ScheduledStep | None:
@@ -128,7 +131,8 @@ class StepBuilder(PriorityPasses):
         plan = StepPlan(step_id=step_id, seqs=self.scheduled, blocks_to_swap_out=self.blocks_to_swap_out,
                         blocks_to_swap_in=self.blocks_to_swap_in, blocks_to_copy=self.blocks_to_copy,
                         epoch=epoch, drafts_from_worker=self.drafts_from_worker, tier_ops=tier_ops,
-                        masks_follow=bool(self.pending_masks), lora_loads=lora_loads, continuable=continuable)
+                        masks_follow=bool(self.pending_masks), lora_loads=lora_loads, continuable=continuable,
+                        num_steps=self.num_run_steps if continuable and self.scheduler.config.num_kv_ranks == 1 else 1)
         return ScheduledStep(plan=plan, sampled=self.sampled, groups=self.groups,
                              num_prefill_tokens=self.num_prefill_tokens,
                              num_decode_tokens=self.num_decode_tokens, num_preemptions=self.num_preemptions,
@@ -202,6 +206,8 @@ class StepBuilder(PriorityPasses):
             self._masks(scheduled, seq)
         elif is_predictable_decode(group, seq, spec, computed + 1, self.block_manager.block_size):
             self.num_continuable += 1
+            self.num_run_steps = min(self.num_run_steps, run_length(group, seq, computed,
+                                                                    self.block_manager.block_size))
         self.scheduled.append(scheduled)
         if (computed + 1) % self.block_manager.block_size == 0:
             self.emitted.append((group, seq))  # its last block is full now: register it

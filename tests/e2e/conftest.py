@@ -100,7 +100,7 @@ def start_server(checkpoint: Path, tmp_path_factory, name: str, *args: str, **op
 @pytest.fixture(scope="module")
 def llama_server(llama_checkpoint, tmp_path_factory):
     server = start_server(llama_checkpoint, tmp_path_factory, "llama", "--num-kv-blocks", "256",
-                          "--max-num-batched-tokens", "512", *PAUSE_ARGS)
+                          "--max-num-batched-tokens", "512", *PAUSE_ARGS, metrics=True)
     yield server
     code = server.stop()
     assert code == 0, f"serve exited with {code}:\n{server.logs()[-3000:]}"

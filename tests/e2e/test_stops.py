@@ -4,6 +4,7 @@ strings (across token boundaries), max_tokens, min_tokens."""
 from __future__ import annotations
 
 import json
+import time
 import shutil
 
 import pytest
@@ -158,3 +159,42 @@ def test_a_whole_result_comes_in_two_scheduler_messages_and_equals_the_stream(ll
                                                                   stop=["never said"]), "whole-stop"), timeout=60)
     assert len(with_stop.completions[0].token_ids) == 12
     assert _scheduler_messages(llama_server, "whole-stop") >= 12
+
+
+def _num_steps(server) -> float:
+    """Steps the scheduler has reported (pagedserve_step_seconds_count), once it stopped changing."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def count() -> float:
+        return next(sample.value for family in text_string_to_metric_families(server.metrics("scheduler"))
+                    for sample in family.samples if sample.name == "pagedserve_step_seconds_count")
+
+    last = count()
+    for _ in range(50):
+        time.sleep(0.1)
+        now = count()
+        if now == last:
+            return now
+        last = now
+    raise AssertionError("the scheduler's step count does not settle")
+
+
+@pytest.mark.parametrize("params", [dict(), dict(temperature=0.8, top_p=0.9, seed=11, logprobs=2)])
+def test_a_whole_answer_is_computed_in_decode_runs_with_the_streams_tokens(llama_server, params):
+    """A lone unary request (hold_output) decodes in runs of several steps per plan
+    (StepPlan.num_steps), greedy or seeded, with the tokens and logprobs the stream gets from one
+    plan per token."""
+    params = dict(max_tokens=40, ignore_eos=True, **params)
+    before = _num_steps(llama_server)
+    whole = llama_server.stub.Generate(_with_id(token_request(PROBE_PROMPT, **params), f"runs-{len(params)}"),
+                                       timeout=60)
+    after_whole = _num_steps(llama_server)
+    stream = list(llama_server.stub.GenerateStream(token_request(PROBE_PROMPT, **params), timeout=60))
+    after_stream = _num_steps(llama_server)
+    (held,) = whole.completions
+    streamed = [delta for message in stream for delta in message.completions]
+    assert list(held.token_ids) == [t for delta in streamed for t in delta.token_ids] and len(held.token_ids) == 40
+    assert [(lp.token_id, round(lp.logprob, 4)) for lp in held.logprobs] == \
+        [(lp.token_id, round(lp.logprob, 4)) for delta in streamed for lp in delta.logprobs]
+    assert after_stream - after_whole >= 40  # the prefill and 39 decodes, one plan each
+    assert after_whole - before <= 15  # the prefill, then runs of up to 8 to each block's end

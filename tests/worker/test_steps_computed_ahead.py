@@ -1,7 +1,8 @@
 """Computing the likely next step ahead (worker/continuation.py), as the worker's step loop does:
 the same tokens and log probabilities, bit for bit, as running every plan when it arrives, with
 steps that match the computed one and steps that do not (a sequence that finished, whose block is
-then reused by a new one); and the rules of next_plan and is_same_step."""
+then reused by a new one); a decode run (several steps of a continuable plan in a row) gives each
+step's samples bit for bit too; and the rules of next_plan and is_same_step."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from conftest import make_prompts
 from plan_driver import DrivenSeq, PlanDriver
 
 from pagedserve.contracts.step_plan import SampleSpec, ScheduledSeq, SeqFailure, SeqSample, StepPlan, StepResult
-from pagedserve.worker.continuation import is_same_step, next_plan
+from pagedserve.worker.continuation import is_same_step, next_plan, run_steps
 from pagedserve.worker.model_runner import ModelRunner
 
 NUM_BLOCKS = 48
@@ -86,6 +87,46 @@ def test_steps_computed_ahead_give_the_plans_results_bit_for_bit(checkpoint_dir,
     assert ahead_runner.num_hits >= 8 and ahead_runner.num_misses >= 2  # a finish, a new sequence
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_decode_run_gives_each_steps_samples_bit_for_bit(checkpoint_dir, dtype):
+    """Three sequences (greedy, seeded sampling, logprobs) prefilled alike on two runners; one
+    answers a run of 6 steps, the other the same steps one plan at a time. The run ends where the
+    first sequence's block does (3 steps), and a step that fails ends it before that step."""
+    path = checkpoint_dir("llama-gqa-untied")
+    prompts = make_prompts(seed=12, lengths=(5, 10, 3))
+    specs = [SampleSpec(), SampleSpec(temperature=0.9, top_p=0.9, seed=5), SampleSpec(num_logprobs=2)]
+    drivers = []
+    for _ in range(2):
+        driver = PlanDriver(_runner(path, dtype), NUM_BLOCKS)
+        seqs = [DrivenSeq(i, prompt, 20, spec=spec) for i, (prompt, spec) in enumerate(zip(prompts, specs))]
+        for seq in seqs:
+            driver.step([(seq, seq.num_pending)])
+        drivers.append((driver, seqs))
+    (plain, plain_seqs), (runner_driver, seqs) = drivers
+    for _ in range(3):  # positions 5, 6, 7 of the first sequence: its block ends there
+        plain.step([(seq, 1) for seq in plain_seqs])
+    runner_driver.step([(seq, 1) for seq in seqs])
+    plan = dataclasses.replace(runner_driver.plans[-1], continuable=True, num_steps=6)
+    first = runner_driver.results[-1]
+    runner = runner_driver.runner
+    result, last, last_result = run_steps(first, plan, BLOCK_SIZE, runner.execute)
+    assert result.num_steps == 3 and result.step_id == plan.step_id
+    assert result.samples == [sample for step in plain.results[-3:] for sample in step.samples]
+    assert last.seqs[0].start_position == 7 and last_result.samples == plain.results[-1].samples
+
+    calls = []
+
+    def failing_second(step: StepPlan):
+        calls.append(step.seqs[0].start_position)
+        return None if len(calls) == 2 else runner.execute(step)
+
+    result, last, _ = run_steps(first, plan, BLOCK_SIZE, failing_second)
+    assert result.num_steps == 2 and calls == [6, 7] and last.seqs[0].start_position == 6
+    assert result.samples == [sample for step in plain.results[-3:-1] for sample in step.samples]
+    single, last, _ = run_steps(first, dataclasses.replace(plan, num_steps=1), BLOCK_SIZE, runner.execute)
+    assert single is first and last.num_steps == 1
+
+
 def _decode_plan(**changes) -> StepPlan:
     seqs = [ScheduledSeq(1, [40], 5, [3, 8], SampleSpec()), ScheduledSeq(2, [41], 9, [4, 6, 9], SampleSpec(seed=3))]
     return dataclasses.replace(StepPlan(step_id=7, seqs=seqs, epoch=2, continuable=True), **changes)
@@ -99,7 +140,7 @@ def _result(plan: StepPlan, **changes) -> StepResult:
 def test_next_plan_feeds_each_sampled_token_one_position_on():
     plan = _decode_plan()
     following = next_plan(plan, _result(plan), block_size=4)
-    assert (following.step_id, following.epoch, following.continuable) == (8, 2, False)
+    assert (following.step_id, following.epoch, following.continuable) == (8, 2, True)
     assert [(seq.seq_id, seq.token_ids, seq.start_position, seq.block_table, seq.sample) for seq in following.seqs] == [
         (1, [101], 6, [3, 8], SampleSpec()), (2, [102], 10, [4, 6, 9], SampleSpec(seed=3))]
     assert is_same_step(following, dataclasses.replace(following, seqs=[dataclasses.replace(seq) for seq in following.seqs]))

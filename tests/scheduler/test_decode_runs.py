@@ -1,0 +1,166 @@
+"""Decode runs (StepPlan.num_steps > 1, scheduler/core/continuable.py): a continuable plan whose
+requests all take their whole answer at the end asks the worker for several steps at once, within
+each sequence's last block and max_tokens. Applied, a run gives the same tokens, finish reasons,
+log probabilities and cached blocks as the same steps planned one by one, with the block pool's
+invariants holding after every step; a token that ends a sequence drops the run's later tokens."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pagedserve.contracts.request_types import FinishReason, Request
+from pagedserve.contracts.sampling_params import SamplingParams
+from pagedserve.contracts.step_plan import SeqSample, StepPlan, StepResult
+from pagedserve.scheduler.core.config import SchedulerConfig
+from pagedserve.scheduler.core.continuable import MAX_RUN_STEPS
+from pagedserve.scheduler.core.errors import StepOrderError
+from pagedserve.scheduler.core.scheduler import Scheduler
+
+BLOCK_SIZE = 4
+EOS = 2
+
+
+def _scheduler(**config) -> Scheduler:
+    config = {"block_size": BLOCK_SIZE, **config}
+    return Scheduler(SchedulerConfig(num_gpu_blocks=64, max_model_len=256, max_num_seqs=4,
+                                     max_num_batched_tokens=256, **config))
+
+
+def _request(request_id: str, prompt: list[int], hold: bool, **sampling) -> Request:
+    sampling = {"max_tokens": 10, "ignore_eos": True, "logprobs": 1, **sampling}
+    return Request(request_id, prompt, SamplingParams(**sampling), eos_token_ids=[EOS], hold_output=hold)
+
+
+def _token(seq_id_tokens: list[int], position: int, eos_at: int | None) -> int:
+    """The fake model: the token at `position` depends on the sequence's tokens and the position."""
+    if position == eos_at:
+        return EOS
+    return 10 + (sum(seq_id_tokens) * 31 + position * 7) % 40
+
+
+def _worker(plan: StepPlan, tokens_of: dict[int, list[int]], eos_at: int | None,
+            block_size: int = BLOCK_SIZE) -> StepResult:
+    """Every step of the plan (a run's too) as a single-rank worker computes it: each sequence one
+    position on with the token the step before sampled."""
+    samples = []
+    contexts = {seq.seq_id: list(tokens_of[seq.seq_id][:seq.context_len]) for seq in plan.seqs}
+    for index in range(plan.num_steps):
+        for seq in plan.seqs:
+            context = contexts[seq.seq_id]
+            assert seq.context_len + index <= len(seq.block_table) * block_size  # the run stays in its blocks
+            token = _token(context, len(context), eos_at)
+            samples.append(SeqSample(seq.seq_id, token, -0.25 - 0.01 * len(context), [token], [-0.1]))
+            context.append(token)
+    return StepResult(plan.step_id, samples, epoch=plan.epoch, num_steps=plan.num_steps)
+
+
+def _serve(requests: list[Request], eos_at: int | None = None, max_steps: int = 200):
+    """Runs the requests to their end; returns (outputs by request id, plans, cached block count)."""
+    scheduler = _scheduler()
+    for request in requests:
+        scheduler.add_request(request)
+    outputs: dict[str, list] = {request.request_id: [] for request in requests}
+    plans = []
+    for _ in range(max_steps):
+        step = scheduler.schedule()
+        if step is None:
+            break
+        plans.append(step.plan)
+        tokens_of = {seq.seq_id: seq.token_ids for group in step.groups for seq in group.seqs}
+        for output in scheduler.process_result(step, _worker(step.plan, tokens_of, eos_at)):
+            outputs[output.request_id].append(output)
+        scheduler.check_invariants()
+    assert not scheduler.has_unfinished_requests()
+    return outputs, plans, scheduler.block_manager.gpu_pool.num_cached
+
+
+def _joined(outputs) -> tuple:
+    deltas = [delta for output in outputs for delta in output.deltas]
+    return ([t for delta in deltas for t in delta.token_ids],
+            [(lp.token_id, lp.logprob) for delta in deltas for lp in delta.logprobs],
+            deltas[-1].cumulative_logprob, deltas[-1].finish_reason, outputs[-1].is_finished)
+
+
+def test_a_held_request_runs_to_its_block_end_and_max_tokens_with_the_same_tokens():
+    prompt = [5, 6, 7, 8, 9, 11]  # decodes at positions 6 .. 14 for 10 outputs
+    held, plans, held_cached = _serve([_request("a", prompt, hold=True)])
+    plain, plain_plans, plain_cached = _serve([_request("a", prompt, hold=False)])
+    assert _joined(held["a"]) == _joined(plain["a"])
+    assert _joined(held["a"])[3] is FinishReason.LENGTH and len(_joined(held["a"])[0]) == 10
+    # the prefill, then runs to each block's end (positions 6-7, 8-11) and to max_tokens (12-14)
+    assert [(plan.seqs[0].start_position, plan.num_steps) for plan in plans] == [(0, 1), (6, 2), (8, 4), (12, 3)]
+    assert len(plain_plans) == 10 and all(plan.num_steps == 1 for plan in plain_plans)
+    assert held_cached == plain_cached == 3  # the blocks filled during the runs are registered, then cached
+
+
+def test_a_run_never_exceeds_the_step_limit():
+    scheduler = _scheduler(block_size=32)
+    scheduler.add_request(_request("a", list(range(5, 11)), hold=True, max_tokens=40))
+    step = scheduler.schedule()
+    scheduler.process_result(step, _worker(step.plan, {step.plan.seqs[0].seq_id: list(range(5, 11))}, None, 32))
+    assert scheduler.schedule().plan.num_steps == MAX_RUN_STEPS
+
+
+@pytest.mark.parametrize("eos_at", [9, 10, 14])  # inside a run, at its first step, at the last output
+def test_a_token_that_ends_a_sequence_drops_the_rest_of_its_run(eos_at):
+    prompt = [5, 6, 7, 8, 9, 11]
+    held, _, held_cached = _serve([_request("a", prompt, hold=True, ignore_eos=False)], eos_at=eos_at)
+    plain, _, plain_cached = _serve([_request("a", prompt, hold=False, ignore_eos=False)], eos_at=eos_at)
+    assert _joined(held["a"]) == _joined(plain["a"])
+    tokens, _, _, reason, _ = _joined(held["a"])
+    assert tokens[-1] == EOS and len(tokens) == eos_at - len(prompt) + 1 and reason is FinishReason.STOP
+    assert held_cached == plain_cached
+
+
+def test_a_batch_runs_only_when_every_request_is_held_and_each_gets_its_own_tokens():
+    prompts = {"a": [5, 6, 7, 8, 9], "b": [21, 22, 23, 24, 25, 26, 27, 28, 29]}
+    requests = [_request(name, prompt, hold=True, max_tokens=9) for name, prompt in prompts.items()]
+    held, plans, _ = _serve(requests)
+    plain, plain_plans, _ = _serve([dataclasses.replace(request, hold_output=False) for request in requests])
+    for name in prompts:
+        assert _joined(held[name]) == _joined(plain[name])
+    assert any(plan.num_steps > 1 and len(plan.seqs) == 2 for plan in plans) and len(plans) < len(plain_plans) / 2
+    mixed, mixed_plans, _ = _serve([requests[0], dataclasses.replace(requests[1], hold_output=False)])
+    assert all(plan.num_steps == 1 for plan in mixed_plans if len(plan.seqs) == 2)
+    assert _joined(mixed["a"]) == _joined(plain["a"])
+
+
+def test_no_runs_with_several_ranks_and_a_result_that_does_not_fit_its_run_is_refused():
+    scheduler = _scheduler(num_kv_ranks=2)
+    scheduler.add_request(_request("a", [5, 6, 7, 8, 9, 11], hold=True))
+    step = scheduler.schedule()
+    scheduler.process_result(step, _worker(step.plan, {step.plan.seqs[0].seq_id: [5, 6, 7, 8, 9, 11]}, None))
+    assert scheduler.schedule().plan.num_steps == 1
+
+    scheduler = _scheduler()
+    scheduler.add_request(_request("a", [5, 6, 7, 8], hold=True))
+    step = scheduler.schedule()
+    tokens = {step.plan.seqs[0].seq_id: [5, 6, 7, 8]}
+    scheduler.process_result(step, _worker(step.plan, tokens, None))
+    step = scheduler.schedule()
+    assert step.plan.num_steps == 4
+    result = _worker(step.plan, {step.plan.seqs[0].seq_id: [5, 6, 7, 8, 10]}, None)
+    too_many = dataclasses.replace(result, samples=result.samples + result.samples[-1:], num_steps=5)
+    with pytest.raises(StepOrderError):
+        scheduler.process_result(step, too_many)
+
+
+def test_a_shorter_run_than_planned_is_applied_as_far_as_it_went():
+    """The worker ends a run early when a step fails or cannot be derived: the steps it computed count."""
+    prompt = [5, 6, 7, 8]
+    scheduler = _scheduler()
+    scheduler.add_request(_request("a", prompt, hold=True))
+    step = scheduler.schedule()
+    seq_id = step.plan.seqs[0].seq_id
+    scheduler.process_result(step, _worker(step.plan, {seq_id: prompt}, None))
+    step = scheduler.schedule()
+    assert step.plan.num_steps == 4
+    group = scheduler.group_of("a")
+    (output,) = scheduler.process_result(step, _worker(dataclasses.replace(step.plan, num_steps=2),
+                                                       {seq_id: list(group.seqs[0].token_ids)}, None))
+    assert len(output.deltas) == 1 and len(output.deltas[0].token_ids) == 2 and step.num_decode_tokens == 2
+    scheduler.check_invariants()
+    following = scheduler.schedule().plan
+    assert (following.seqs[0].start_position, following.num_steps) == (6, 2)
