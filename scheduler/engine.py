@@ -103,6 +103,7 @@ class Engine:
         self._held: list[tuple[Sink, RequestOutput | Exception]] = []  # outputs of the last step
         self._recovery_deadline: float | None = None
         self._in_flight_ids: list[str] = []  # requests of the step the workers are computing
+        self._run_in_flight = False  # that step is a decode run: a new command ends it early
         self._crash_counts: dict[str, int] = {}  # consecutive worker crashes each was in flight for
         self.admission = Admission(config.max_waiting_requests, config.max_waiting_tokens)
         self._thread = threading.Thread(target=self._run, name="step-loop", daemon=True)
@@ -153,6 +154,8 @@ class Engine:
     def _post(self, command: Callable[[], object]) -> None:
         self._commands.put(command)
         self._wakeup.set()
+        if self._run_in_flight:  # a decode run ends after its current step (worker_link.py)
+            self.link.interrupt()
 
     # ---- loop thread -------------------------------------------------------------------------
 
@@ -269,13 +272,17 @@ class Engine:
         queue_seconds = [seconds for group in scheduled.groups
                          if (seconds := self.admission.release(group.request_id, now)) is not None]
         self._in_flight_ids = [group.request_id for group in scheduled.groups]
+        self._run_in_flight = scheduled.plan.num_steps > 1
         self.link.publish(scheduled.plan)
+        if self._run_in_flight and not self._commands.empty():  # came after this plan was built
+            self.link.interrupt()
         if scheduled.pending_masks:  # while the workers run the forward; rank 0 waits before sampling
             scheduled.fill_masks()
             self.link.publish_masks(scheduled.plan)
         self._report_step()  # the previous step's, while the workers run this one
         self._hand_over()
         result = self.link.wait_result(scheduled.plan)
+        self._run_in_flight = False
         self._hold(self.scheduler.process_result(scheduled, result))
         for failure in self.scheduler.pop_failures():
             self._fail_request(failure.request_id, failure.message)

@@ -1,6 +1,6 @@
 """The scheduler's side of the ZeroMQ link to the workers.
 
-    scheduler PUB  --SchedulerMessage (InitCache | StepPlan | StepMasks | Shutdown)-->  SUB  every rank
+    scheduler PUB  --SchedulerMessage (InitCache | StepPlan | StepMasks | EndRun | Shutdown)-->  SUB  every rank
     scheduler PULL <--WorkerMessage (Register | Ready | StepResult | WorkerError)--  PUSH
 
 Start-up: every rank registers its KV capacity and repeats it every second for as long as it
@@ -33,11 +33,17 @@ every Register and WorkerError, never its pid. Pids repeat across containers (ev
 own pod may be pid 1, and a replacement is pid 1 again): keyed by pid, a replacement looked like
 the old rank's heartbeat, obeyed the Shutdown meant for the rank it replaced, and was refused as
 dismissed. The pid is still logged, to find the process on its host.
+
+A decode run (StepPlan.num_steps > 1) is ended early when a request arrives or leaves meanwhile:
+another thread calls `interrupt()` (a byte on a pipe the step loop's poller watches beside the
+result socket), and the loop, waiting for the run's result, publishes EndRun; the worker answers
+the steps it computed, so the new request waits for one step instead of the whole run.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -118,13 +124,34 @@ class WorkerLink:
         self._pull.bind(self.result_address)
         self._poller = zmq.Poller()
         self._poller.register(self._pull, zmq.POLLIN)
+        self._wake_read, self._wake_write = os.pipe()  # interrupt(): from any thread
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
+        self._poller.register(self._wake_read, zmq.POLLIN)
+        self._interrupted = False
+
+    def interrupt(self) -> None:
+        """Thread-safe: the decode run being awaited, if any, should end after its current step."""
+        try:
+            os.write(self._wake_write, b"!")
+        except BlockingIOError:
+            pass  # the pipe is full of wake-ups already
 
     # ---- receiving -------------------------------------------------------------------------
 
     def _receive(self, timeout: float) -> step_pb2.WorkerMessage | None:
         """The next worker message, or None when none came in time or the one that came was
         dropped (not a WorkerMessage: logged, never raised, so a stray frame cannot stop the loop)."""
-        if not self._poller.poll(max(0, int(timeout * 1000))):
+        events = dict(self._poller.poll(max(0, int(timeout * 1000))))
+        if self._wake_read in events:
+            self._interrupted = True
+            while True:
+                try:
+                    if not os.read(self._wake_read, 4096):
+                        break
+                except BlockingIOError:
+                    break
+        if self._pull not in events:
             return None
         frame = self._pull.recv()
         message = step_pb2.WorkerMessage()
@@ -261,6 +288,11 @@ class WorkerLink:
         next_check = time.monotonic() + poll_seconds
         while True:
             message = self._receive(max(0.0, next_check - time.monotonic()))
+            if self._interrupted:
+                self._interrupted = False
+                if plan.num_steps > 1:
+                    self._pub.send(step_pb2.SchedulerMessage(end_run=step_pb2.EndRun(
+                        epoch=self.epoch, step_id=plan.step_id)).SerializeToString())
             if time.monotonic() >= next_check:
                 self.check_alive()
                 next_check = time.monotonic() + poll_seconds
@@ -303,5 +335,7 @@ class WorkerLink:
     def close(self) -> None:
         self._pub.close(CLOSE_LINGER_MS)
         self._pull.close(0)
+        os.close(self._wake_read)
+        os.close(self._wake_write)
         if self._curve is not None:
             self._curve.stop()

@@ -19,7 +19,9 @@ A decode run (StepPlan.num_steps > 1: a continuable plan whose requests take the
 at the end, scheduler/core/continuable.py) is computed the same way without waiting for the plans
 in between: each step is the one before one position on, and the result holds every step's
 samples. A step that fails, or that next_plan cannot derive, ends the run before it; the
-scheduler plans that step again like any other. What a dropped step wrote is harmless as above.
+scheduler plans that step again like any other. So does any message from the scheduler waiting
+to be read (EndRun: a request arrived or left), so that the next plan comes one step later, not
+a run later. What a dropped step wrote is harmless as above.
 """
 
 from __future__ import annotations
@@ -45,13 +47,15 @@ def next_plan(plan: StepPlan, result: StepResult, block_size: int) -> StepPlan |
 
 
 def run_steps(result: StepResult, plan: StepPlan, block_size: int,
-              try_execute: Callable[[StepPlan], StepResult | None]) -> tuple[StepResult, StepPlan, StepResult]:
+              try_execute: Callable[[StepPlan], StepResult | None],
+              should_end: Callable[[], bool]) -> tuple[StepResult, StepPlan, StepResult]:
     """`result` (of `plan`'s first step) with the later steps of its decode run (module doc) when
-    plan is one, computed by try_execute (None: that step failed, which ends the run). Also returns
-    the last step computed and its own result, which the step after the run follows."""
+    plan is one, computed by try_execute (None: that step failed, which ends the run); the run also
+    ends when should_end() (a message from the scheduler waits: a request arrived or left). Also
+    returns the last step computed and its own result, which the step after the run follows."""
     last, last_result, num_steps = plan, result, 1
     samples, forward_seconds = result.samples, result.forward_seconds
-    while num_steps < plan.num_steps:
+    while num_steps < plan.num_steps and not should_end():
         following = next_plan(last, last_result, block_size)
         if following is None:
             break

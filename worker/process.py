@@ -231,6 +231,9 @@ def _serve_plans(config, runner, sub, pusher, state, log, cpu_share=None, layout
     computes_ahead = config.world_size == 1  # other ranks would not know the sampled tokens
     ahead: tuple[StepPlan, StepResult] | None = None  # the likely next step, computed (continuation.py)
 
+    def has_message() -> bool:
+        return bool(sub.poll(0))
+
     def try_execute(plan: StepPlan) -> StepResult | None:
         """A step no plan asked for yet: one computed ahead, or a later step of a decode run. What
         fails is dropped (None); the plan itself, when it comes, runs again and reports it."""
@@ -241,9 +244,12 @@ def _serve_plans(config, runner, sub, pusher, state, log, cpu_share=None, layout
         except Exception:
             log.debug("step_ahead_failed", step_id=plan.step_id, exc_info=True)
             return None
+
     while True:
         message.ParseFromString(sub.recv())
         kind = message.WhichOneof("kind")
+        if kind == "end_run":
+            continue  # came after its run ended: moot (continuation.py)
         computed_ahead, ahead = ahead, None
         if kind == "shutdown":
             if message.shutdown.instance_ids and state["instance_id"] not in message.shutdown.instance_ids:
@@ -286,10 +292,11 @@ def _serve_plans(config, runner, sub, pusher, state, log, cpu_share=None, layout
             result = runner.execute(plan, receive_masks)  # carries the plan's step id and epoch
         last, last_result = plan, result
         if computes_ahead and plan.num_steps > 1:  # a decode run: its later steps now (continuation.py)
-            result, last, last_result = run_steps(result, plan, runner.block_size, try_execute)
+            result, last, last_result = run_steps(result, plan, runner.block_size, try_execute, has_message)
         if config.rank == 0:
             pusher.send(encode_result(result))
-        if computes_ahead and (following := next_plan(last, last_result, runner.block_size)) is not None:
+        if (computes_ahead and not has_message()  # a plan that is here already needs no guess
+                and (following := next_plan(last, last_result, runner.block_size)) is not None):
             following.step_id = plan.step_id + 1
             if (result_ahead := try_execute(following)) is not None:
                 ahead = following, result_ahead

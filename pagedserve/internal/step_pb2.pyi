@@ -172,17 +172,27 @@ class Shutdown(_message.Message):
     instance_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, reason: _Optional[str] = ..., instance_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class EndRun(_message.Message):
+    __slots__ = ("epoch", "step_id")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    step_id: int
+    def __init__(self, epoch: _Optional[int] = ..., step_id: _Optional[int] = ...) -> None: ...
+
 class SchedulerMessage(_message.Message):
-    __slots__ = ("init_cache", "step_plan", "shutdown", "step_masks")
+    __slots__ = ("init_cache", "step_plan", "shutdown", "step_masks", "end_run")
     INIT_CACHE_FIELD_NUMBER: _ClassVar[int]
     STEP_PLAN_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
     STEP_MASKS_FIELD_NUMBER: _ClassVar[int]
+    END_RUN_FIELD_NUMBER: _ClassVar[int]
     init_cache: InitCache
     step_plan: StepPlan
     shutdown: Shutdown
     step_masks: StepMasks
-    def __init__(self, init_cache: _Optional[_Union[InitCache, _Mapping]] = ..., step_plan: _Optional[_Union[StepPlan, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., step_masks: _Optional[_Union[StepMasks, _Mapping]] = ...) -> None: ...
+    end_run: EndRun
+    def __init__(self, init_cache: _Optional[_Union[InitCache, _Mapping]] = ..., step_plan: _Optional[_Union[StepPlan, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., step_masks: _Optional[_Union[StepMasks, _Mapping]] = ..., end_run: _Optional[_Union[EndRun, _Mapping]] = ...) -> None: ...
 
 class Register(_message.Message):
     __slots__ = ("rank", "world_size", "num_gpu_blocks", "num_cpu_blocks", "device", "pid", "num_host_blocks", "kv_layout_id", "num_bytes_per_block", "instance_id")

@@ -35,9 +35,10 @@ if TYPE_CHECKING:
 # at one stream of SmolLM2 the gain is about a fifth of the step, at eight the misses cost more.
 MAX_CONTINUABLE_SEQS = 4
 
-# At most this many steps in a decode run. A request that arrives during a run waits for its end
-# before its prefill is planned (as it waits for one step otherwise): at one stream of SmolLM2 on a
-# 2-core CPU, 8 steps are 50-90 ms. The scheduler's cost per token falls as 1 / steps.
+# At most this many steps in a decode run: the scheduler's cost per token falls as 1 / steps. A
+# request that arrives (or is cancelled) during a run ends it after its current step (EndRun,
+# scheduler/worker_link.py), so its prefill waits for one step, as it would without runs; the cap
+# bounds what a lost EndRun could cost (8 steps of SmolLM2 at one stream on a 2-core CPU: 50-90 ms).
 MAX_RUN_STEPS = 8
 
 

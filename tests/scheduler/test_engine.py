@@ -42,6 +42,9 @@ class FakeLink:
         self.epoch += 1
         return PoolSize(NUM_BLOCKS, 0)
 
+    def interrupt(self) -> None:
+        self.events.append(("interrupt",))
+
     def publish(self, plan) -> None:
         plan.epoch = self.epoch
         self.events.append(("publish", plan.step_id))

@@ -274,3 +274,36 @@ def test_with_curve_keys_only_the_workers_key_gets_through(monkeypatch):
         rank.close()
     finally:
         link.close()
+
+
+@pytest.mark.parametrize("num_steps", [6, 1])
+def test_an_interrupt_while_a_run_is_awaited_publishes_end_run(link, num_steps):
+    """interrupt() from another thread (a request arrived) while a decode run's result is awaited:
+    the link publishes EndRun for that step and still returns the run's result; for a one-step
+    plan it publishes nothing."""
+    import threading
+
+    from pagedserve.contracts.plan_codec import encode_result
+    from pagedserve.contracts.step_plan import SampleSpec, ScheduledSeq, SeqSample, StepPlan, StepResult
+
+    rank = FakeRank(link, 0, pid=3003)
+    _register_until_known(link, rank)
+    _init(link, rank)
+    plan = StepPlan(step_id=5, seqs=[ScheduledSeq(1, [7], 3, [0], SampleSpec())], continuable=True, num_steps=num_steps)
+    link.publish(plan)
+    box = []
+    waiter = threading.Thread(target=lambda: box.append(link.wait_result(plan)))
+    waiter.start()
+    assert [m.WhichOneof("kind") for m in rank.received(0.3)] == ["step_plan"]
+    threading.Thread(target=link.interrupt).start()
+    got = rank.received(0.5)
+    if num_steps > 1:
+        (end,) = [m.end_run for m in got if m.WhichOneof("kind") == "end_run"]
+        assert (end.epoch, end.step_id) == (link.epoch, 5)
+    else:
+        assert not got
+    rank.push.send(encode_result(StepResult(5, [SeqSample(1, 9, -0.5), SeqSample(1, 4, -0.5)], epoch=link.epoch,
+                                            num_steps=2)))
+    waiter.join(5)
+    assert box and box[0].num_steps == 2
+    rank.close()

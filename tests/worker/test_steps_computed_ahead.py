@@ -91,7 +91,8 @@ def test_steps_computed_ahead_give_the_plans_results_bit_for_bit(checkpoint_dir,
 def test_a_decode_run_gives_each_steps_samples_bit_for_bit(checkpoint_dir, dtype):
     """Three sequences (greedy, seeded sampling, logprobs) prefilled alike on two runners; one
     answers a run of 6 steps, the other the same steps one plan at a time. The run ends where the
-    first sequence's block does (3 steps), and a step that fails ends it before that step."""
+    first sequence's block does (3 steps); a step that fails ends it before that step, and so does a
+message from the scheduler waiting (EndRun)."""
     path = checkpoint_dir("llama-gqa-untied")
     prompts = make_prompts(seed=12, lengths=(5, 10, 3))
     specs = [SampleSpec(), SampleSpec(temperature=0.9, top_p=0.9, seed=5), SampleSpec(num_logprobs=2)]
@@ -109,7 +110,7 @@ def test_a_decode_run_gives_each_steps_samples_bit_for_bit(checkpoint_dir, dtype
     plan = dataclasses.replace(runner_driver.plans[-1], continuable=True, num_steps=6)
     first = runner_driver.results[-1]
     runner = runner_driver.runner
-    result, last, last_result = run_steps(first, plan, BLOCK_SIZE, runner.execute)
+    result, last, last_result = run_steps(first, plan, BLOCK_SIZE, runner.execute, lambda: False)
     assert result.num_steps == 3 and result.step_id == plan.step_id
     assert result.samples == [sample for step in plain.results[-3:] for sample in step.samples]
     assert last.seqs[0].start_position == 7 and last_result.samples == plain.results[-1].samples
@@ -120,11 +121,16 @@ def test_a_decode_run_gives_each_steps_samples_bit_for_bit(checkpoint_dir, dtype
         calls.append(step.seqs[0].start_position)
         return None if len(calls) == 2 else runner.execute(step)
 
-    result, last, _ = run_steps(first, plan, BLOCK_SIZE, failing_second)
+    result, last, _ = run_steps(first, plan, BLOCK_SIZE, failing_second, lambda: False)
     assert result.num_steps == 2 and calls == [6, 7] and last.seqs[0].start_position == 6
     assert result.samples == [sample for step in plain.results[-3:-1] for sample in step.samples]
-    single, last, _ = run_steps(first, dataclasses.replace(plan, num_steps=1), BLOCK_SIZE, runner.execute)
+    single, last, _ = run_steps(first, dataclasses.replace(plan, num_steps=1), BLOCK_SIZE, runner.execute,
+                                lambda: False)
     assert single is first and last.num_steps == 1
+    checks = []  # a message from the scheduler (EndRun) waits after the second step: the run ends there
+    result, last, _ = run_steps(first, plan, BLOCK_SIZE, runner.execute, lambda: checks.append(1) or len(checks) > 1)
+    assert result.num_steps == 2 and last.seqs[0].start_position == 6
+    assert result.samples == [sample for step in plain.results[-3:-1] for sample in step.samples]
 
 
 def _decode_plan(**changes) -> StepPlan:
