@@ -281,8 +281,10 @@ class Engine:
             self.link.publish_masks(scheduled.plan)
         self._report_step()  # the previous step's, while the workers run this one
         self._hand_over()
-        result = self.link.wait_result(scheduled.plan)
-        self._run_in_flight = False
+        try:
+            result = self.link.wait_result(scheduled.plan)
+        finally:
+            self._run_in_flight = False
         self._hold(self.scheduler.process_result(scheduled, result))
         for failure in self.scheduler.pop_failures():
             self._fail_request(failure.request_id, failure.message)

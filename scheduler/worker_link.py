@@ -132,8 +132,11 @@ class WorkerLink:
 
     def interrupt(self) -> None:
         """Thread-safe: the decode run being awaited, if any, should end after its current step."""
+        wake = self._wake_write
+        if wake is None:
+            return  # closed
         try:
-            os.write(self._wake_write, b"!")
+            os.write(wake, b"!")
         except BlockingIOError:
             pass  # the pipe is full of wake-ups already
 
@@ -286,6 +289,7 @@ class WorkerLink:
         ranks keep heartbeating while a dead one holds the step back.
         """
         next_check = time.monotonic() + poll_seconds
+        self._interrupted = False  # one noted while idle was for a run already over
         while True:
             message = self._receive(max(0.0, next_check - time.monotonic()))
             if self._interrupted:
@@ -335,7 +339,8 @@ class WorkerLink:
     def close(self) -> None:
         self._pub.close(CLOSE_LINGER_MS)
         self._pull.close(0)
+        wake, self._wake_write = self._wake_write, None
+        os.close(wake)
         os.close(self._wake_read)
-        os.close(self._wake_write)
         if self._curve is not None:
             self._curve.stop()
