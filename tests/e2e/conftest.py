@@ -129,3 +129,23 @@ def openai_server(chat_checkpoint, tmp_path_factory):
     yield server
     code = server.stop()
     assert code == 0, f"serve exited with {code}:\n{server.logs()[-3000:]}"
+
+
+@pytest.fixture(scope="session")
+def smollm2_http(tmp_path_factory):
+    """One `serve --model smollm2` with its HTTP port, shared by the modules that only send it
+    requests (test_responses_api, test_structured_output): each start loads and checks the real
+    model for about ten seconds of the suite's run."""
+    server = start_server("smollm2", tmp_path_factory, "smollm2-http", "--num-kv-blocks", "512", http_port=True)
+    yield server
+    assert server.stop() == 0, server.logs()[-3000:]
+
+
+@pytest.fixture(scope="session")
+def smollm2_tools(tmp_path_factory):
+    """The same with SmolLM2's tool-call parser and automatic tool choice, shared by
+    test_responses_tools and test_tool_calling."""
+    server = start_server("smollm2", tmp_path_factory, "smollm2-tools", "--num-kv-blocks", "512",
+                          "--tool-call-parser", "smollm2", "--enable-auto-tool-choice", http_port=True)
+    yield server
+    assert server.stop() == 0, server.logs()[-3000:]

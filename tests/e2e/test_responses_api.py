@@ -27,11 +27,8 @@ CLOSING = ["response.output_text.done", "response.content_part.done", "response.
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    server = start_server("smollm2", tmp_path_factory, "responses-smollm2", "--num-kv-blocks", "512",
-                          http_port=True)
-    yield server
-    assert server.stop() == 0, server.logs()[-3000:]
+def smollm2(smollm2_http):
+    return smollm2_http
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ import jsonschema
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-from tests.e2e.conftest import start_server
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
                                             "unit": {"enum": ["celsius", "fahrenheit"]}},
@@ -26,11 +25,8 @@ CALL_EVENTS = ["response.output_item.added", "response.function_call_arguments.d
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    server = start_server("smollm2", tmp_path_factory, "responses-tools-smollm2", "--num-kv-blocks", "512",
-                          "--tool-call-parser", "smollm2", "--enable-auto-tool-choice", http_port=True)
-    yield server
-    assert server.stop() == 0, server.logs()[-3000:]
+def server(smollm2_tools):
+    return smollm2_tools
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,6 @@ from openai import OpenAI
 
 from pagedserve.v1 import generation_pb2
 
-from tests.e2e.conftest import start_server
 from tests.e2e.harness import assert_pool_whole
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
@@ -37,11 +36,8 @@ QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    server = start_server("smollm2", tmp_path_factory, "tools-smollm2", "--num-kv-blocks", "512",
-                          "--tool-call-parser", "smollm2", "--enable-auto-tool-choice", http_port=True)
-    yield server
-    assert server.stop() == 0, server.logs()[-3000:]
+def server(smollm2_tools):
+    return smollm2_tools
 
 
 @pytest.fixture(scope="module")
