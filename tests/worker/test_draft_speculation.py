@@ -16,7 +16,7 @@ import sys
 
 import pytest
 import torch
-from conftest import MAX_NEW_TOKENS, PROMPT_LENGTHS, SIZES, make_prompts
+from tiny_models import MAX_NEW_TOKENS, PROMPT_LENGTHS, SIZES, make_prompts
 from draft_driver import DraftDriver, DraftedSeq
 
 from pagedserve.kernels.linear.packed_weights import Int4Weight

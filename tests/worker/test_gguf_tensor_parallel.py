@@ -15,7 +15,7 @@ import json
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import make_prompts
+from tiny_models import make_prompts
 from plan_driver import DrivenSeq, PlanDriver
 
 from pagedserve.testing.tiny_gguf import write_gguf

@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from conftest import make_prompts
+from tiny_models import make_prompts
 from gguf_fixtures import GGUF_FILE, GGUF_MODELS, gguf_model, hf_gguf_model  # noqa: F401 (fixtures)
 from plan_driver import DrivenSeq, PlanDriver
 

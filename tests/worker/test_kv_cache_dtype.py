@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_prompts
+from tiny_models import make_prompts
 from plan_driver import DrivenSeq, PlanDriver
 
 from pagedserve.kernels import ops

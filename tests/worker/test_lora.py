@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import MAX_NEW_TOKENS, make_prompts
+from tiny_models import MAX_NEW_TOKENS, make_prompts
 from plan_driver import DrivenSeq, PlanDriver
 
 from pagedserve.adapters.lora_config import LoraConfig

@@ -8,7 +8,7 @@ values, serving the same batch with the same adapters.
 from __future__ import annotations
 
 import pytest
-from conftest import MAX_NEW_TOKENS, make_prompts
+from tiny_models import MAX_NEW_TOKENS, make_prompts
 from gguf_fixtures import gguf_model  # noqa: F401 (fixture)
 from plan_driver import DrivenSeq, PlanDriver
 

@@ -84,7 +84,7 @@ def test_explicit_sizes_that_leave_no_headroom_are_refused(kv_gib, swap_gib, mat
 
 
 def test_a_draft_model_counts_its_weights_and_its_kv_in_every_block(checkpoint_dir, tmp_path):
-    from conftest import SIZES
+    from tiny_models import SIZES
 
     from pagedserve.checkpoints.tiny_checkpoint import build_tiny_checkpoint
     from pagedserve.worker.model_runner import ModelRunner

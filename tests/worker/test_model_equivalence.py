@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import CHECKPOINTS, MAX_NEW_TOKENS, make_prompts
+from tiny_models import CHECKPOINTS, MAX_NEW_TOKENS, make_prompts
 from plan_driver import DrivenSeq, PlanDriver
 
 from pagedserve.worker.model_runner import ModelRunner

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import MAX_NEW_TOKENS, make_prompts
+from tiny_models import MAX_NEW_TOKENS, make_prompts
 from plan_driver import DrivenSeq, PlanDriver
 
 from pagedserve.contracts.step_plan import SampleSpec, ScheduledSeq, StepPlan

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_prompts
+from tiny_models import make_prompts
 from gguf_fixtures import GGUF_FILE, gguf_model, write_all_kept  # noqa: F401 (fixture)
 
 from pagedserve.kernels.linear import native_rows

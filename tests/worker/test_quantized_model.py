@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import CHECKPOINTS, make_prompts
+from tiny_models import CHECKPOINTS, make_prompts
 from plan_driver import DrivenSeq, PlanDriver
 
 from pagedserve.kernels import ops

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from conftest import make_prompts
+from tiny_models import make_prompts
 from plan_driver import DrivenSeq, PlanDriver
 
 from pagedserve.contracts.step_plan import SampleSpec, ScheduledSeq, SeqFailure, SeqSample, StepPlan, StepResult

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import MAX_NEW_TOKENS, make_prompts
+from tiny_models import MAX_NEW_TOKENS, make_prompts
 
 from pagedserve.checkpoints.tiny_checkpoint import build_tiny_checkpoint
 

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import VOCAB_SIZE
+from tiny_models import VOCAB_SIZE
 
 from pagedserve.contracts.plan_codec import plan_from_proto, plan_to_proto
 from pagedserve.contracts.step_plan import SampleSpec, ScheduledSeq, StepPlan
