@@ -64,7 +64,9 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
             yield from self._beams(request, context)
         else:
             yield from self._steps(request, context)
-        state["done"] = True
+        # a loop that ended because the client went away is not a completed stream (the end
+        # callback may run after this line)
+        state["done"] = context.is_active()
 
     def FinishCompletion(self, request, context):
         with self.lock:
