@@ -23,6 +23,7 @@ from pagedserve.internal import scheduler_pb2, scheduler_pb2_grpc
 class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self) -> None:
         self.lock = threading.Lock()
+        self.closed = threading.Condition(self.lock)  # notified whenever a Submit stream ends
         self.instance_id = uuid.uuid4().hex
         self.reset()
 
@@ -41,7 +42,6 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.finish_requests: list[tuple[str, int]] = []
         self.cancelled_ids: list[str] = []
         self.completed_ids: list[str] = []
-        self.stream_closed = threading.Event()
         self._finished_by_frontend: dict[str, set[int]] = {}
 
     # -- the internal service ------------------------------------------------------------------
@@ -56,7 +56,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         def on_rpc_end() -> None:
             with self.lock:
                 (self.completed_ids if state["done"] else self.cancelled_ids).append(request.request_id)
-            self.stream_closed.set()
+                self.closed.notify_all()
 
         context.add_callback(on_rpc_end)
         sampling = request.sampling
@@ -82,6 +82,13 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
 
     def GetStats(self, request, context):
         return scheduler_pb2.SchedulerStats(num_running=len(self.submits), is_pool_consistent=True)
+
+    def wait_closed(self, request_id: str, timeout: float) -> bool:
+        """Waits until the Submit stream of `request_id` has ended (a stream of an earlier test that
+        ends late does not count)."""
+        with self.closed:
+            return self.closed.wait_for(
+                lambda: request_id in self.cancelled_ids or request_id in self.completed_ids, timeout)
 
     # -- scripted outputs ------------------------------------------------------------------------
     def _steps(self, request, context):

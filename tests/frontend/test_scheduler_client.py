@@ -57,7 +57,7 @@ def test_a_cancel_from_another_thread_ends_the_stream(client, fake):
             received.append(output)
     assert time.monotonic() - started < 3.0
     assert 0 < len(received) < 100
-    assert fake.stream_closed.wait(5.0)
+    assert fake.wait_closed("r-cancel", 5.0)
     assert "r-cancel" in fake.cancelled_ids
 
 
