@@ -5,6 +5,7 @@ for the served (target) model and for a draft model of draft-model speculation.
           ─> load_weights        checkpoint slices (safetensors or GGUF; GGUF's Q4/Q8 kept when asked)
           ─> quantize_model      --quantization int8|int4 (or the draft's own)
           ─> prepack_model       bfloat16 CPU weights prepacked once for oneDNN
+          ─> move_to_huge_pages  on the CPU, every weight moved onto 2 MiB pages (worker/huge_pages.py)
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 
 from pagedserve.worker.loading.hf_checkpoint import load_weights
+from pagedserve.worker.huge_pages import move_to_huge_pages
 from pagedserve.worker.models.llama import LlamaForCausalLM
 from pagedserve.worker.models.llama_config import LlamaModelConfig
 from pagedserve.worker.loading.prepacked_weights import prepack_model
@@ -43,5 +45,7 @@ def load_model(path: str | Path, config: LlamaModelConfig, *, tp: TensorParallel
     num_bytes_read = load_weights(model, path, keep_quantized=quantization.keeps_checkpoint_quantization)
     quantize_model(model, quantization)
     num_prepacked_bytes = prepack_model(model)
+    if device.type == "cpu":
+        move_to_huge_pages(model)
     model.eval()
     return LoadedModel(model, num_bytes_read, num_prepacked_bytes)

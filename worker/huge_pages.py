@@ -1,0 +1,135 @@
+"""Weights and KV caches in memory that Linux backs with 2 MiB pages (transparent huge pages).
+
+A decode step of a small model reads every weight once, so it runs as fast as the weights stream
+in. Spread over 4 KiB pages, the step's few hundred megabytes take one TLB miss per page, and
+the hardware prefetchers stop at every page's end; on 2 MiB pages neither happens. On AMD EPYC
+(Zen 4), SmolLM2-135M's bfloat16 forward at one sequence took 9.3 ms on 4 KiB pages against 8.0
+with its larger tensors on 2 MiB pages (bench/step_profile.py; docs/cpu-limits.md).
+
+Where the host leaves huge pages to the program (/sys/kernel/mm/transparent_hugepage/enabled is
+`madvise`, the common default) torch's allocator does not ask for them. So after the load every
+CPU tensor the model holds (parameters, buffers, and the prepacked panels, GGUF blocks and
+quantized codes beside them) is copied once into one anonymous mapping that starts on a 2 MiB
+boundary and is marked MADV_HUGEPAGE before its first touch; each tensor is then re-pointed into
+it in place (`Tensor.set_`, each storage over its own bytes of the mapping), so every reference to
+it, a tied LM head included, sees the new memory and the same values. The KV caches are allocated the same way.
+
+    move_to_huge_pages(model)               # -> bytes moved (0: no huge pages on this host)
+    huge_page_zeros(shape, dtype)           # a zeroed CPU tensor on 2 MiB pages where there are some
+
+Nothing changes where the host has no transparent huge pages (`never`, or not Linux), or under
+PAGEDSERVE_HUGE_PAGES=0. It is advice: the kernel may still back some of the buffer with 4 KiB
+pages when it cannot find free 2 MiB ones, and the values are the same either way.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import mmap
+import os
+from pathlib import Path
+
+import torch
+
+HUGE_PAGE = 2 << 20
+ALIGN = 64  # each storage starts on a cache line in the buffer
+THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+ENV = "PAGEDSERVE_HUGE_PAGES"
+
+
+def available() -> bool:
+    """Whether this host gives transparent huge pages to a program that asks (`always` or
+    `madvise`), and PAGEDSERVE_HUGE_PAGES is not 0."""
+    if os.environ.get(ENV, "1") == "0":
+        return False
+    try:
+        setting = THP_SETTING.read_text()
+    except OSError:
+        return False
+    return "[never]" not in setting
+
+
+def _mapping(num_bytes: int) -> tuple[mmap.mmap, int]:
+    """A private anonymous mapping (a shared one is shmem, whose huge pages hosts leave off) with
+    num_bytes from a 2 MiB boundary, that range marked MADV_HUGEPAGE before anything touches it;
+    -> (the mapping, the range's offset in it)."""
+    mapping = mmap.mmap(-1, num_bytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+    start = -address % HUGE_PAGE
+    mapping.madvise(mmap.MADV_HUGEPAGE, start, num_bytes)
+    return mapping, start
+
+
+def huge_page_buffer(num_bytes: int) -> torch.Tensor:
+    """An untouched uint8 CPU tensor of num_bytes starting on a 2 MiB boundary, on memory marked
+    MADV_HUGEPAGE (when available(); a plain torch.empty otherwise). Its storage holds only these
+    bytes (torch.save of it writes num_bytes) and keeps the mapping alive."""
+    if not available() or num_bytes == 0:
+        return torch.empty(num_bytes, dtype=torch.uint8)
+    mapping, start = _mapping(num_bytes)
+    return torch.frombuffer(mapping, dtype=torch.uint8, count=num_bytes, offset=start)
+
+
+def huge_page_zeros(shape, dtype: torch.dtype) -> torch.Tensor:
+    """torch.zeros(shape, dtype) on the CPU, on 2 MiB pages where available()."""
+    num_bytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    return huge_page_buffer(num_bytes).view(dtype).view(shape).zero_()
+
+
+def _tensors(value, depth: int = 0):
+    """The tensors in an attribute's value: a tensor, a dataclass of tensors (PanelWeight,
+    BlockQuantWeight, the quantized layouts), or a list or tuple of those."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif depth < 2 and dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            yield from _tensors(getattr(value, field.name), depth + 1)
+    elif depth < 2 and isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item, depth + 1)
+
+
+def model_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Every dense CPU tensor the model's modules hold (parameters, buffers, other attributes),
+    each tensor object once."""
+    found: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        values = [*module._parameters.values(), *module._buffers.values(), *vars(module).values()]
+        for tensor in (t for value in values for t in _tensors(value)):
+            if tensor.device.type == "cpu" and tensor.layout == torch.strided and not tensor.is_mkldnn:
+                found.setdefault(id(tensor), tensor)
+    return list(found.values())
+
+
+def move_to_huge_pages(model: torch.nn.Module) -> int:
+    """Copies every tensor of model_tensors(model) into one buffer on 2 MiB pages and re-points it
+    there in place; returns the bytes moved (0 when not available())."""
+    if not available():
+        return 0
+    by_storage: dict[int, list[torch.Tensor]] = {}
+    storages = {}
+    for tensor in model_tensors(model):
+        storage = tensor.untyped_storage()
+        if storage.nbytes() == 0:
+            continue
+        by_storage.setdefault(storage.data_ptr(), []).append(tensor)
+        storages[storage.data_ptr()] = storage
+    offsets, total = {}, 0
+    for key, storage in storages.items():
+        offsets[key] = total
+        total += -(-storage.nbytes() // ALIGN) * ALIGN
+    if total == 0:
+        return 0
+    mapping, start = _mapping(total)
+    with torch.no_grad():
+        for key, tensors in by_storage.items():
+            storage, offset = storages.pop(key), offsets[key]  # the old storage is freed once re-pointed
+            # a storage of its own over its bytes of the mapping: saving or sharing a tensor takes
+            # its own bytes, not the whole model
+            target = torch.frombuffer(mapping, dtype=torch.uint8, count=storage.nbytes(), offset=start + offset)
+            target.copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
+            del storage
+            for tensor in tensors:
+                tensor.set_(target.untyped_storage(), tensor.storage_offset(), tensor.size(), tensor.stride())
+    return total
