@@ -15,9 +15,11 @@ Nothing in the page is typed by hand: rerun this after adding a result.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import statistics
+import subprocess
 from collections import defaultdict
 from pathlib import Path
 
@@ -122,12 +124,85 @@ def real_model_section(cpu: str, reports: list[dict]) -> list[str]:
             share = _median(shares.get((dtype, streams, system), []))
             row.append(_fmt(value) + (f" ({100 * share:.0f} %)" if share is not None else ""))
         rows.append(row)
-    return [f"### SmolLM2-135M-Instruct output tokens/s: {cpu}", "",
+    return [*real_model_latest_section(cpu, reports), f"### SmolLM2-135M-Instruct output tokens/s: {cpu}", "",
             f"bench/real_model.py; {_dates(reports)}; medians, in brackets the share of this CPU's limit (1 stream: "
             "read bandwidth / weight bytes per token; 32 streams: GEMM peak at 32 rows / FLOPs per token).", "",
             *_table(["dtype", "streams", *systems], rows), "",
             *(f"- {config}" for config in configs),
             *(f"- extra serve flags: {' / '.join(extra)}" for _ in extra[:1]), ""]
+
+
+PEERS = ("llama.cpp", "llama.cpp-poll0")
+
+
+NOT_CODE = ("bench/results", "docs", "tests", "README.md")
+
+
+@functools.lru_cache(maxsize=None)
+def code_revision(commit: str) -> str:
+    """The newest commit at or before `commit` that changed more than results, docs and tests: the
+    code a run at `commit` measured. The commit itself where git cannot tell (not in this
+    repository, or a tree with uncommitted changes: "<commit>+changes")."""
+    if "+" in commit:
+        return commit
+    try:
+        found = subprocess.run(["git", "rev-list", "-1", "--abbrev-commit", "--abbrev=7", commit, "--", ".",
+                                *(f":(exclude){path}" for path in NOT_CODE)],
+                               cwd=BENCH.parent, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return commit
+    return found.stdout.strip() if found.returncode == 0 and found.stdout.strip() else commit
+
+
+def latest_code(reports: list[dict]) -> tuple[list[dict], str | None]:
+    """The runs that measured the newest run's code (code_revision), and that revision (([], None)
+    when the newest run recorded no commit)."""
+    commit = reports[-1].get("machine", {}).get("commit") if reports else None
+    if not commit:
+        return [], None
+    code = code_revision(commit)
+    return [report for report in reports if report.get("machine", {}).get("commit")
+            and code_revision(report["machine"]["commit"]) == code], code
+
+
+def real_model_latest_section(cpu: str, reports: list[dict]) -> list[str]:
+    """Whole answers against llama.cpp's better config at the newest code only: medians of the
+    runs, and the median of the ratios measured within each run (the figure the targets use)."""
+    runs, commit = latest_code(reports)
+    values: dict[tuple, list[float]] = defaultdict(list)
+    shares: dict[tuple, list[float]] = defaultdict(list)
+    peers: dict[tuple, list[float]] = defaultdict(list)
+    ratios: dict[tuple, list[float]] = defaultdict(list)
+    for report in runs:
+        for dtype, entry in report["dtypes"].items():
+            systems = entry["systems"]
+            if "unary Generate" not in entry.get("configs", {}).get("pagedserve", ""):
+                continue
+            for streams, run in systems.get("pagedserve", {}).items():
+                best = max((systems[peer][streams]["tokens_per_second"] for peer in PEERS
+                            if streams in systems.get(peer, {})), default=None)
+                if best is None:
+                    continue
+                key = (dtype, int(streams))
+                values[key].append(run["tokens_per_second"])
+                peers[key].append(best)
+                ratios[key].append(run["tokens_per_second"] / best)
+                if limit := entry.get("token_limits", {}).get(streams):
+                    shares[key].append(run["tokens_per_second"] / limit)
+    if not ratios:
+        return []
+    rows = []
+    for key in sorted(ratios):
+        share = _median(shares.get(key, []))
+        rows.append([key[0], str(key[1]), _fmt(_median(values[key])) + (f" ({100 * share:.0f} %)" if share else ""),
+                     _fmt(_median(peers[key])), f"{_median(ratios[key]):.2f}x",
+                     ", ".join(f"{ratio:.2f}" for ratio in ratios[key]), str(len(ratios[key]))])
+    return [f"### At the newest code ({commit}): pagedserve whole answers against llama.cpp, {cpu}", "",
+            f"The runs of bench/real_model.py that measured the code of commit {commit} (later commits changed only "
+            "results, docs or tests); medians, and the median of the ratios measured within each run against the "
+            "better of llama.cpp's two configs.", "",
+            *_table(["dtype", "streams", "pagedserve (share of limit)", "llama.cpp best", "ratio (median)",
+                     "ratio per run", "runs"], rows), ""]
 
 
 def generic_section(kind: str, cpu: str, reports: list[dict]) -> list[str]:

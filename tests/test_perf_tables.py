@@ -114,3 +114,19 @@ def test_runs_started_on_a_busy_machine_are_left_out_and_named(tmp_path):
     tables.save_kept("limits", busy, tmp_path)
     page = tables.render(tables.load_kept(tmp_path))
     assert "| read bandwidth (GB/s) | 9.0 |" in page  # all of CPU B's runs were busy: shown, with their load
+
+
+def test_the_newest_code_has_its_own_table_of_ratios_within_runs(tmp_path):
+    tables = _perf_tables()
+    runs = (("20261101T010000Z", "aaaaaaa", 40.0, 80.0), ("20261102T010000Z", "bbbbbbb", 60.0, 50.0),
+            ("20261103T010000Z", "bbbbbbb", 90.0, 100.0), ("20261104T010000Z", "bbbbbbb", 70.0, 35.0))
+    for date, commit, ours, theirs in runs:
+        report = _real_model(date, "CPU A", ours, theirs)
+        report["machine"]["commit"] = commit
+        report["dtypes"]["bfloat16"]["systems"]["llama.cpp-poll0"] = {"1": {"tokens_per_second": theirs / 2}}
+        tables.save_kept("real_model", report, tmp_path)
+    page = tables.render(tables.load_kept(tmp_path))
+    assert "### At the newest code (bbbbbbb): pagedserve whole answers against llama.cpp, CPU A" in page
+    # the three runs of bbbbbbb only; the ratio is the median of each run's ratio to llama.cpp's better config
+    # (1.2, 0.9, 2.0), not the ratio of the medians (70 / 50)
+    assert "| bfloat16 | 1 | 70.0 (70 %) | 50.0 | 1.20x | 1.20, 0.90, 2.00 | 3 |" in page
