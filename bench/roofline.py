@@ -4,8 +4,9 @@ every "share of the limit" figure.
     python bench/roofline.py [--threads N] [--dtypes float32,bfloat16] [--gib 1.0]
 
     read bandwidth   a STREAM-like read: torch.sum over --gib of float32 (far more than any cache)
-                     on 2 MiB pages where the host has them, best of repeats, in GB/s; decode of few streams reads every weight once per
-                     token, so bandwidth / weight bytes per token is the one-stream tok/s limit
+                     on 2 MiB pages where the host has them, best of repeats, in GB/s; decode of
+                     few streams reads every weight once per token, so bandwidth / weight bytes
+                     per token is the one-stream tok/s limit
     GEMM peak        F.linear on [rows, 2048] x [2048, 2048]^T at 1, 32 and 512 rows per dtype
                      (the weight fits the last-level cache: compute, not memory), best of repeats,
                      in GFLOP/s; peak at 32 rows / FLOPs per token is the 32-stream tok/s limit

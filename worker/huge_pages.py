@@ -3,16 +3,17 @@
 A decode step of a small model reads every weight once, so it runs as fast as the weights stream
 in. Spread over 4 KiB pages, the step's few hundred megabytes take one TLB miss per page, and
 the hardware prefetchers stop at every page's end; on 2 MiB pages neither happens. On AMD EPYC
-(Zen 4), SmolLM2-135M's bfloat16 forward at one sequence took 9.3 ms on 4 KiB pages against 8.0
-with its larger tensors on 2 MiB pages (bench/step_profile.py; docs/cpu-limits.md).
+(Zen 4), SmolLM2-135M's bfloat16 forward at one sequence took 10.98 ms before this module against
+9.96 ms with it (bench/forward_ab.py, interleaved in one process; docs/cpu-limits.md).
 
 Where the host leaves huge pages to the program (/sys/kernel/mm/transparent_hugepage/enabled is
 `madvise`, the common default) torch's allocator does not ask for them. So after the load every
 CPU tensor the model holds (parameters, buffers, and the prepacked panels, GGUF blocks and
 quantized codes beside them) is copied once into one anonymous mapping that starts on a 2 MiB
 boundary and is marked MADV_HUGEPAGE before its first touch; each tensor is then re-pointed into
-it in place (`Tensor.set_`, each storage over its own bytes of the mapping), so every reference to
-it, a tied LM head included, sees the new memory and the same values. The KV caches are allocated the same way.
+it in place (`Tensor.set_`, each storage over its own bytes of the mapping), so every reference
+to it, a tied LM head included, sees the new memory and the same values. The KV caches are
+allocated the same way.
 
     move_to_huge_pages(model)               # -> bytes moved (0: no huge pages on this host)
     huge_page_zeros(shape, dtype)           # a zeroed CPU tensor on 2 MiB pages where there are some
