@@ -197,7 +197,7 @@ def real_model_latest_section(cpu: str, reports: list[dict]) -> list[str]:
         rows.append([key[0], str(key[1]), _fmt(_median(values[key])) + (f" ({100 * share:.0f} %)" if share else ""),
                      _fmt(_median(peers[key])), f"{_median(ratios[key]):.2f}x",
                      ", ".join(f"{ratio:.2f}" for ratio in ratios[key]), str(len(ratios[key]))])
-    return [f"### At the newest code ({commit}): pagedserve whole answers against llama.cpp, {cpu}", "",
+    return [f"### The newest code measured ({commit}): pagedserve whole answers against llama.cpp, {cpu}", "",
             f"The runs of bench/real_model.py that measured the code of commit {commit} (later commits changed only "
             "results, docs or tests); medians, and the median of the ratios measured within each run against the "
             "better of llama.cpp's two configs.", "",

@@ -126,7 +126,7 @@ def test_the_newest_code_has_its_own_table_of_ratios_within_runs(tmp_path):
         report["dtypes"]["bfloat16"]["systems"]["llama.cpp-poll0"] = {"1": {"tokens_per_second": theirs / 2}}
         tables.save_kept("real_model", report, tmp_path)
     page = tables.render(tables.load_kept(tmp_path))
-    assert "### At the newest code (bbbbbbb): pagedserve whole answers against llama.cpp, CPU A" in page
+    assert "### The newest code measured (bbbbbbb): pagedserve whole answers against llama.cpp, CPU A" in page
     # the three runs of bbbbbbb only; the ratio is the median of each run's ratio to llama.cpp's better config
     # (1.2, 0.9, 2.0), not the ratio of the medians (70 / 50)
     assert "| bfloat16 | 1 | 70.0 (70 %) | 50.0 | 1.20x | 1.20, 0.90, 2.00 | 3 |" in page

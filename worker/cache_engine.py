@@ -35,7 +35,6 @@ import torch
 
 from pagedserve.host_memory import cpu_kv_pool_bytes, total_memory
 from pagedserve.kernels import ops
-from pagedserve.worker.huge_pages import huge_page_zeros
 
 GIB = 1 << 30
 
@@ -149,11 +148,8 @@ class CacheEngine:
         block_shape = shape.block_shape(num_blocks)
         caches = []
         for _ in range(shape.num_layers):
-            if device.type == "cpu" and not pin:  # 2 MiB pages where the host has them (worker/huge_pages.py)
-                key, value = (huge_page_zeros(block_shape, shape.dtype) for _ in range(2))  # [nb, bs, kvh, hs]
-            else:
-                key = torch.zeros(block_shape, dtype=shape.dtype, device=device, pin_memory=pin)
-                value = torch.zeros(block_shape, dtype=shape.dtype, device=device, pin_memory=pin)
+            key = torch.zeros(block_shape, dtype=shape.dtype, device=device, pin_memory=pin)  # [nb, bs, kvh, hs]
+            value = torch.zeros(block_shape, dtype=shape.dtype, device=device, pin_memory=pin)
             caches.append((key, value))
         return caches
 

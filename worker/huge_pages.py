@@ -1,4 +1,4 @@
-"""Weights and KV caches in memory that Linux backs with 2 MiB pages (transparent huge pages).
+"""Weights in memory that Linux backs with 2 MiB pages (transparent huge pages).
 
 A decode step of a small model reads every weight once, so it runs as fast as the weights stream
 in. Spread over 4 KiB pages, the step's few hundred megabytes take one TLB miss per page, and
@@ -12,11 +12,15 @@ CPU tensor the model holds (parameters, buffers, and the prepacked panels, GGUF 
 quantized codes beside them) is copied once into one anonymous mapping that starts on a 2 MiB
 boundary and is marked MADV_HUGEPAGE before its first touch; each tensor is then re-pointed into
 it in place (`Tensor.set_`, each storage over its own bytes of the mapping), so every reference
-to it, a tied LM head included, sees the new memory and the same values. The KV caches are
-allocated the same way.
+to it, a tied LM head included, sees the new memory and the same values.
 
     move_to_huge_pages(model)               # -> bytes moved (0: no huge pages on this host)
-    huge_page_zeros(shape, dtype)           # a zeroed CPU tensor on 2 MiB pages where there are some
+    huge_page_buffer(num_bytes)             # an untouched uint8 tensor on 2 MiB pages
+
+The KV caches stay on ordinary pages: a fault in memory marked MADV_HUGEPAGE may compact memory
+to find a free 2 MiB page (the host's `defrag` setting), and zeroing a 2 GiB pool that way took
+the worker 4.4 s instead of 0.8 at its start on AMD EPYC: a cost every start of a replica would
+pay, where a decode step reads its weights once and only the few blocks of its sequences.
 
 Nothing changes where the host has no transparent huge pages (`never`, or not Linux), or under
 PAGEDSERVE_HUGE_PAGES=0. It is advice: the kernel may still back some of the buffer with 4 KiB
@@ -70,12 +74,6 @@ def huge_page_buffer(num_bytes: int) -> torch.Tensor:
         return torch.empty(num_bytes, dtype=torch.uint8)
     mapping, start = _mapping(num_bytes)
     return torch.frombuffer(mapping, dtype=torch.uint8, count=num_bytes, offset=start)
-
-
-def huge_page_zeros(shape, dtype: torch.dtype) -> torch.Tensor:
-    """torch.zeros(shape, dtype) on the CPU, on 2 MiB pages where available()."""
-    num_bytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    return huge_page_buffer(num_bytes).view(dtype).view(shape).zero_()
 
 
 def _tensors(value, depth: int = 0):
