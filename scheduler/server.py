@@ -167,14 +167,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                  max_tokens=internal.sampling.max_tokens, num_completions=internal.sampling.num_completions,
                  **_continued(internal))
         self.num_open_streams += 1
-        is_finished = is_started = False
+        is_finished = is_started = has_failed = False
         finish_reasons: dict[int, str] = {}
         num_messages = 0  # sent on the stream (a held request's are few: UndeliveredOutput)
         try:
             while not is_finished:
                 item = await outputs.get()
                 if isinstance(item, Exception):
-                    is_finished = True
+                    is_finished = has_failed = True
                     if not is_started and not isinstance(item, OutputOverflow):  # refused, or no workers
                         await self._refuse(context, log, item)
                     log.warning("request_failed", error=str(item))
@@ -187,13 +187,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                         finish_reasons[delta.index] = delta.finish_reason.value
                 num_messages += 1
                 yield item.message
-            log.info("request_finished", finish_reasons=[finish_reasons[i] for i in sorted(finish_reasons)],
-                     num_messages=num_messages)
         finally:
             self.num_open_streams -= 1
             if not is_finished:
                 self.engine.abort(request.request_id)
                 log.info("request_aborted", reason=_close_reason(context))
+            elif not has_failed:  # here, not after the loop: a client that closes the stream once it has
+                # the last message may end this generator at that yield
+                log.info("request_finished", finish_reasons=[finish_reasons[i] for i in sorted(finish_reasons)],
+                         num_messages=num_messages)
 
     async def FinishCompletion(self, request, context):
         self.engine.finish_completion(request.request_id, request.index)
