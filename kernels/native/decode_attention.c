@@ -10,11 +10,17 @@
  * caches in cache_dtype (float32 or bfloat16); scores, softmax and sums in float32, the output
  * rounded once.
  *
- * One (sequence, kv head) pair per task: every K and V row is read once for all the query heads
- * of its group. Two passes: the scores of all positions (kept in a scratch row per head), then
- * one exp per score and the weighted sum of V. exp is a polynomial (common.h exp_poly) that
- * gcc vectorises. Head sizes that are multiples of 16 take AVX-512 loops (K and V rows widened
- * 16 at a time); others the scalar ones. */
+ * A context is attended in runs of CHUNK positions (from `first`, the window's start): one task
+ * per (sequence, kv head, run), so one long sequence spreads over every thread as a batch of many
+ * does. Every K and V row is read once for all the query heads of its group. Two passes per run:
+ * the scores of its positions (kept in a per-thread scratch row per head), then one exp per score
+ * and the weighted sum of V. A context of one run is normalised and written at once; a longer one
+ * leaves each run's (maximum, sum of exps, unnormalised V sum) per head, and a second loop merges
+ * them in position order (each run's sums rescaled by exp(its maximum - the overall maximum)).
+ * The runs are fixed by positions alone, so a sequence's result is the same whatever else is in
+ * the batch and however many threads run it. exp is a polynomial (common.h exp_poly) that gcc
+ * vectorises. Head sizes that are multiples of 16 take AVX-512 loops (K and V rows widened 16 at
+ * a time); others the scalar ones. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdlib.h>
@@ -22,8 +28,11 @@
 #include "common.h"
 #include "pagedserve_cpu.h"
 
-#define MAX_GROUP_WIDTH 8192
-#define PREFETCH_POSITIONS 8 /* context positions ahead */ /* query heads per kv head x head size held on the stack */
+#define MAX_GROUP_WIDTH 8192 /* query heads per kv head x head size held on the stack */
+#define MAX_GROUP 64          /* kernels/attention/native.py MAX_GROUP */
+#define MAX_HEAD_SIZE 512     /* and MAX_HEAD_SIZE */
+#define PREFETCH_POSITIONS 8  /* context positions ahead */
+#define CHUNK 128             /* context positions per task */
 
 #if defined(__AVX512F__)
 /* 16 elements of a float32 or bfloat16 row, widened */
@@ -45,8 +54,8 @@ static inline void load_row(const void *base, int64_t offset, int64_t n, int dty
     }
 }
 
-/* scores [G, n] -> exp(score - row max) in place; denom[j] = the row's sum */
-static inline void softmax_rows(float *scores, int64_t G, int64_t n, float *denom) {
+/* scores [G, n] -> exp(score - row max) in place; maxes[j], denom[j] = the row's max and sum */
+static inline void softmax_rows(float *scores, int64_t G, int64_t n, float *maxes, float *denom) {
     for (int64_t j = 0; j < G; j++) {
         float *row_scores = scores + j * n, max_score = -INFINITY, sum = 0.0f;
         for (int64_t i = 0; i < n; i++) max_score = row_scores[i] > max_score ? row_scores[i] : max_score;
@@ -55,7 +64,47 @@ static inline void softmax_rows(float *scores, int64_t G, int64_t n, float *deno
             row_scores[i] = exp_poly(row_scores[i] - max_score);
             sum += row_scores[i];
         }
+        maxes[j] = max_score;
         denom[j] = sum;
+    }
+}
+
+/* A run's result for G query heads of hs values: with `partial`, the unnormalised sums acc [G, hs]
+ * then the G maxima and G sums of exps (a longer context's run, merged later); else each head's
+ * acc * v_scale / denom rounded into out (the whole context in one run). */
+static inline void finish_run(int64_t G, int64_t hs, const float *acc, const float *maxes, const float *denom,
+                              float *partial, void *out, int64_t out_base, float v_scale, int dtype) {
+    if (partial) {
+        memcpy(partial, acc, (size_t)(G * hs) * sizeof(float));
+        memcpy(partial + G * hs, maxes, (size_t)G * sizeof(float));
+        memcpy(partial + G * hs + G, denom, (size_t)G * sizeof(float));
+        return;
+    }
+    for (int64_t j = 0; j < G; j++) {
+        float factor = v_scale / denom[j];
+        for (int64_t d = 0; d < hs; d++) store_elem(out, out_base + j * hs + d, acc[j * hs + d] * factor, dtype);
+    }
+}
+
+/* the runs' partials [runs][G * hs + 2 G] of one (sequence, kv head), in position order -> out */
+static void merge_runs(const float *partials, int64_t runs, int64_t stride, int64_t G, int64_t hs, void *out,
+                       int64_t out_base, float v_scale, int dtype) {
+    for (int64_t j = 0; j < G; j++) {
+        float overall = -INFINITY;
+        for (int64_t c = 0; c < runs; c++) {
+            float m = partials[c * stride + G * hs + j];
+            overall = m > overall ? m : overall;
+        }
+        float acc[MAX_HEAD_SIZE], denom = 0.0f;
+        for (int64_t d = 0; d < hs; d++) acc[d] = 0.0f;
+        for (int64_t c = 0; c < runs; c++) {
+            const float *run = partials + c * stride;
+            float weight = exp_poly(run[G * hs + j] - overall);
+            denom += run[G * hs + G + j] * weight;
+            for (int64_t d = 0; d < hs; d++) acc[d] += run[j * hs + d] * weight;
+        }
+        float factor = v_scale / denom;
+        for (int64_t d = 0; d < hs; d++) store_elem(out, out_base + j * hs + d, acc[d] * factor, dtype);
     }
 }
 
@@ -66,7 +115,7 @@ static inline void softmax_rows(float *scores, int64_t G, int64_t n, float *deno
 static inline __attribute__((always_inline)) void attend_bf16_64(
     const int G, const uint16_t *query, int64_t q_row, uint16_t *out, int64_t out_row, const uint16_t *key_cache,
     const uint16_t *value_cache, const int32_t *table, int64_t first, int64_t len, int64_t block_size,
-    int64_t kv_width, int64_t kv_head, float scale, float v_scale, float *scores) {
+    int64_t kv_width, int64_t kv_head, float scale, float v_scale, float *scores, float *partial) {
     int64_t n = len - first;
     __m512bh q[4][2];
     for (int j = 0; j < G; j++) {
@@ -91,8 +140,8 @@ static inline __attribute__((always_inline)) void attend_bf16_64(
             scores[j * n + p - first] = _mm512_reduce_add_ps(dot) * scale;
         }
     }
-    float denom[4];
-    softmax_rows(scores, G, n, denom);
+    float maxes[4], denom[4];
+    softmax_rows(scores, G, n, maxes, denom);
     __m512 acc[4][4];
     for (int j = 0; j < G; j++)
         for (int c = 0; c < 4; c++) acc[j][c] = _mm512_setzero_ps();
@@ -108,6 +157,13 @@ static inline __attribute__((always_inline)) void attend_bf16_64(
             for (int c = 0; c < 4; c++) acc[j][c] = _mm512_fmadd_ps(w, vf[c], acc[j][c]);
         }
     }
+    if (partial) {
+        float sums[4 * 64];
+        for (int j = 0; j < G; j++)
+            for (int c = 0; c < 4; c++) _mm512_storeu_ps(sums + j * 64 + 16 * c, acc[j][c]);
+        finish_run(G, 64, sums, maxes, denom, partial, NULL, 0, v_scale, DTYPE_BF16);
+        return;
+    }
     for (int j = 0; j < G; j++) {
         __m512 factor = _mm512_set1_ps(v_scale / denom[j]);
         uint16_t *o = out + out_row + (kv_head * G + j) * 64;
@@ -119,6 +175,86 @@ static inline __attribute__((always_inline)) void attend_bf16_64(
 }
 #endif
 
+/* the runs of CHUNK positions a context of n positions is attended in */
+static inline int64_t num_runs(int64_t n) { return n > CHUNK ? (n + CHUNK - 1) / CHUNK : 1; }
+
+/* one run [from, to) of one (sequence s, kv head): normalised into out when partial is NULL */
+static void attend_run(const void *query, int64_t q_stride, void *out, int64_t out_stride, const void *key_cache,
+                       const void *value_cache, const int32_t *table, int64_t row, int64_t from, int64_t to,
+                       int64_t group, int64_t kv_head, int64_t hs, int64_t kv_width, int64_t block_size, float scale,
+                       float v_scale, int32_t dtype, int32_t cache_dtype, float *scores, float *partial) {
+    int64_t n = to - from;
+#if defined(__AVX512BF16__)
+    if (dtype == DTYPE_BF16 && cache_dtype == DTYPE_BF16 && hs == 64 && group <= 4) {
+        const uint16_t *qb = query, *kb = key_cache, *vb = value_cache;
+        uint16_t *ob = out;
+        switch (group) {
+        case 1: attend_bf16_64(1, qb, row * q_stride, ob, row * out_stride, kb, vb, table, from, to, block_size,
+                               kv_width, kv_head, scale, v_scale, scores, partial); break;
+        case 2: attend_bf16_64(2, qb, row * q_stride, ob, row * out_stride, kb, vb, table, from, to, block_size,
+                               kv_width, kv_head, scale, v_scale, scores, partial); break;
+        case 3: attend_bf16_64(3, qb, row * q_stride, ob, row * out_stride, kb, vb, table, from, to, block_size,
+                               kv_width, kv_head, scale, v_scale, scores, partial); break;
+        default: attend_bf16_64(4, qb, row * q_stride, ob, row * out_stride, kb, vb, table, from, to, block_size,
+                                kv_width, kv_head, scale, v_scale, scores, partial); break;
+        }
+        return;
+    }
+#endif
+    float q[MAX_GROUP_WIDTH], acc[MAX_GROUP_WIDTH], kv[MAX_HEAD_SIZE], maxes[MAX_GROUP], denom[MAX_GROUP];
+    for (int64_t j = 0; j < group; j++) {
+        load_row(query, row * q_stride + (kv_head * group + j) * hs, hs, dtype, q + j * hs);
+        for (int64_t d = 0; d < hs; d++) q[j * hs + d] *= scale, acc[j * hs + d] = 0.0f;
+    }
+    for (int64_t p = from; p < to; p++) {
+        int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
+#if defined(__AVX512F__)
+        if (hs % 16 == 0) {
+            __m512 dots[MAX_GROUP];
+            for (int64_t j = 0; j < group; j++) dots[j] = _mm512_setzero_ps();
+            for (int64_t d = 0; d < hs; d += 16) {
+                __m512 k = load16(key_cache, slot * kv_width + kv_head * hs + d, cache_dtype);
+                for (int64_t j = 0; j < group; j++) dots[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * hs + d), k, dots[j]);
+            }
+            for (int64_t j = 0; j < group; j++) scores[j * n + p - from] = _mm512_reduce_add_ps(dots[j]);
+            continue;
+        }
+#endif
+        load_row(key_cache, slot * kv_width + kv_head * hs, hs, cache_dtype, kv);
+        for (int64_t j = 0; j < group; j++) {
+            float dot = 0.0f;
+            const float *qj = q + j * hs;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < hs; d++) dot += qj[d] * kv[d];
+            scores[j * n + p - from] = dot;
+        }
+    }
+    softmax_rows(scores, group, n, maxes, denom);
+    for (int64_t p = from; p < to; p++) {
+        int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
+#if defined(__AVX512F__)
+        if (hs % 16 == 0) {
+            for (int64_t d = 0; d < hs; d += 16) {
+                __m512 v = load16(value_cache, slot * kv_width + kv_head * hs + d, cache_dtype);
+                for (int64_t j = 0; j < group; j++) {
+                    float *aj = acc + j * hs + d;
+                    _mm512_storeu_ps(aj, _mm512_fmadd_ps(_mm512_set1_ps(scores[j * n + p - from]), v, _mm512_loadu_ps(aj)));
+                }
+            }
+            continue;
+        }
+#endif
+        load_row(value_cache, slot * kv_width + kv_head * hs, hs, cache_dtype, kv);
+        for (int64_t j = 0; j < group; j++) {
+            float weight = scores[j * n + p - from];
+            float *aj = acc + j * hs;
+#pragma omp simd
+            for (int64_t d = 0; d < hs; d++) aj[d] += weight * kv[d];
+        }
+    }
+    finish_run(group, hs, acc, maxes, denom, partial, out, row * out_stride + kv_head * group * hs, v_scale, dtype);
+}
+
 void paged_decode_attention(const void *query, int64_t q_stride, void *out, int64_t out_stride, const void *key_cache,
                             const void *value_cache, const int32_t *block_tables, int64_t max_blocks,
                             const int32_t *seq_lens, const int32_t *query_start_loc, const int64_t *seqs,
@@ -126,91 +262,64 @@ void paged_decode_attention(const void *query, int64_t q_stride, void *out, int6
                             int64_t block_size, float scale, int32_t sliding_window, float v_scale, int32_t dtype,
                             int32_t cache_dtype) {
     int64_t group = num_heads / num_kv_heads, hs = head_size, kv_width = num_kv_heads * hs;
-    int64_t tasks = num_seqs * num_kv_heads;
-#pragma omp parallel for schedule(dynamic) if (tasks >= 4)
-    for (int64_t task = 0; task < tasks; task++) {
-        int64_t s = seqs[task / num_kv_heads], kv_head = task % num_kv_heads;
-        int64_t len = seq_lens[s], row = query_start_loc[s];
-        int64_t first = sliding_window > 0 && len > sliding_window ? len - sliding_window : 0;
-        int64_t n = len - first;
-        const int32_t *table = block_tables + s * max_blocks;
-        float *scores = malloc((size_t)(group * n) * sizeof(float));
-#if defined(__AVX512BF16__)
-        if (dtype == DTYPE_BF16 && cache_dtype == DTYPE_BF16 && hs == 64 && group <= 4) {
-            const uint16_t *qb = query, *kb = key_cache, *vb = value_cache;
-            uint16_t *ob = out;
-            switch (group) {
-            case 1: attend_bf16_64(1, qb, row * q_stride, ob, row * out_stride, kb, vb, table, first, len, block_size,
-                                   kv_width, kv_head, scale, v_scale, scores); break;
-            case 2: attend_bf16_64(2, qb, row * q_stride, ob, row * out_stride, kb, vb, table, first, len, block_size,
-                                   kv_width, kv_head, scale, v_scale, scores); break;
-            case 3: attend_bf16_64(3, qb, row * q_stride, ob, row * out_stride, kb, vb, table, first, len, block_size,
-                                   kv_width, kv_head, scale, v_scale, scores); break;
-            default: attend_bf16_64(4, qb, row * q_stride, ob, row * out_stride, kb, vb, table, first, len,
-                                    block_size, kv_width, kv_head, scale, v_scale, scores); break;
-            }
-            free(scores);
-            continue;
+    int64_t stride = group * hs + 2 * group; /* one run's partial (finish_run) */
+    /* tasks: sequence i's are task_start[i] .. task_start[i + 1] - 1, run-major over its kv heads;
+     * the partials of a context of several runs from partial_start[i] runs on, per kv head */
+    int64_t *task_start = malloc((size_t)(2 * num_seqs + 2) * sizeof(int64_t)), *partial_start = task_start + num_seqs + 1;
+    if (!task_start) return;
+    task_start[0] = partial_start[0] = 0;
+    int64_t positions = 0;
+    for (int64_t i = 0; i < num_seqs; i++) {
+        int64_t len = seq_lens[seqs[i]], first = sliding_window > 0 && len > sliding_window ? len - sliding_window : 0;
+        int64_t runs = num_runs(len - first);
+        task_start[i + 1] = task_start[i] + runs * num_kv_heads;
+        partial_start[i + 1] = partial_start[i] + (runs > 1 ? runs * num_kv_heads : 0);
+        positions += len - first;
+    }
+    int64_t tasks = task_start[num_seqs], merges = 0;
+    float *partials = NULL;
+    if (partial_start[num_seqs]) {
+        partials = malloc((size_t)(partial_start[num_seqs] * stride) * sizeof(float));
+        if (!partials) {
+            free(task_start);
+            return;
         }
-#endif
-        float q[MAX_GROUP_WIDTH], acc[MAX_GROUP_WIDTH], kv[512], denom[64];
-        for (int64_t j = 0; j < group; j++) {
-            load_row(query, row * q_stride + (kv_head * group + j) * hs, hs, dtype, q + j * hs);
-            for (int64_t d = 0; d < hs; d++) q[j * hs + d] *= scale, acc[j * hs + d] = 0.0f;
-        }
-        for (int64_t p = first; p < len; p++) {
-            int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
-#if defined(__AVX512F__)
-            if (hs % 16 == 0) {
-                __m512 dots[64];
-                for (int64_t j = 0; j < group; j++) dots[j] = _mm512_setzero_ps();
-                for (int64_t d = 0; d < hs; d += 16) {
-                    __m512 k = load16(key_cache, slot * kv_width + kv_head * hs + d, cache_dtype);
-                    for (int64_t j = 0; j < group; j++)
-                        dots[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * hs + d), k, dots[j]);
-                }
-                for (int64_t j = 0; j < group; j++) scores[j * n + p - first] = _mm512_reduce_add_ps(dots[j]);
-                continue;
+        for (int64_t i = 0; i < num_seqs; i++) merges += partial_start[i + 1] > partial_start[i] ? num_kv_heads : 0;
+    }
+#pragma omp parallel if (tasks >= 2 && positions * num_kv_heads >= 4 * CHUNK)
+    {
+        float *scores = malloc((size_t)(group * CHUNK) * sizeof(float));
+#pragma omp for schedule(dynamic)
+        for (int64_t task = 0; task < tasks; task++) {
+            if (!scores) continue;
+            int64_t lo = 0, hi = num_seqs - 1; /* the sequence whose tasks hold this one */
+            while (lo < hi) {
+                int64_t mid = (lo + hi + 1) / 2;
+                if (task_start[mid] <= task) lo = mid; else hi = mid - 1;
             }
-#endif
-            load_row(key_cache, slot * kv_width + kv_head * hs, hs, cache_dtype, kv);
-            for (int64_t j = 0; j < group; j++) {
-                float dot = 0.0f;
-                const float *qj = q + j * hs;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < hs; d++) dot += qj[d] * kv[d];
-                scores[j * n + p - first] = dot;
-            }
-        }
-        softmax_rows(scores, group, n, denom);
-        for (int64_t p = first; p < len; p++) {
-            int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
-#if defined(__AVX512F__)
-            if (hs % 16 == 0) {
-                for (int64_t d = 0; d < hs; d += 16) {
-                    __m512 v = load16(value_cache, slot * kv_width + kv_head * hs + d, cache_dtype);
-                    for (int64_t j = 0; j < group; j++) {
-                        float *aj = acc + j * hs + d;
-                        _mm512_storeu_ps(aj, _mm512_fmadd_ps(_mm512_set1_ps(scores[j * n + p - first]), v,
-                                                             _mm512_loadu_ps(aj)));
-                    }
-                }
-                continue;
-            }
-#endif
-            load_row(value_cache, slot * kv_width + kv_head * hs, hs, cache_dtype, kv);
-            for (int64_t j = 0; j < group; j++) {
-                float weight = scores[j * n + p - first];
-                float *aj = acc + j * hs;
-#pragma omp simd
-                for (int64_t d = 0; d < hs; d++) aj[d] += weight * kv[d];
-            }
-        }
-        for (int64_t j = 0; j < group; j++) {
-            float factor = v_scale / denom[j];
-            int64_t base = row * out_stride + (kv_head * group + j) * hs;
-            for (int64_t d = 0; d < hs; d++) store_elem(out, base + d, acc[j * hs + d] * factor, dtype);
+            int64_t s = seqs[lo], local = task - task_start[lo], run = local / num_kv_heads, kv_head = local % num_kv_heads;
+            int64_t len = seq_lens[s], first = sliding_window > 0 && len > sliding_window ? len - sliding_window : 0;
+            int64_t from = first + run * CHUNK, to = from + CHUNK < len ? from + CHUNK : len;
+            float *partial = partial_start[lo + 1] > partial_start[lo]
+                                 ? partials + (partial_start[lo] + kv_head * num_runs(len - first) + run) * stride
+                                 : NULL;
+            attend_run(query, q_stride, out, out_stride, key_cache, value_cache, block_tables + s * max_blocks,
+                       query_start_loc[s], from, to, group, kv_head, hs, kv_width, block_size, scale, v_scale, dtype,
+                       cache_dtype, scores, partial);
         }
         free(scores);
+        if (merges) {
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < num_seqs; i++) {
+                int64_t count = partial_start[i + 1] - partial_start[i];
+                if (!count) continue;
+                int64_t s = seqs[i], runs = count / num_kv_heads;
+                for (int64_t kv_head = 0; kv_head < num_kv_heads; kv_head++)
+                    merge_runs(partials + (partial_start[i] + kv_head * runs) * stride, runs, stride, group, hs, out,
+                               query_start_loc[s] * out_stride + kv_head * group * hs, v_scale, dtype);
+            }
+        }
     }
+    free(partials);
+    free(task_start);
 }

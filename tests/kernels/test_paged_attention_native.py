@@ -9,7 +9,7 @@ import torch
 
 from pagedserve.kernels import ops
 from pagedserve.kernels.native import library as native_lib
-from pagedserve.kernels.attention.native import paged_decode_attention, plan_native_decodes, supports
+from pagedserve.kernels.attention.native import NativeDecodes, paged_decode_attention, plan_native_decodes, supports
 from pagedserve.kernels.attention.reference import paged_attention_ref
 from tests.kernels.conftest import build_paged_batch
 
@@ -81,6 +81,35 @@ def test_long_contexts_and_many_sequences(assert_matches):
     generator = torch.Generator().manual_seed(5)
     seqs = [(int(length), 1) for length in torch.randint(1, 700, (40,), generator=generator)]
     _check(_batch(seqs, dtype=torch.bfloat16, seed=3), assert_matches)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_sequence_gets_the_same_bits_alone_in_any_batch_and_on_any_thread_count(dtype, assert_matches):
+    """A context longer than one run of positions is split over tasks and merged; the runs depend on
+    its positions only, so its output is the same bits whether it is attended alone or beside
+    others, on one thread or two (a request's tokens must not depend on the batch it lands in)."""
+    seqs = [(700, 1), (5, 1), (129, 1), (300, 1), (127, 1), (1000, 1)]
+    batch = _batch(seqs, dtype=dtype, seed=4)
+    decodes = plan_native_decodes(*batch.args()[3:])
+    scale, lib = 0.125, native_lib.load()
+
+    def attend(rows: list[int], threads: int) -> torch.Tensor:
+        out = torch.full_like(batch.query, float("nan"))
+        chosen = NativeDecodes(torch.tensor(rows), decodes.block_tables, decodes.seq_lens, decodes.query_start_loc)
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            paged_decode_attention(lib, batch.query, batch.key_cache, batch.value_cache, out, chosen, scale, None, 1.0)
+        finally:
+            torch.set_num_threads(previous)
+        return out
+
+    together = attend(list(range(len(seqs))), 2)
+    assert_matches(together, paged_attention_ref(*batch.args(), scale))
+    for row in range(len(seqs)):
+        for threads in (1, 2):
+            assert torch.equal(attend([row], threads)[row], together[row]), (row, threads)
+    assert torch.equal(attend(list(range(len(seqs))), 1), together)
 
 
 def test_a_float32_cache_under_bfloat16_queries(assert_matches):
