@@ -96,12 +96,14 @@ class DecodeLayers:
         self.tensors = (cos_sin, block_tables, seq_lens, query_start_loc, positions, slot_mapping, seqs)
         self.lib = lib
         self.first = layers[0]
-        self.layer_addresses = [ctypes.addressof(weights) for weights in layers]
+        self.layer_array = (ctypes.c_void_p * len(layers))(*[ctypes.addressof(weights) for weights in layers])
         self.layers = layers  # keeps the structures alive
         self.rows_address = ctypes.addressof(self.rows)
 
     def run(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [M, H] (the embeddings) -> (last layer's output, residual stream), as a layer loop returns."""
+        """hidden [M, H] (the embeddings) -> (last layer's output, residual stream), as a layer loop
+        returns: one native call for all the layers (decode_layers), the embeddings becoming the
+        residual stream in place."""
         num_rows, size = hidden.shape
         first = self.first
         q_width = first.num_heads * first.head_size
@@ -111,14 +113,7 @@ class DecodeLayers:
         num_elements += (64 + 4 * num_rows * 2 * first.inner) // hidden.element_size()
         scratch = torch.empty(num_elements, dtype=hidden.dtype)
         hidden = hidden.contiguous()
-        residual = None
-        run_layer = self.lib.decode_layer
-        for address in self.layer_addresses:
-            out = torch.empty(num_rows, size, dtype=hidden.dtype)
-            run_layer(address, self.rows_address, hidden.data_ptr(),
-                      residual.data_ptr() if residual is not None else None, residual is not None, out.data_ptr(),
-                      scratch.data_ptr())
-            if residual is None:
-                residual = hidden
-            hidden = out
-        return hidden, residual
+        out, spare = torch.empty(2, num_rows, size, dtype=hidden.dtype)
+        self.lib.decode_layers(self.layer_array, len(self.layers), self.rows_address, hidden.data_ptr(),
+                               out.data_ptr(), spare.data_ptr(), scratch.data_ptr())
+        return out, hidden

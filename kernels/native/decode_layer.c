@@ -18,7 +18,9 @@
  * bias is added and the sum rounded to the dtype: what ops.linear does for such a layer.
  *
  * `x` may be `residual` itself only when has_residual is 0 (the first layer: the residual stream
- * starts as the embeddings). scratch holds M * (H + qkv width + nh * hs + H + 2 inner + inner)
+ * starts as the embeddings). decode_layers chains a model's layers in one call: x the embeddings,
+ * which become the residual stream (updated in place), the layers' outputs alternating between
+ * `spare` and `out`, the last one in `out`. scratch holds M * (H + qkv width + nh * hs + H + 2 inner + inner)
  * values of the dtype, then 64 bytes of alignment and M * 2 inner float32 values (the block
  * kernels' output). */
 #include "common.h"
@@ -73,4 +75,15 @@ void decode_layer(const struct layer_weights *lw, const struct step_rows *st, vo
     linear(dtype, lw->gate_up_blocks, lw->gate_up_panels, f32, normed, lw->w_gate_up, lw->b_gate_up, gate_up, M, 2 * lw->inner, H);
     silu_mul(gate_up, act, M, lw->inner, 2 * lw->inner, dtype);
     linear(dtype, lw->down_blocks, lw->down_panels, f32, act, lw->w_down, lw->b_down, out, M, H, lw->inner);
+}
+
+void decode_layers(const struct layer_weights **layers, int64_t num_layers, const struct step_rows *st, void *x,
+                   void *out, void *spare, void *scratch) {
+    void *outputs[2] = {out, spare}; /* the last layer writes out: layer i writes outputs[(n - 1 - i) % 2] */
+    void *input = x;
+    for (int64_t i = 0; i < num_layers; i++) {
+        void *output = outputs[(num_layers - 1 - i) & 1];
+        decode_layer(layers[i], st, input, x, i > 0, output, scratch);
+        input = output;
+    }
 }

@@ -72,6 +72,7 @@ SIGNATURES = {  # exported function -> argument types, as pagedserve_cpu.h decla
     "block_quant_set_prefetch": (I64,),
     "block_quant_prefetch": (),
     "decode_layer": (P, P, P, P, I32, P, P),
+    "decode_layers": (P, I64, P, P, P, P, P),
     "paged_decode_attention": (P, I64, P, I64, P, P, P, I64, P, P, P, I64, I64, I64, I64, I64, F32, I32, F32, I32,
                                I32),
 }

@@ -96,6 +96,8 @@ int64_t block_quant_prefetch(void);
 /* decode_layer.c */
 void decode_layer(const struct layer_weights *lw, const struct step_rows *st, void *x, void *residual,
                   int32_t has_residual, void *out, void *scratch);
+void decode_layers(const struct layer_weights **layers, int64_t num_layers, const struct step_rows *st, void *x,
+                   void *out, void *spare, void *scratch);
 
 /* decode_attention.c */
 void paged_decode_attention(const void *query, int64_t q_stride, void *out, int64_t out_stride, const void *key_cache,

@@ -167,7 +167,7 @@ class LlamaForCausalLM(torch.nn.Module):
             raise ValueError(f"{len(kv_caches)} KV caches for {len(self.layers)} layers")
         hidden = self.embed_tokens(token_ids)  # [T, hidden]
         native_step = None if self.lora_active else NativeDecodeStep.for_step(self, metadata, kv_caches)
-        if native_step is not None:  # a few decodes in bfloat16: one native call per layer
+        if native_step is not None:  # a few decodes in bfloat16: one native call for all the layers
             hidden, residual = native_step.run(hidden)
         else:
             residual = None

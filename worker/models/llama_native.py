@@ -1,5 +1,5 @@
-"""Decode steps of a few rows through whole Llama decoder layers in native code: one C call per
-layer (kernels/native/decode_layer.c) instead of a dozen Python-level calls of the per-op
+"""Decode steps of a few rows through whole Llama decoder layers in native code: one C call for all
+the layers (kernels/native/decode_layer.c) instead of a dozen Python-level calls of the per-op
 kernels, whose chain it runs (RMSNorm, the few-rows linear, RoPE with the K/V write, attention,
 SiLU-mul). At one sequence each of those calls costs Python and ctypes time on top of its work,
 and a model of many small layers makes dozens of them per layer (docs/kernels.md has the
