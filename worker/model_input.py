@@ -9,7 +9,10 @@ For sequences s with new-token counts q_s and start positions p_s:
                       speculative drafts samples its last k + 1 rows (its last real token, then
                       each draft), in order
 
-Built with numpy over whole arrays; the only Python loops are over sequences.
+Built with numpy over whole arrays; the only Python loops are over sequences. A step of up to
+DECODE_LIST_SEQS one-token decodes is built from Python lists instead (the same tensors): right
+after a forward has streamed the weights through the caches, numpy's dozen small operations took
+0.26 ms at one sequence, the lists 0.11 (AMD EPYC).
 """
 
 from __future__ import annotations
@@ -47,9 +50,16 @@ class ModelInput:
         return len(self.sample_seq_ids)
 
 
+DECODE_LIST_SEQS = 64
+
+
 def build_model_input(seqs: list[ScheduledSeq], *, block_size: int, num_blocks: int, max_positions: int,
                       device: torch.device) -> ModelInput:
     """Raises PlanError when a sequence has no tokens, exceeds max_positions, or its blocks do not fit."""
+    if 0 < len(seqs) <= DECODE_LIST_SEQS and all(len(seq.token_ids) == 1 and not seq.num_draft_tokens for seq in seqs):
+        built = _decode_input(seqs, block_size, num_blocks, max_positions, device)
+        if built is not None:
+            return built
     num_seqs = len(seqs)
     q_lens = np.fromiter((len(seq.token_ids) for seq in seqs), dtype=np.int64, count=num_seqs)  # [S]
     starts = np.fromiter((seq.start_position for seq in seqs), dtype=np.int64, count=num_seqs)  # [S]
@@ -100,6 +110,40 @@ def build_model_input(seqs: list[ScheduledSeq], *, block_size: int, num_blocks: 
     return ModelInput(token_ids=torch.from_numpy(token_ids).to(device), metadata=metadata,
                       sample_seq_ids=rows.seq_ids, sample_specs=rows.specs, sample_positions=rows.positions,
                       sample_draft_ids=rows.draft_ids, mask_row_indices=mask_row_indices,
+                      token_bitmasks=token_bitmasks)
+
+
+def _decode_input(seqs: list[ScheduledSeq], block_size: int, num_blocks: int, max_positions: int,
+                  device: torch.device) -> ModelInput | None:
+    """What build_model_input builds for one-token decodes without drafts, from lists; None when a
+    sequence breaks a rule (the numpy path then raises its PlanError)."""
+    num_seqs, width = len(seqs), max(len(seq.block_table) for seq in seqs)
+    positions, slots, tables, token_ids = [], [], [], []
+    for seq in seqs:
+        position, table = seq.start_position, seq.block_table
+        if position < 0 or position >= max_positions or len(table) * block_size <= position or not table:
+            return None
+        if min(table) < 0 or max(table) >= num_blocks:
+            return None
+        positions.append(position)
+        slots.append(table[position // block_size] * block_size + position % block_size)
+        tables += table
+        tables += [0] * (width - len(table))
+        token_ids.append(seq.token_ids[0])
+    sampled = [row for row, seq in enumerate(seqs) if seq.sample is not None]
+    metadata = AttentionMetadata(
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device).view(num_seqs, width),
+        seq_lens=torch.tensor([position + 1 for position in positions], dtype=torch.int32, device=device),
+        query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32, device=device),
+        logits_indices=torch.tensor(sampled, dtype=torch.int64, device=device),
+    )
+    mask_row_indices, token_bitmasks = mask_rows(seqs)
+    return ModelInput(token_ids=torch.tensor(token_ids, dtype=torch.int64, device=device), metadata=metadata,
+                      sample_seq_ids=[seqs[row].seq_id for row in sampled],
+                      sample_specs=[seqs[row].sample for row in sampled],
+                      sample_positions=[positions[row] + 1 for row in sampled], mask_row_indices=mask_row_indices,
                       token_bitmasks=token_bitmasks)
 
 
