@@ -214,7 +214,8 @@ static void attend_run(const void *query, int64_t q_stride, void *out, int64_t o
             for (int64_t j = 0; j < group; j++) dots[j] = _mm512_setzero_ps();
             for (int64_t d = 0; d < hs; d += 16) {
                 __m512 k = load16(key_cache, slot * kv_width + kv_head * hs + d, cache_dtype);
-                for (int64_t j = 0; j < group; j++) dots[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * hs + d), k, dots[j]);
+                for (int64_t j = 0; j < group; j++)
+                    dots[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * hs + d), k, dots[j]);
             }
             for (int64_t j = 0; j < group; j++) scores[j * n + p - from] = _mm512_reduce_add_ps(dots[j]);
             continue;
@@ -238,7 +239,8 @@ static void attend_run(const void *query, int64_t q_stride, void *out, int64_t o
                 __m512 v = load16(value_cache, slot * kv_width + kv_head * hs + d, cache_dtype);
                 for (int64_t j = 0; j < group; j++) {
                     float *aj = acc + j * hs + d;
-                    _mm512_storeu_ps(aj, _mm512_fmadd_ps(_mm512_set1_ps(scores[j * n + p - from]), v, _mm512_loadu_ps(aj)));
+                    _mm512_storeu_ps(aj, _mm512_fmadd_ps(_mm512_set1_ps(scores[j * n + p - from]), v,
+                                                         _mm512_loadu_ps(aj)));
                 }
             }
             continue;
@@ -265,8 +267,9 @@ void paged_decode_attention(const void *query, int64_t q_stride, void *out, int6
     int64_t stride = group * hs + 2 * group; /* one run's partial (finish_run) */
     /* tasks: sequence i's are task_start[i] .. task_start[i + 1] - 1, run-major over its kv heads;
      * the partials of a context of several runs from partial_start[i] runs on, per kv head */
-    int64_t *task_start = malloc((size_t)(2 * num_seqs + 2) * sizeof(int64_t)), *partial_start = task_start + num_seqs + 1;
+    int64_t *task_start = malloc((size_t)(2 * num_seqs + 2) * sizeof(int64_t));
     if (!task_start) return;
+    int64_t *partial_start = task_start + num_seqs + 1;
     task_start[0] = partial_start[0] = 0;
     int64_t positions = 0;
     for (int64_t i = 0; i < num_seqs; i++) {
@@ -297,7 +300,8 @@ void paged_decode_attention(const void *query, int64_t q_stride, void *out, int6
                 int64_t mid = (lo + hi + 1) / 2;
                 if (task_start[mid] <= task) lo = mid; else hi = mid - 1;
             }
-            int64_t s = seqs[lo], local = task - task_start[lo], run = local / num_kv_heads, kv_head = local % num_kv_heads;
+            int64_t s = seqs[lo], local = task - task_start[lo];
+            int64_t run = local / num_kv_heads, kv_head = local % num_kv_heads;
             int64_t len = seq_lens[s], first = sliding_window > 0 && len > sliding_window ? len - sliding_window : 0;
             int64_t from = first + run * CHUNK, to = from + CHUNK < len ? from + CHUNK : len;
             float *partial = partial_start[lo + 1] > partial_start[lo]

@@ -20,9 +20,9 @@
  * `x` may be `residual` itself only when has_residual is 0 (the first layer: the residual stream
  * starts as the embeddings). decode_layers chains a model's layers in one call: x the embeddings,
  * which become the residual stream (updated in place), the layers' outputs alternating between
- * `spare` and `out`, the last one in `out`. scratch holds M * (H + qkv width + nh * hs + H + 2 inner + inner)
- * values of the dtype, then 64 bytes of alignment and M * 2 inner float32 values (the block
- * kernels' output). */
+ * `spare` and `out`, the last one in `out`. scratch holds M * (H + qkv width + nh * hs + H +
+ * 2 inner + inner) values of the dtype, then 64 bytes of alignment and M * 2 inner float32 values
+ * (the block kernels' output). */
 #include "common.h"
 #include "pagedserve_cpu.h"
 
