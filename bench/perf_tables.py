@@ -99,6 +99,17 @@ def _real_model_system(system: str, config: str) -> str:
     return "pagedserve-stream" if system == "pagedserve" and "unary Generate" not in config else system
 
 
+def _real_model_rates(report: dict):
+    """(dtype, streams, system, tokens/s, the run's limit in tokens/s or None) for every figure of a
+    real_model report, the systems named as _real_model_system names them."""
+    for dtype, entry in report["dtypes"].items():
+        for system, runs in entry["systems"].items():
+            system = _real_model_system(system, entry.get("configs", {}).get(system, ""))
+            for streams, run in runs.items():
+                yield dtype, int(streams), system, run["tokens_per_second"], entry.get("token_limits", {}).get(
+                    str(streams))
+
+
 def real_model_section(cpu: str, reports: list[dict]) -> list[str]:
     configs = sorted({f"{dtype}, {_real_model_system(system, config)}: {config}" for report in reports
                       for dtype, entry in report["dtypes"].items()
@@ -107,14 +118,10 @@ def real_model_section(cpu: str, reports: list[dict]) -> list[str]:
     values: dict[tuple, list[float]] = defaultdict(list)
     shares: dict[tuple, list[float]] = defaultdict(list)
     for report in reports:
-        for dtype, entry in report["dtypes"].items():
-            for system, runs in entry["systems"].items():
-                system = _real_model_system(system, entry.get("configs", {}).get(system, ""))
-                for streams, run in runs.items():
-                    values[(dtype, int(streams), system)].append(run["tokens_per_second"])
-                    limit = entry.get("token_limits", {}).get(str(streams))
-                    if limit:
-                        shares[(dtype, int(streams), system)].append(run["tokens_per_second"] / limit)
+        for dtype, streams, system, rate, limit in _real_model_rates(report):
+            values[(dtype, streams, system)].append(rate)
+            if limit:
+                shares[(dtype, streams, system)].append(rate / limit)
     systems = sorted({key[2] for key in values}, key=lambda name: (not name.startswith("pagedserve"), name))
     rows = []
     for dtype, streams in sorted({key[:2] for key in values}):
@@ -174,21 +181,19 @@ def real_model_latest_section(cpu: str, reports: list[dict]) -> list[str]:
     peers: dict[tuple, list[float]] = defaultdict(list)
     ratios: dict[tuple, list[float]] = defaultdict(list)
     for report in runs:
-        for dtype, entry in report["dtypes"].items():
-            systems = entry["systems"]
-            if "unary Generate" not in entry.get("configs", {}).get("pagedserve", ""):
+        rates = {(dtype, streams, system): (rate, limit)
+                 for dtype, streams, system, rate, limit in _real_model_rates(report)}
+        for (dtype, streams, system), (rate, limit) in rates.items():
+            best = max((rates[(dtype, streams, peer)][0] for peer in PEERS if (dtype, streams, peer) in rates),
+                       default=None)
+            if system != "pagedserve" or best is None:
                 continue
-            for streams, run in systems.get("pagedserve", {}).items():
-                best = max((systems[peer][streams]["tokens_per_second"] for peer in PEERS
-                            if streams in systems.get(peer, {})), default=None)
-                if best is None:
-                    continue
-                key = (dtype, int(streams))
-                values[key].append(run["tokens_per_second"])
-                peers[key].append(best)
-                ratios[key].append(run["tokens_per_second"] / best)
-                if limit := entry.get("token_limits", {}).get(streams):
-                    shares[key].append(run["tokens_per_second"] / limit)
+            key = (dtype, streams)
+            values[key].append(rate)
+            peers[key].append(best)
+            ratios[key].append(rate / best)
+            if limit:
+                shares[key].append(rate / limit)
     if not ratios:
         return []
     rows = []
