@@ -18,7 +18,10 @@
  * leaves each run's (maximum, sum of exps, unnormalised V sum) per head, and a second loop merges
  * them in position order (each run's sums rescaled by exp(its maximum - the overall maximum)).
  * The runs are fixed by positions alone, so a sequence's result is the same whatever else is in
- * the batch and however many threads run it. exp is a polynomial (common.h exp_poly) that gcc
+ * the batch and however many threads run it; for that reason CHUNK is a constant of the code, not
+ * a per-host tuning (128 keeps every context of up to 128 positions computed as before the split).
+ * The call goes parallel from 4 * CHUNK positions x KV heads, a fixed guess at where a parallel
+ * region's start pays, not measured per host. exp is a polynomial (common.h exp_poly) that gcc
  * vectorises. Head sizes that are multiples of 16 take AVX-512 loops (K and V rows widened 16 at
  * a time); others the scalar ones. */
 #include <immintrin.h>
