@@ -170,3 +170,28 @@ def test_the_code_prefetch_changes_no_result(num_rows):
     finally:
         lib.block_quant_set_prefetch(before)
     assert all(torch.equal(result, results[0]) for result in results[1:])
+
+
+@pytest.mark.parametrize("tensor_type", TYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_result_does_not_depend_on_the_thread_count(tensor_type, dtype):
+    """Each output row is computed by one thread over all its groups (block_quant_rows.c): the same
+    bits at 1 to 7 threads (more than the cores), at the rows that multiply the codes directly."""
+    weight, _ = _gguf_weight(tensor_type, 1000, 576, seed=70)
+    lib = _bf16_lib(weight, 2)
+    previous = torch.get_num_threads()
+    try:
+        for num_rows in (1, 2, 3):
+            x = torch.randn(num_rows, 576, generator=torch.Generator().manual_seed(num_rows)).to(dtype)
+            results = []
+            for threads in (1, 2, 3, 7):
+                torch.set_num_threads(threads)
+                if dtype == torch.bfloat16:
+                    results.append(_bf16_rows(lib, weight, x))
+                else:
+                    results.append(block_quant.block_quant_linear_native(x, weight, None, lib))
+            assert all(torch.equal(result, results[0]) for result in results[1:]), num_rows
+            torch.testing.assert_close(results[0].float(), block_quant.block_quant_linear_ref(x.float(), weight),
+                                       rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-3)
+    finally:
+        torch.set_num_threads(previous)

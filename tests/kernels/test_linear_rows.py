@@ -171,3 +171,29 @@ def test_tuning_measures_once_then_reads_its_file(tmp_path, monkeypatch):
         lib.linear_rows_set_prefetch(before)
         lib.block_quant_set_prefetch(before_blocks)
         lib._pagedserve_tuning = tuned
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_result_does_not_depend_on_the_thread_count(dtype):
+    """Each output row is computed by one thread, front to back over K (linear_rows.c): the same bits
+    at 1 to 7 threads (more than the cores), whatever output width the split divides."""
+    lib = native_lib.load()
+    function = lib.linear_rows_bf16 if dtype == torch.bfloat16 else lib.linear_rows_f32
+    generator = torch.Generator().manual_seed(11)
+    previous = torch.get_num_threads()
+    try:
+        for num_rows, size_out, size_in in ((1, 3072, 576), (2, 577, 1536), (5, 33, 576), (8, 1000, 64)):
+            x = torch.randn(num_rows, size_in, generator=generator).to(dtype)
+            weight = torch.randn(size_out, size_in, generator=generator).to(dtype)
+            bias = torch.randn(size_out, generator=generator).to(dtype)
+            results = []
+            for threads in (1, 2, 3, 7):
+                torch.set_num_threads(threads)
+                y = torch.empty(num_rows, size_out, dtype=dtype)
+                function(x.data_ptr(), weight.data_ptr(), bias.data_ptr(), y.data_ptr(), num_rows, size_out, size_in)
+                results.append(y)
+            assert all(torch.equal(result, results[0]) for result in results[1:]), (num_rows, size_out, size_in)
+            reference = F.linear(x.float(), weight.float(), bias.float())
+            assert torch.allclose(results[0].float(), reference, rtol=2 ** -6, atol=1e-2 * size_in ** 0.5)
+    finally:
+        torch.set_num_threads(previous)
