@@ -45,6 +45,7 @@ import torch
 from lib.machine_info import machine
 from lib.output import print_table, save_report, timestamp
 from perf_tables import save_kept
+from pagedserve.testing.hf_from_gguf import build_hf_folder
 from pagedserve.testing.kv_scales import calibrate_kv_scales
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.testing.prompt_scoring import sequence_logits
@@ -74,21 +75,6 @@ TARGETS = {  # name -> (max ppl ratio, max KL, min top-1)
 }
 DECODE_STREAMS = 8
 NUM_BLOCKS = 320
-
-
-def build_from_gguf(gguf_path: Path, folder: Path) -> None:
-    """A float32 Hugging Face folder (safetensors, config, tokenizer) from a GGUF file."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    config = model.config
-    if hasattr(config, "quantization_config"):  # GGUF-loaded models refuse save_pretrained
-        del config.quantization_config
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(model.state_dict())
-    plain.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
 
 
 def make_runner(model: Path, options: dict, calibration: list[int] | None = None) -> ModelRunner:
@@ -182,7 +168,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one window, 8 prompts")
     args = parser.parse_args()
     if args.build_from_gguf:
-        build_from_gguf(args.build_from_gguf, args.model)
+        build_hf_folder(args.build_from_gguf, args.model)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)

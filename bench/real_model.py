@@ -141,11 +141,11 @@ def hf_folder(gguf: Path) -> Path:
     """A plain float32 Hugging Face folder of the GGUF's weights (transformers keeps a GGUF's
     weights packed and dequantizes them in every matmul); built once into the cache."""
     from pagedserve.cache_root import cache_dir
-    from quant_accuracy import build_from_gguf
+    from pagedserve.testing.hf_from_gguf import build_hf_folder
 
     folder = cache_dir() / f"{gguf.stem}-hf-float32"
     if not (folder / "model.safetensors").is_file():
-        build_from_gguf(gguf, folder)
+        build_hf_folder(gguf, folder)
     return folder
 
 

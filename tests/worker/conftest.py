@@ -46,3 +46,14 @@ def hf_greedy(checkpoint_dir):
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_folder(tmp_path_factory) -> Path:
+    """The real model's GGUF (resolve_model("smollm2")) as a plain float32 Hugging Face folder of the
+    weights transformers' GGUF loader reads from it, built once per session
+    (pagedserve.testing.hf_from_gguf): the reference of the real-model tests."""
+    from pagedserve.checkpoints.resolve import resolve_model
+    from pagedserve.testing.hf_from_gguf import build_hf_folder
+
+    return build_hf_folder(resolve_model("smollm2"), tmp_path_factory.mktemp("smollm2-hf"))

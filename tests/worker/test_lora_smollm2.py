@@ -1,6 +1,7 @@
 """The real model with an adapter: SmolLM2-135M-Instruct (its cached GGUF, dequantized to float32)
 plus a rank-8 PEFT adapter on all seven projections of its 30 layers gives the greedy tokens, and
-nearly the logits, of peft's merge_and_unload() on transformers' view of the same file."""
+nearly the logits, of peft's merge_and_unload() on transformers' view of the same file (the weights
+its GGUF loader reads, saved once per session as a plain folder: the smollm2_hf_folder fixture)."""
 
 from __future__ import annotations
 
@@ -21,15 +22,15 @@ MAX_NEW_TOKENS = 12
 NUM_BLOCKS = 8
 
 
-def test_smollm2_with_an_adapter_equals_the_merged_model(tmp_path):
+def test_smollm2_with_an_adapter_equals_the_merged_model(tmp_path, smollm2_hf_folder):
     previous = torch.get_num_threads()
     torch.set_num_threads(1)  # two matmul threads on two shared cores stall each other
     try:
         path = resolve_model("smollm2")
         tokenizer = load_tokenizer(path)
         prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}]))
-        adapter = build_peft_adapter(path.parent, tmp_path / "adapter", seed=900, b_std=0.02, gguf_file=path.name)
-        reference = merged_model(path.parent, adapter, gguf_file=path.name)
+        adapter = build_peft_adapter(smollm2_hf_folder, tmp_path / "adapter", seed=900, b_std=0.02)
+        reference = merged_model(smollm2_hf_folder, adapter)
         expected = greedy(reference, prompt, MAX_NEW_TOKENS)
         with torch.no_grad():
             expected_logits = reference(torch.tensor([prompt])).logits[0, -1]
