@@ -61,7 +61,15 @@ static inline void load_row(const void *base, int64_t offset, int64_t n, int dty
 static inline void softmax_rows(float *scores, int64_t G, int64_t n, float *maxes, float *denom) {
     for (int64_t j = 0; j < G; j++) {
         float *row_scores = scores + j * n, max_score = -INFINITY, sum = 0.0f;
-        for (int64_t i = 0; i < n; i++) max_score = row_scores[i] > max_score ? row_scores[i] : max_score;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        /* 16 lanes of maxima, then one across them: the same maximum (NaN scores are skipped as the
+         * scalar loop skips them: vmaxps returns its second operand, the running maximum, on NaN) */
+        __m512 lanes = _mm512_set1_ps(-INFINITY);
+        for (; i + 16 <= n; i += 16) lanes = _mm512_max_ps(_mm512_loadu_ps(row_scores + i), lanes);
+        max_score = _mm512_reduce_max_ps(lanes);
+#endif
+        for (; i < n; i++) max_score = row_scores[i] > max_score ? row_scores[i] : max_score;
 #pragma omp simd reduction(+ : sum)
         for (int64_t i = 0; i < n; i++) {
             row_scores[i] = exp_poly(row_scores[i] - max_score);
