@@ -11,7 +11,7 @@ import pytest
 
 from pagedserve.v1 import generation_pb2
 from tests.e2e.conftest import start_server
-from tests.e2e.harness import text_request, token_request
+from tests.e2e.harness import text_request, token_request, wait_for
 
 LENGTH = generation_pb2.FINISH_REASON_LENGTH
 STOP = generation_pb2.FINISH_REASON_STOP
@@ -131,8 +131,17 @@ def _with_id(request: generation_pb2.GenerateRequest, request_id: str) -> genera
 
 
 def _scheduler_messages(server, request_id: str) -> int:
-    (event,) = [event for event in server.log_events() if event.get("event") == "request_finished"
-                and event.get("process") == "scheduler" and event.get("request_id") == request_id]
+    """The scheduler's request_finished event for request_id: its log line may reach the file a
+    moment after the answer reached the client, so it is waited for."""
+    events = []
+
+    def logged() -> bool:
+        events[:] = [event for event in server.log_events() if event.get("event") == "request_finished"
+                     and event.get("process") == "scheduler" and event.get("request_id") == request_id]
+        return bool(events)
+
+    assert wait_for(logged, timeout=10), f"no request_finished event of {request_id} in the scheduler's log"
+    (event,) = events
     return event["num_messages"]
 
 
