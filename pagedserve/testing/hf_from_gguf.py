@@ -1,7 +1,7 @@
 """A plain float32 Hugging Face folder of a GGUF file's weights, as transformers' GGUF loader reads
 them (tests and bench).
 
-transformers loads a GGUF file slowly (about 13 s for SmolLM2-135M on two cores) and keeps the
+transformers loads a GGUF file slowly (about 13 s for SmolLM2-135M on a 2-vCPU AMD EPYC) and keeps the
 loaded model unserializable; a folder of its state dict in a plain model of the same config loads
 in about a second and computes with the same float32 weights. Build it once, then load the folder
 wherever the reference is transformers' view of the file."""
