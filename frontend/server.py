@@ -56,6 +56,7 @@ from pagedserve.adapters.peft_folder import AdapterError
 from pagedserve.checkpoints.model_config import ModelConfigError
 from pagedserve.frontend.lora.registry import AdapterRegistry
 from pagedserve.frontend.openai.config import API_KEY_ENV
+from pagedserve.teardown import bound_teardown
 
 if TYPE_CHECKING:
     from pagedserve.frontend.openai.server import HttpServer
@@ -260,6 +261,7 @@ def run_frontend(config: FrontendConfig) -> int:
                          shutdown_timeout=config.shutdown_timeout)
         num_cut = frontend.drain(config.shutdown_timeout)
         process_log.info("frontend_stopped", num_requests_cut=num_cut)
+        bound_teardown()  # the interpreter's teardown follows: pagedserve/teardown.py
         return 0
     finally:
         for sig, handler in previous.items():

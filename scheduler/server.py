@@ -56,6 +56,7 @@ from pagedserve.contracts.scheduler_codec import request_from_proto
 from pagedserve.scheduler.structured_output.compiler import GrammarCompiler
 from pagedserve.scheduler.structured_output.vocabulary import load_vocabulary
 from pagedserve.security.zmq_curve import check_internal_transport, curve_keys_from_env
+from pagedserve.teardown import bound_teardown
 
 DRAIN_POLL_S = 0.05
 
@@ -324,6 +325,7 @@ async def _serve(config: SchedulerServerConfig, engine_config: SchedulerConfig, 
     await server.stop(grace=2.0)
     link.close()
     log.info("scheduler_stopped")
+    bound_teardown()  # asyncio.run's and the interpreter's teardown follow: pagedserve/teardown.py
 
 
 def _warm_up(grammars: GrammarCompiler, log) -> None:

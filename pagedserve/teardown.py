@@ -1,0 +1,28 @@
+"""A process's exit, bounded once its own shutdown is done.
+
+When the scheduler has logged `scheduler_stopped` (or the frontend `frontend_stopped`), everything
+the process owns is released: its requests are answered or cut, its workers told, its sockets
+closed. What remains is the runtime's teardown: asyncio.run cancelling what is left and joining
+its default executor, then the interpreter's exit (atexit hooks, gRPC's and ZeroMQ's threads,
+module finalization). That teardown has been seen, rarely, to hang after `scheduler_stopped`;
+`serve` then waited its whole drain timeout before killing the process, and so stopped late.
+
+`bound_teardown()` arms faulthandler's watchdog. Its thread is native and needs no GIL, so it
+fires even while the interpreter finalizes. If the process is still alive TEARDOWN_TIMEOUT_S
+later, the watchdog writes every Python thread's stack to stderr (which `serve` keeps in its log)
+and ends the process with exit code 1. A process that exits in time writes nothing.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import sys
+
+TEARDOWN_TIMEOUT_S = 10.0
+
+
+def bound_teardown(timeout: float = TEARDOWN_TIMEOUT_S) -> None:
+    """Past `timeout` seconds from now: every thread's stack to stderr, then exit code 1. Call it
+    once the process's shutdown is complete; it replaces any earlier dump_traceback_later."""
+    sys.stderr.flush()
+    faulthandler.dump_traceback_later(timeout, exit=True, file=sys.stderr)
