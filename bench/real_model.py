@@ -8,9 +8,10 @@ llama-server on SmolLM2-135M-Instruct, in one run.
 Workload: the 32 chat prompts of bench/data/quant_prompts.json through the model's chat template
 (37-80 tokens), output lengths uniform in 48-128 (seed 0), greedy, EOS ignored, so every system
 produces exactly the requested tokens. "32 streams": all 32 requests at once; "1 stream": the
-first --num-single-requests requests one after another. Every system gets the same weights in the
-same precision: for D = float32 and bfloat16 the Q4_1 GGUF dequantized, for D = q4_1 the GGUF
-as it is (pagedserve and llama.cpp; HF has no Q4_1 kernels and is not run):
+first --num-single-requests requests one after another (to pagedserve over one gRPC channel, its
+step records read between requests: a read during a decode run would end the run). Every
+system gets the same weights in the same precision: for D = float32 and bfloat16 the Q4_1 GGUF
+dequantized, for D = q4_1 the GGUF as it is (pagedserve and llama.cpp; HF has no Q4_1 kernels and is not run):
 
     pagedserve   `pagedserve serve --model smollm2 --dtype D --quantization none`, for q4_1
                  `pagedserve serve --model smollm2 --quantization auto` (the GGUF's Q4_1 linear
@@ -124,12 +125,13 @@ def run_pagedserve(dtype: str, workloads: dict[int, tuple[list[BenchRequest], bo
         run_requests(server.address, [BenchRequest(workloads[max(workloads)][0][0].prompt_token_ids, WARMUP_TOKENS)],
                      whole=whole)
         for streams, (requests, concurrent) in workloads.items():
-            with StepRecorder(server) as recorder:
+            # one stream: the step records are read between requests, not during a decode run
+            with StepRecorder(server, interval=0.5 if concurrent else None) as recorder:
                 if concurrent:
                     traces = run_requests(server.address, requests, whole=whole)
                 else:
-                    traces = [trace for request in requests
-                              for trace in run_requests(server.address, [request], whole=whole)]
+                    traces = run_requests(server.address, requests, whole=whole, sequential=True,
+                                          on_done=recorder.collect)
             results[streams] = timed(traces)
             results[streams]["steps"] = step_summary(list(recorder.records.values()), len(requests))
             if concurrent and len(requests) > 1 and not whole:

@@ -14,9 +14,14 @@ from pagedserve.launch.serve_process import ServeProcess
 
 class StepRecorder:
     """Polls the scheduler's recent step records (the last 256 steps) while the block runs;
-    `records` holds every step of the block seen, by step id."""
+    `records` holds every step of the block seen, by step id.
 
-    def __init__(self, server: ServeProcess, interval: float = 0.5) -> None:
+    interval=None: no polling, the records are read by `collect()` (between requests sent one
+    after another) and at the block's end. A GetStats read runs on the scheduler's step loop and
+    ends a decode run in flight after its current step (scheduler/core/continuable.py), which a
+    poll every half second would do to a single stream's runs."""
+
+    def __init__(self, server: ServeProcess, interval: float | None = 0.5) -> None:
         self._channel = grpc.insecure_channel(f"127.0.0.1:{server.scheduler_port}")
         self._stub = scheduler_pb2_grpc.SchedulerStub(with_bearer(self._channel, server.internal_token))
         self._interval = interval
@@ -24,6 +29,10 @@ class StepRecorder:
         self._thread = threading.Thread(target=self._poll, name="step-recorder", daemon=True)
         self.records: dict[int, scheduler_pb2.StepSummary] = {}
         self._earlier: set[int] = set()
+
+    def collect(self) -> None:
+        """Reads the recent step records now."""
+        self._collect()
 
     def _collect(self) -> None:
         request = scheduler_pb2.GetStatsRequest(max_recent_steps=256)
@@ -38,12 +47,14 @@ class StepRecorder:
         self._collect()
         self._earlier = set(self.records)  # steps before the block (an earlier run's) are left out
         self.records.clear()
-        self._thread.start()
+        if self._interval is not None:
+            self._thread.start()
         return self
 
     def __exit__(self, *exc_info) -> None:
         self._done.set()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
         self._collect()
         self._channel.close()
         for step_id in self._earlier:

@@ -74,20 +74,27 @@ async def _one(stub, request: BenchRequest, trace: RequestTrace, start: float, d
 
 
 async def _run_all(address: str, requests: list[BenchRequest], arrivals: list[float] | None,
-                   on_done, whole: bool) -> list[RequestTrace]:
+                   on_done, whole: bool, sequential: bool) -> list[RequestTrace]:
     traces = [RequestTrace(request.prompt_len, request.max_tokens) for request in requests]
     options = [("grpc.max_receive_message_length", 64 << 20)]
     async with grpc.aio.insecure_channel(address, options=options) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         start = time.perf_counter()
         delays = arrivals or [0.0] * len(requests)
-        await asyncio.gather(*(_one(stub, request, trace, start, delay, on_done, whole)
-                               for request, trace, delay in zip(requests, traces, delays)))
+        if sequential:
+            for request, trace in zip(requests, traces):
+                await _one(stub, request, trace, start, 0.0, on_done, whole)
+        else:
+            await asyncio.gather(*(_one(stub, request, trace, start, delay, on_done, whole)
+                                   for request, trace, delay in zip(requests, traces, delays)))
     return traces
 
 
 def run_requests(address: str, requests: list[BenchRequest], arrivals: list[float] | None = None,
-                 on_done=lambda: None, whole: bool = False) -> list[RequestTrace]:
+                 on_done=lambda: None, whole: bool = False, sequential: bool = False) -> list[RequestTrace]:
     """Blocks until every request finished; arrivals are seconds after the start, one per request;
-    whole: over unary Generate (the module's docstring)."""
-    return asyncio.run(_run_all(address, requests, arrivals, on_done, whole))
+    whole: over unary Generate (the module's docstring); sequential: each request sent when the one
+    before it has finished (arrivals ignored), on the same channel, as one client in a loop does."""
+    if sequential and arrivals:
+        raise ValueError("sequential requests take no arrival times")
+    return asyncio.run(_run_all(address, requests, arrivals, on_done, whole, sequential))
