@@ -18,6 +18,14 @@
  * tasks of (block of columns, up to TASK_ROWS rows), each thread a contiguous range of tasks, so
  * the columns a thread owns stream from memory once.
  *
+ * Prefetch: a task's first row block streams its panels from memory and waits on it; the later
+ * full row blocks find them in L2 and compute. Meanwhile they prefetch the next column block's
+ * panels into L2 (prefetcht1), each later block an equal share spread over its pairs, one to three
+ * cache lines per pair, so that the next task's first row block finds its panels in L2 as well
+ * and memory and arithmetic overlap. At 16 to 32 rows this ran SmolLM2's projections 6-9 % faster
+ * on AMD Zen 4; at 1 to 12 rows (one full row block) nothing is prefetched. A prefetch changes no
+ * result.
+ *
  * Sums: float32 products of bfloat16 values added in another order than oneDNN's (the results
  * differ from F.linear in the last bits of some values); the bias (bfloat16) is added in float32
  * and the sum rounded to bfloat16 once, to nearest even, NaN kept, as torch rounds. The dot product
@@ -44,10 +52,12 @@ static inline __m256i round_bf16(__m512 v) {
     return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet));
 }
 
-/* R rows of x from row m, P panels from panel j: y[m.., 16 j ..] */
+/* R rows of x from row m, P panels from panel j: y[m.., 16 j ..]; with PF > 0 it also prefetches
+ * PF cache lines per pair of inputs from pf into L2, up to pf_end (the module comment) */
 static inline __attribute__((always_inline)) void block(const int R, const int P, const uint16_t *x, int64_t m,
                                                          const uint16_t *panels, const uint16_t *bias, uint16_t *y,
-                                                         int64_t j, int64_t N, int64_t K) {
+                                                         int64_t j, int64_t N, int64_t K, const int PF,
+                                                         const char *pf, const char *pf_end) {
     const int64_t pairs = K / 2, stride = pairs * 2 * PANEL;
     const uint16_t *w = panels + j * stride;
     __m512 acc[ROWS][WIDTH];
@@ -56,6 +66,10 @@ static inline __attribute__((always_inline)) void block(const int R, const int P
     const int32_t *xr[ROWS];
     for (int r = 0; r < R; r++) xr[r] = (const int32_t *)(x + (m + r) * K);
     for (int64_t p = 0; p < pairs; p++) {
+        if (PF && pf < pf_end) {
+            for (int l = 0; l < PF; l++) _mm_prefetch(pf + 64 * l, _MM_HINT_T1);
+            pf += 64 * PF;
+        }
         __m512bh wv[WIDTH];
         for (int q = 0; q < P; q++) wv[q] = (__m512bh)_mm512_loadu_si512(w + q * stride + p * 2 * PANEL);
         for (int r = 0; r < R; r++) {
@@ -74,16 +88,25 @@ static inline __attribute__((always_inline)) void block(const int R, const int P
     }
 }
 
+#define PREFETCHING_CASES(P)                                                                          \
+    switch (lines) {                                                                                  \
+    case 1: block(ROWS, P, x, m, panels, bias, y, j, N, K, 1, pf, pf_end); break;                     \
+    case 2: block(ROWS, P, x, m, panels, bias, y, j, N, K, 2, pf, pf_end); break;                     \
+    default: block(ROWS, P, x, m, panels, bias, y, j, N, K, 3, pf, pf_end); break;                    \
+    }
+
 #define ROW_CASES(P)                                                                                  \
-    switch (R) {                                                                                      \
-    case 1: block(1, P, x, m, panels, bias, y, j, N, K); break;                                       \
-    case 2: block(2, P, x, m, panels, bias, y, j, N, K); break;                                       \
-    case 3: block(3, P, x, m, panels, bias, y, j, N, K); break;                                       \
-    case 4: block(4, P, x, m, panels, bias, y, j, N, K); break;                                       \
-    case 5: block(5, P, x, m, panels, bias, y, j, N, K); break;                                       \
-    case 6: block(6, P, x, m, panels, bias, y, j, N, K); break;                                       \
-    case 7: block(7, P, x, m, panels, bias, y, j, N, K); break;                                       \
-    default: block(8, P, x, m, panels, bias, y, j, N, K); break;                                      \
+    if (lines) {                                                                                      \
+        PREFETCHING_CASES(P)                                                                          \
+    } else switch (R) {                                                                               \
+    case 1: block(1, P, x, m, panels, bias, y, j, N, K, 0, NULL, NULL); break;                        \
+    case 2: block(2, P, x, m, panels, bias, y, j, N, K, 0, NULL, NULL); break;                        \
+    case 3: block(3, P, x, m, panels, bias, y, j, N, K, 0, NULL, NULL); break;                        \
+    case 4: block(4, P, x, m, panels, bias, y, j, N, K, 0, NULL, NULL); break;                        \
+    case 5: block(5, P, x, m, panels, bias, y, j, N, K, 0, NULL, NULL); break;                        \
+    case 6: block(6, P, x, m, panels, bias, y, j, N, K, 0, NULL, NULL); break;                        \
+    case 7: block(7, P, x, m, panels, bias, y, j, N, K, 0, NULL, NULL); break;                        \
+    default: block(8, P, x, m, panels, bias, y, j, N, K, 0, NULL, NULL); break;                       \
     }
 
 void panel_linear_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y, int64_t M,
@@ -94,8 +117,24 @@ void panel_linear_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t
     for (int64_t task = 0; task < tasks; task++) {
         const int64_t j = task / row_tasks * WIDTH, P = num_panels - j < WIDTH ? num_panels - j : WIDTH;
         const int64_t first = task % row_tasks * TASK_ROWS, last = first + TASK_ROWS < M ? first + TASK_ROWS : M;
+        /* the next column block's panels, prefetched by the last row task of this one */
+        const int64_t next_j = j + WIDTH, next_P = num_panels - next_j < WIDTH ? num_panels - next_j : WIDTH;
+        const int64_t next_bytes = next_j < num_panels && task % row_tasks == row_tasks - 1
+                                       ? next_P * K * PANEL * (int64_t)sizeof(uint16_t) : 0;
+        const char *next = next_bytes ? (const char *)(panels + next_j * K * PANEL) : NULL;
+        const int64_t later = (last - first) / ROWS - 1; /* full row blocks after the first */
+        const int64_t share = later > 0 ? (next_bytes + later - 1) / later : 0;
         for (int64_t m = first; m < last; m += ROWS) {
-            const int64_t R = last - m < ROWS ? last - m : ROWS;
+            const int64_t R = last - m < ROWS ? last - m : ROWS, b = (m - first) / ROWS;
+            const char *pf = NULL, *pf_end = NULL;
+            int64_t lines = 0; /* per pair: 1-3 (share <= 3 panels' bytes, spread over K / 2 pairs) */
+            if (b > 0 && R == ROWS && share > 0) {
+                const int64_t from = (b - 1) * share, to = from + share < next_bytes ? from + share : next_bytes;
+                if (to > from) {
+                    pf = next + from, pf_end = next + to;
+                    lines = ((to - from + 63) / 64 + K / 2 - 1) / (K / 2);
+                }
+            }
             if (P == 3) {
                 ROW_CASES(3)
             } else if (P == 2) {
