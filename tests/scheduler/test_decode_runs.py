@@ -83,14 +83,17 @@ def _joined(outputs) -> tuple:
             deltas[-1].cumulative_logprob, deltas[-1].finish_reason, outputs[-1].is_finished)
 
 
-def test_a_held_request_runs_to_its_block_end_and_max_tokens_with_the_same_tokens():
+def test_a_held_request_runs_to_its_block_end_and_the_token_before_its_last_with_the_same_tokens():
     prompt = [5, 6, 7, 8, 9, 11]  # decodes at positions 6 .. 14 for 10 outputs
     held, plans, held_cached = _serve([_request("a", prompt, hold=True)])
     plain, plain_plans, plain_cached = _serve([_request("a", prompt, hold=False)])
     assert _joined(held["a"]) == _joined(plain["a"])
     assert _joined(held["a"])[3] is FinishReason.LENGTH and len(_joined(held["a"])[0]) == 10
-    # the prefill, then runs to each block's end (positions 6-7, 8-11) and to max_tokens (12-14)
-    assert [(plan.seqs[0].start_position, plan.num_steps) for plan in plans] == [(0, 1), (6, 2), (8, 4), (12, 3)]
+    # the prefill, then runs to each block's end (positions 6-7, 8-11) and to the token before the
+    # last (12-13); the last token alone, in a plan whose next step the worker must not compute
+    assert [(plan.seqs[0].start_position, plan.num_steps) for plan in plans] == [
+        (0, 1), (6, 2), (8, 4), (12, 2), (14, 1)]
+    assert [plan.continuable for plan in plans[1:]] == [True, True, True, False]
     assert len(plain_plans) == 10 and all(plan.num_steps == 1 for plan in plain_plans)
     assert held_cached == plain_cached == 3  # the blocks filled during the runs are registered, then cached
 
