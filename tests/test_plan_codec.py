@@ -141,7 +141,7 @@ def test_lora_slots_and_loads_round_trip_and_cost_nothing_without_adapters() -> 
 
 def test_a_decode_run_round_trips_and_one_step_costs_no_field() -> None:
     plan = _plan()
-    plan.continuable, plan.num_steps = True, 6
+    plan.continuable, plan.num_steps, plan.end_token_ids = True, 6, [0, 2, 49151]
     assert plan_from_proto(plan_to_proto(plan)) == plan
     result = StepResult(step_id=3, epoch=1, num_steps=2, samples=[
         SeqSample(seq_id=2, token_id=11, logprob=-0.5), SeqSample(seq_id=2, token_id=12, logprob=-0.25)])

@@ -19,7 +19,9 @@ A decode run (StepPlan.num_steps > 1: a continuable plan whose requests take the
 at the end, scheduler/core/continuable.py) is computed the same way without waiting for the plans
 in between: each step is the one before one position on, and the result holds every step's
 samples. A step that fails, or that next_plan cannot derive, ends the run before it; the
-scheduler plans that step again like any other. So does any message from the scheduler waiting
+scheduler plans that step again like any other. next_plan derives nothing after a step that
+sampled one of the plan's end_token_ids (EOS unless ignored, stop tokens): the sequence may have
+ended, so neither a run's later steps nor a step ahead are computed for nothing. So does any message from the scheduler waiting
 to be read (EndRun: a request arrived or left), so that the next plan comes one step later, not
 a run later. What a dropped step wrote is harmless as above.
 """
@@ -35,6 +37,8 @@ def next_plan(plan: StepPlan, result: StepResult, block_size: int) -> StepPlan |
     """The step most likely to follow `plan` given its result, or None when it is not continuable."""
     if not plan.continuable or result.failures or len(result.samples) != len(plan.seqs):
         return None
+    if any(sample.token_id in plan.end_token_ids for sample in result.samples):
+        return None  # a sequence may have ended (EOS, a stop token): the scheduler decides what follows
     tokens = {sample.seq_id: sample.token_id for sample in result.samples}
     seqs = []
     for seq in plan.seqs:
@@ -43,7 +47,8 @@ def next_plan(plan: StepPlan, result: StepResult, block_size: int) -> StepPlan |
                 or seq.lora_slot >= 0 or seq.seq_id not in tokens or position // block_size >= len(seq.block_table)):
             return None
         seqs.append(ScheduledSeq(seq.seq_id, [tokens[seq.seq_id]], position, seq.block_table, seq.sample))
-    return StepPlan(step_id=plan.step_id + 1, seqs=seqs, epoch=plan.epoch, continuable=True)
+    return StepPlan(step_id=plan.step_id + 1, seqs=seqs, epoch=plan.epoch, continuable=True,
+                    end_token_ids=plan.end_token_ids)
 
 
 def run_steps(result: StepResult, plan: StepPlan, block_size: int,

@@ -120,6 +120,7 @@ def plan_to_proto(plan: StepPlan) -> step_pb2.StepPlan:
         msg.continuable = True
     if plan.num_steps > 1:
         msg.num_steps = plan.num_steps
+    msg.end_token_ids.extend(plan.end_token_ids)
     if plan.drafts_from_worker:
         msg.drafts_from_worker = True
         msg.draft_start_positions.extend([seq.draft_start_position for seq in seqs])
@@ -190,6 +191,7 @@ def plan_from_proto(msg: step_pb2.StepPlan) -> StepPlan:
         masks_follow=msg.masks_follow,
         continuable=msg.continuable,
         num_steps=max(1, msg.num_steps),
+        end_token_ids=list(msg.end_token_ids),
         step_id=msg.step_id,
         seqs=seqs,
         blocks_to_swap_out=_pairs_from_proto(msg.blocks_to_swap_out),

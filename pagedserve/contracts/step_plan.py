@@ -108,6 +108,9 @@ class StepPlan:
     # end. A single-rank worker computes up to num_steps steps in a row, each one position on with
     # the tokens the step before sampled, and answers them all in one StepResult
     num_steps: int = 1
+    # Of a continuable plan: tokens that may end one of its sequences (EOS unless ignored, stop
+    # tokens); the worker computes nothing ahead after a step that sampled one
+    end_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -53,7 +53,7 @@ class BlockPair(_message.Message):
     def __init__(self, src: _Optional[_Iterable[int]] = ..., dst: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("epoch", "step_id", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "seq_ids", "start_positions", "num_tokens", "token_ids", "num_blocks", "block_ids", "sample_index", "samples", "num_draft_tokens", "drafts_from_worker", "draft_start_positions", "num_draft_context_tokens", "draft_context_ids", "num_mask_rows", "token_bitmasks", "masks_follow", "continuable", "num_steps", "tier_ops", "lora_slots", "lora_loads")
+    __slots__ = ("epoch", "step_id", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "seq_ids", "start_positions", "num_tokens", "token_ids", "num_blocks", "block_ids", "sample_index", "samples", "num_draft_tokens", "drafts_from_worker", "draft_start_positions", "num_draft_context_tokens", "draft_context_ids", "num_mask_rows", "token_bitmasks", "masks_follow", "continuable", "num_steps", "end_token_ids", "tier_ops", "lora_slots", "lora_loads")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_TO_SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class StepPlan(_message.Message):
     MASKS_FOLLOW_FIELD_NUMBER: _ClassVar[int]
     CONTINUABLE_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    END_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TIER_OPS_FIELD_NUMBER: _ClassVar[int]
     LORA_SLOTS_FIELD_NUMBER: _ClassVar[int]
     LORA_LOADS_FIELD_NUMBER: _ClassVar[int]
@@ -103,10 +104,11 @@ class StepPlan(_message.Message):
     masks_follow: bool
     continuable: bool
     num_steps: int
+    end_token_ids: _containers.RepeatedScalarFieldContainer[int]
     tier_ops: TierOps
     lora_slots: _containers.RepeatedScalarFieldContainer[int]
     lora_loads: _containers.RepeatedCompositeFieldContainer[LoraLoad]
-    def __init__(self, epoch: _Optional[int] = ..., step_id: _Optional[int] = ..., blocks_to_swap_out: _Optional[_Union[BlockPair, _Mapping]] = ..., blocks_to_swap_in: _Optional[_Union[BlockPair, _Mapping]] = ..., blocks_to_copy: _Optional[_Union[BlockPair, _Mapping]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., start_positions: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., sample_index: _Optional[_Iterable[int]] = ..., samples: _Optional[_Iterable[_Union[SampleSpec, _Mapping]]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., drafts_from_worker: _Optional[bool] = ..., draft_start_positions: _Optional[_Iterable[int]] = ..., num_draft_context_tokens: _Optional[_Iterable[int]] = ..., draft_context_ids: _Optional[_Iterable[int]] = ..., num_mask_rows: _Optional[_Iterable[int]] = ..., token_bitmasks: _Optional[bytes] = ..., masks_follow: _Optional[bool] = ..., continuable: _Optional[bool] = ..., num_steps: _Optional[int] = ..., tier_ops: _Optional[_Union[TierOps, _Mapping]] = ..., lora_slots: _Optional[_Iterable[int]] = ..., lora_loads: _Optional[_Iterable[_Union[LoraLoad, _Mapping]]] = ...) -> None: ...
+    def __init__(self, epoch: _Optional[int] = ..., step_id: _Optional[int] = ..., blocks_to_swap_out: _Optional[_Union[BlockPair, _Mapping]] = ..., blocks_to_swap_in: _Optional[_Union[BlockPair, _Mapping]] = ..., blocks_to_copy: _Optional[_Union[BlockPair, _Mapping]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., start_positions: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., sample_index: _Optional[_Iterable[int]] = ..., samples: _Optional[_Iterable[_Union[SampleSpec, _Mapping]]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., drafts_from_worker: _Optional[bool] = ..., draft_start_positions: _Optional[_Iterable[int]] = ..., num_draft_context_tokens: _Optional[_Iterable[int]] = ..., draft_context_ids: _Optional[_Iterable[int]] = ..., num_mask_rows: _Optional[_Iterable[int]] = ..., token_bitmasks: _Optional[bytes] = ..., masks_follow: _Optional[bool] = ..., continuable: _Optional[bool] = ..., num_steps: _Optional[int] = ..., end_token_ids: _Optional[_Iterable[int]] = ..., tier_ops: _Optional[_Union[TierOps, _Mapping]] = ..., lora_slots: _Optional[_Iterable[int]] = ..., lora_loads: _Optional[_Iterable[_Union[LoraLoad, _Mapping]]] = ...) -> None: ...
 
 class TierOps(_message.Message):
     __slots__ = ("save_blocks", "save_slots", "save_to_disk", "save_keys", "fetch_keys", "fetch_slots", "load_slots", "load_blocks", "delete_keys")

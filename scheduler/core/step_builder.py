@@ -132,7 +132,9 @@ class StepBuilder(PriorityPasses):
                         blocks_to_swap_in=self.blocks_to_swap_in, blocks_to_copy=self.blocks_to_copy,
                         epoch=epoch, drafts_from_worker=self.drafts_from_worker, tier_ops=tier_ops,
                         masks_follow=bool(self.pending_masks), lora_loads=lora_loads, continuable=continuable,
-                        num_steps=self.num_run_steps if continuable and self.scheduler.config.num_kv_ranks == 1 else 1)
+                        num_steps=self.num_run_steps if continuable and self.scheduler.config.num_kv_ranks == 1 else 1,
+                        end_token_ids=sorted(set().union(*(group.stop_token_ids for group in self.groups)))
+                        if continuable else [])
         return ScheduledStep(plan=plan, sampled=self.sampled, groups=self.groups,
                              num_prefill_tokens=self.num_prefill_tokens,
                              num_decode_tokens=self.num_decode_tokens, num_preemptions=self.num_preemptions,

@@ -43,17 +43,24 @@ def _token(seq_id_tokens: list[int], position: int, eos_at: int | None) -> int:
 def _worker(plan: StepPlan, tokens_of: dict[int, list[int]], eos_at: int | None,
             block_size: int = BLOCK_SIZE) -> StepResult:
     """Every step of the plan (a run's too) as a single-rank worker computes it: each sequence one
-    position on with the token the step before sampled."""
+    position on with the token the step before sampled; a run ends after a step that sampled one
+    of the plan's end tokens (worker/continuation.py)."""
     samples = []
     contexts = {seq.seq_id: list(tokens_of[seq.seq_id][:seq.context_len]) for seq in plan.seqs}
-    for index in range(plan.num_steps):
+    num_steps = 0
+    while num_steps < plan.num_steps:
+        step_tokens = []
         for seq in plan.seqs:
             context = contexts[seq.seq_id]
-            assert seq.context_len + index <= len(seq.block_table) * block_size  # the run stays in its blocks
+            assert seq.context_len + num_steps <= len(seq.block_table) * block_size  # the run stays in its blocks
             token = _token(context, len(context), eos_at)
             samples.append(SeqSample(seq.seq_id, token, -0.25 - 0.01 * len(context), [token], [-0.1]))
             context.append(token)
-    return StepResult(plan.step_id, samples, epoch=plan.epoch, num_steps=plan.num_steps)
+            step_tokens.append(token)
+        num_steps += 1
+        if any(token in plan.end_token_ids for token in step_tokens):
+            break
+    return StepResult(plan.step_id, samples, epoch=plan.epoch, num_steps=num_steps)
 
 
 def _serve(requests: list[Request], eos_at: int | None = None, max_steps: int = 200):
@@ -96,6 +103,27 @@ def test_a_held_request_runs_to_its_block_end_and_the_token_before_its_last_with
     assert [plan.continuable for plan in plans[1:]] == [True, True, True, False]
     assert len(plain_plans) == 10 and all(plan.num_steps == 1 for plan in plain_plans)
     assert held_cached == plain_cached == 3  # the blocks filled during the runs are registered, then cached
+
+
+@pytest.mark.parametrize("ignore_eos, stop_token_ids, expected", [
+    (True, [], []), (False, [], [EOS]), (True, [7, 5], [5, 7]), (False, [7], [EOS, 7])])
+def test_a_continuable_plan_names_the_tokens_that_may_end_its_sequences(ignore_eos, stop_token_ids, expected):
+    """EOS unless ignored, and the stop tokens: the worker computes nothing ahead after one of them;
+    a plan that is not continuable (the prefill) names none."""
+    _, plans, _ = _serve([_request("a", [5, 6, 7, 8, 9, 11], hold=True, ignore_eos=ignore_eos,
+                                   stop_token_ids=stop_token_ids)])
+    assert [plan.end_token_ids for plan in plans if plan.continuable] == [expected] * 3
+    assert plans[0].end_token_ids == [] and not plans[0].continuable
+
+
+def test_a_run_ends_after_a_step_that_sampled_an_end_token_and_the_answer_is_the_same():
+    """The run from position 8 is asked for 4 steps; EOS at 9 ends it after 2 (worker side), and
+    the answer equals the one planned step by step."""
+    prompt = [5, 6, 7, 8, 9, 11]
+    held, plans, _ = _serve([_request("a", prompt, hold=True, ignore_eos=False)], eos_at=9)
+    plain, _, _ = _serve([_request("a", prompt, hold=False, ignore_eos=False)], eos_at=9)
+    assert _joined(held["a"]) == _joined(plain["a"])
+    assert [(plan.seqs[0].start_position, plan.num_steps) for plan in plans] == [(0, 1), (6, 2), (8, 4)]
 
 
 def test_a_run_never_exceeds_the_step_limit():

@@ -162,6 +162,27 @@ def test_no_step_ahead_where_the_next_one_is_not_known():
     assert next_plan(lora, _result(lora), 4) is None
 
 
+def test_nothing_is_derived_after_a_token_that_may_end_a_sequence():
+    """A step that sampled one of the plan's end tokens (sequence 2 samples 102) has no step after
+    it, ahead or in a run; other end tokens do not stop it, and the derived step keeps the set."""
+    plan = _decode_plan(end_token_ids=[0, 102])
+    assert next_plan(plan, _result(plan), 4) is None
+    other = _decode_plan(end_token_ids=[0, 7])
+    assert next_plan(other, _result(other), 4).end_token_ids == [0, 7]
+    steps = []
+
+    def execute(step: StepPlan) -> StepResult:
+        steps.append(step.seqs[0].start_position)
+        return _result(step)
+
+    run = _decode_plan(num_steps=4, end_token_ids=[102])
+    result, last, _ = run_steps(_result(run), run, 4, execute, lambda: False)
+    assert (result.num_steps, steps, last is run) == (1, [], True)  # the first step sampled 102: no more
+    going_on = _decode_plan(num_steps=3, end_token_ids=[7])
+    result, _, _ = run_steps(_result(going_on), going_on, 4, execute, lambda: False)
+    assert (result.num_steps, steps) == (3, [6, 7])
+
+
 @pytest.mark.parametrize("change", [
     dict(step_id=9), dict(epoch=3), dict(blocks_to_copy=[(1, 2)]), dict(masks_follow=True),
     dict(seqs="token"), dict(seqs="position"), dict(seqs="blocks"), dict(seqs="spec"), dict(seqs="order"),
