@@ -14,8 +14,10 @@ nobody reads their tokens one by one) is a decode run (StepPlan.num_steps > 1) o
 worker: the worker computes its steps in a row, each one position on, and answers them in one
 result, so the scheduler plans, sends, receives and applies once for up to MAX_RUN_STEPS tokens of
 each sequence instead of once per token. A run stays inside the blocks the plan gives (each
-sequence's last one) and within every sequence's max_tokens. A token that ends a sequence early
-(EOS, a stop token) costs the rest of the run for that sequence: its later tokens are dropped.
+sequence's last one) and short of every sequence's last token (run_length). A continuable plan
+names the tokens that may end its sequences (StepPlan.end_token_ids: EOS unless ignored, stop
+tokens); the worker ends a run after a step that sampled one and computes nothing ahead of it, and
+the scheduler plans whatever follows (a sequence the token did not end goes on in the next plan).
 """
 
 from __future__ import annotations
