@@ -19,11 +19,13 @@ A decode run (StepPlan.num_steps > 1: a continuable plan whose requests take the
 at the end, scheduler/core/continuable.py) is computed the same way without waiting for the plans
 in between: each step is the one before one position on, and the result holds every step's
 samples. A step that fails, or that next_plan cannot derive, ends the run before it; the
-scheduler plans that step again like any other. next_plan derives nothing after a step that
-sampled one of the plan's end_token_ids (EOS unless ignored, stop tokens): the sequence may have
-ended, so neither a run's later steps nor a step ahead are computed for nothing. So does any message from the scheduler waiting
+scheduler plans that step again like any other. So does any message from the scheduler waiting
 to be read (EndRun: a request arrived or left), so that the next plan comes one step later, not
 a run later. What a dropped step wrote is harmless as above.
+
+next_plan derives nothing after a step that sampled one of the plan's end_token_ids (EOS unless
+ignored, stop tokens): the sequence may have ended, so neither a run's later steps nor a step
+ahead are computed for nothing.
 """
 
 from __future__ import annotations

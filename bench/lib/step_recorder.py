@@ -32,19 +32,16 @@ class StepRecorder:
 
     def collect(self) -> None:
         """Reads the recent step records now."""
-        self._collect()
-
-    def _collect(self) -> None:
         request = scheduler_pb2.GetStatsRequest(max_recent_steps=256)
         for record in self._stub.GetStats(request, timeout=10).recent_steps:
             self.records[record.step_id] = record
 
     def _poll(self) -> None:
         while not self._done.wait(self._interval):
-            self._collect()
+            self.collect()
 
     def __enter__(self) -> "StepRecorder":
-        self._collect()
+        self.collect()
         self._earlier = set(self.records)  # steps before the block (an earlier run's) are left out
         self.records.clear()
         if self._interval is not None:
@@ -55,7 +52,7 @@ class StepRecorder:
         self._done.set()
         if self._thread.is_alive():
             self._thread.join()
-        self._collect()
+        self.collect()
         self._channel.close()
         for step_id in self._earlier:
             self.records.pop(step_id, None)

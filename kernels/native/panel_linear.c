@@ -22,9 +22,10 @@
  * full row blocks find them in L2 and compute. Meanwhile they prefetch the next column block's
  * panels into L2 (prefetcht1), each later block an equal share spread over its pairs, one to three
  * cache lines per pair, so that the next task's first row block finds its panels in L2 as well
- * and memory and arithmetic overlap. At 16 to 32 rows this ran SmolLM2's projections 6-9 % faster
- * on AMD Zen 4; at 1 to 12 rows (one full row block) nothing is prefetched. A prefetch changes no
- * result.
+ * and memory and arithmetic overlap. The shares follow from the block's geometry, not from a
+ * timing; at 16 to 32 rows this ran SmolLM2's projections 6-11 % faster on AMD Zen 4 (the only CPU
+ * it was timed on); at 1 to 12 rows (one full row block) nothing is prefetched. A prefetch changes
+ * no result.
  *
  * Sums: float32 products of bfloat16 values added in another order than oneDNN's (the results
  * differ from F.linear in the last bits of some values); the bias (bfloat16) is added in float32

@@ -69,6 +69,17 @@ def _greedy(runner: ModelRunner) -> list[list[int]]:
     return [seq.generated for seq in seqs]
 
 
+def _counted_mappings(monkeypatch) -> list[int]:
+    """The sizes of the mappings worker/huge_pages.py makes from now on (its `_mapping`, spied on):
+    whether a plain tensor's memory lies in a mapping marked MADV_HUGEPAGE also depends on what
+    this process's allocators did before, over a whole test session, so the tests count these."""
+    requested: list[int] = []
+    make_mapping = huge_pages._mapping
+    monkeypatch.setattr(huge_pages, "_mapping",
+                        lambda num_bytes: requested.append(num_bytes) or make_mapping(num_bytes))
+    return requested
+
+
 def _runner(path, monkeypatch, *, huge: bool, **options) -> ModelRunner:
     monkeypatch.setenv(huge_pages.ENV, "1" if huge else "0")
     runner = ModelRunner(path, device="cpu", block_size=16, **options)
@@ -109,10 +120,7 @@ def test_off_by_the_environment_moves_nothing(monkeypatch):
     model = torch.nn.Linear(1024, 1024)
     address = model.weight.data_ptr()
     assert huge_pages.move_to_huge_pages(model) == 0 and model.weight.data_ptr() == address
-    requested = []  # the module's own mappings (see the next test)
-    make_mapping = huge_pages._mapping
-    monkeypatch.setattr(huge_pages, "_mapping",
-                        lambda num_bytes: requested.append(num_bytes) or make_mapping(num_bytes))
+    requested = _counted_mappings(monkeypatch)
     assert huge_pages.huge_page_buffer(4 << 20).numel() == 4 << 20 and requested == []
 
 
@@ -126,13 +134,7 @@ def test_a_loaded_model_is_all_on_huge_pages_and_decodes_the_same_tokens(checkpo
         panels = [module.prepacked_weight.data for module in moved.model.modules()
                   if isinstance(getattr(module, "prepacked_weight", None), PanelWeight)]
         assert all(_on_huge_pages(data) for data in panels)
-    # with the environment off the load asks for no memory on huge pages (counted where the module
-    # makes its mappings: whether a plain tensor's memory lies in a mapping marked MADV_HUGEPAGE also
-    # depends on what the allocators of this process did before, over a whole test session)
-    requested = []
-    make_mapping = huge_pages._mapping
-    monkeypatch.setattr(huge_pages, "_mapping",
-                        lambda num_bytes: requested.append(num_bytes) or make_mapping(num_bytes))
+    requested = _counted_mappings(monkeypatch)  # with the environment off the load asks for none
     plain = _runner(checkpoint_dir(NAME), monkeypatch, huge=False, dtype=dtype)
     assert requested == []
     moved_again = _runner(checkpoint_dir(NAME), monkeypatch, huge=True, dtype=dtype)
