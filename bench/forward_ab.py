@@ -16,7 +16,8 @@ prompts into its own KV cache; both use the same weights, so their logits are al
 absolute difference and greedy agreement of the last forward).
 
 Other jobs on the machine slow both sides alike within a round; the load average is printed. Run it
-with OMP_WAIT_POLICY=PASSIVE, as the worker runs.
+with GOMP_SPINCOUNT=30000, as the worker runs by default (worker/cpu_share.py): both sides' native
+libraries are tuned at their first load in this process, and passive waits change what they choose.
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ def import_revision(rev: str, root: Path):
         input_module = importlib.import_module("pagedserve.worker.model_input")
         if not runner_module.__file__.startswith(str(root)):
             raise RuntimeError(f"imported {runner_module.__file__}, not the revision's copy")
+        # its native library, built and tuned now: its loader imports the tuning module lazily,
+        # which later would find the working tree's
+        importlib.import_module("pagedserve.kernels.native.library").load()
         return runner_module.ModelRunner, input_module.build_model_input
     finally:
         sys.path.remove(str(root / "pkg"))

@@ -64,6 +64,8 @@ SIGNATURES = {  # exported function -> argument types, as pagedserve_cpu.h decla
     "linear_rows_prefetch": (),
     "panel_linear_bf16": (P, P, P, P, I64, I64, I64),
     "panel_linear_available": (),
+    "panel_linear_set_prefetch": (I64, I64),
+    "panel_linear_prefetch": (I64,),
     "block_quant_rows": (P, P, P, P, P, I64, I64, I64, I32),
     "block_quant_rows_available": (),
     "block_quant_rows_bf16": (P, P, P, P, P, I64, I64, I64, I32),
@@ -77,7 +79,7 @@ SIGNATURES = {  # exported function -> argument types, as pagedserve_cpu.h decla
                                I32),
 }
 RESTYPES = {"linear_rows_available": I32, "linear_rows_prefetch": I64, "panel_linear_available": I32,
-            "block_quant_rows_available": I32, "block_quant_rows_bf16_available": I32,
+            "panel_linear_prefetch": I64, "block_quant_rows_available": I32, "block_quant_rows_bf16_available": I32,
             "block_quant_dequantize": I32, "block_quant_prefetch": I64}  # the others return void
 
 

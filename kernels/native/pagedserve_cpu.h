@@ -80,6 +80,8 @@ int64_t linear_rows_prefetch(void);
 void panel_linear_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y, int64_t M,
                        int64_t N, int64_t K);
 int32_t panel_linear_available(void);
+void panel_linear_set_prefetch(int64_t rows, int64_t bytes);
+int64_t panel_linear_prefetch(int64_t rows);
 
 /* block_quant_rows.c: GGUF Q4_0/Q4_1/Q8_0 blocks (codes, float16 scales and minimums) at 1-32 rows */
 void block_quant_rows(const float *x, const uint8_t *qs, const uint16_t *d, const uint16_t *m, float *y, int64_t M,

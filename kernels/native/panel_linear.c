@@ -24,8 +24,12 @@
  * cache lines per pair, so that the next task's first row block finds its panels in L2 as well
  * and memory and arithmetic overlap. The shares follow from the block's geometry, not from a
  * timing; at 16 to 32 rows this ran SmolLM2's projections 6-11 % faster on AMD Zen 4 (the only CPU
- * it was timed on); at 1 to 12 rows (one full row block) nothing is prefetched. A prefetch changes
- * no result.
+ * it was timed on).
+ * A task's first row block, which reads its panels from memory, may also prefetch each panel's
+ * stream a distance ahead of its loads into L2: panel_linear_prefetch(R) bytes for a block of R
+ * rows, 0 meaning the hardware prefetchers alone. The distances are measured per host at 1, 2, 4 and
+ * 8 rows (kernels/native/tuning.py; on AMD Zen 4, 1.5 KiB made one row's pass over SmolLM2's weights
+ * about 8 % faster, 2-3 KiB eight rows' about 12 %). A prefetch changes no result.
  *
  * Sums: float32 products of bfloat16 values added in another order than oneDNN's (the results
  * differ from F.linear in the last bits of some values); the bias (bfloat16) is added in float32
@@ -42,6 +46,15 @@
 #define WIDTH 3
 #define TASK_ROWS 64
 
+/* bytes ahead of each panel's loads that a task's first block of R rows prefetches ([R], 0: none) */
+static int64_t prefetch_bytes[ROWS + 1];
+
+void panel_linear_set_prefetch(int64_t rows, int64_t bytes) {
+    if (rows >= 1 && rows <= ROWS) prefetch_bytes[rows] = bytes > 0 ? bytes : 0;
+}
+
+int64_t panel_linear_prefetch(int64_t rows) { return rows >= 1 && rows <= ROWS ? prefetch_bytes[rows] : 0; }
+
 #if defined(__AVX512BF16__)
 /* 16 float32 lanes rounded to bfloat16 as common.h's f32_to_bf16 (denormals kept, NaN quieted) */
 static inline __m256i round_bf16(__m512 v) {
@@ -54,11 +67,12 @@ static inline __m256i round_bf16(__m512 v) {
 }
 
 /* R rows of x from row m, P panels from panel j: y[m.., 16 j ..]; with PF > 0 it also prefetches
- * PF cache lines per pair of inputs from pf into L2, up to pf_end (the module comment) */
+ * PF cache lines per pair of inputs from pf into L2, up to pf_end, and with ahead > 0 each panel's
+ * own stream that many bytes ahead (the module comment) */
 static inline __attribute__((always_inline)) void block(const int R, const int P, const uint16_t *x, int64_t m,
                                                          const uint16_t *panels, const uint16_t *bias, uint16_t *y,
                                                          int64_t j, int64_t N, int64_t K, const int PF,
-                                                         const char *pf, const char *pf_end) {
+                                                         const char *pf, const char *pf_end, int64_t ahead) {
     const int64_t pairs = K / 2, stride = pairs * 2 * PANEL;
     const uint16_t *w = panels + j * stride;
     __m512 acc[ROWS][WIDTH];
@@ -71,6 +85,8 @@ static inline __attribute__((always_inline)) void block(const int R, const int P
             for (int l = 0; l < PF; l++) _mm_prefetch(pf + 64 * l, _MM_HINT_T1);
             pf += 64 * PF;
         }
+        if (ahead)
+            for (int q = 0; q < P; q++) _mm_prefetch((const char *)(w + q * stride + p * 2 * PANEL) + ahead, _MM_HINT_T1);
         __m512bh wv[WIDTH];
         for (int q = 0; q < P; q++) wv[q] = (__m512bh)_mm512_loadu_si512(w + q * stride + p * 2 * PANEL);
         for (int r = 0; r < R; r++) {
@@ -89,25 +105,25 @@ static inline __attribute__((always_inline)) void block(const int R, const int P
     }
 }
 
-#define PREFETCHING_CASES(P)                                                                          \
-    switch (lines) {                                                                                  \
-    case 1: block(ROWS, P, x, m, panels, bias, y, j, N, K, 1, pf, pf_end); break;                     \
-    case 2: block(ROWS, P, x, m, panels, bias, y, j, N, K, 2, pf, pf_end); break;                     \
-    default: block(ROWS, P, x, m, panels, bias, y, j, N, K, 3, pf, pf_end); break;                    \
+#define PREFETCHING_CASES(P)                                                                                      \
+    switch (lines) {                                                                                              \
+    case 1: block(ROWS, P, x, m, panels, bias, y, j, N, K, 1, pf, pf_end, 0); break;                              \
+    case 2: block(ROWS, P, x, m, panels, bias, y, j, N, K, 2, pf, pf_end, 0); break;                              \
+    default: block(ROWS, P, x, m, panels, bias, y, j, N, K, 3, pf, pf_end, 0); break;                             \
     }
 
-#define ROW_CASES(P)                                                                                  \
-    if (lines) {                                                                                      \
-        PREFETCHING_CASES(P)                                                                          \
-    } else switch (R) {                                                                               \
-    case 1: block(1, P, x, m, panels, bias, y, j, N, K, 0, NULL, NULL); break;                        \
-    case 2: block(2, P, x, m, panels, bias, y, j, N, K, 0, NULL, NULL); break;                        \
-    case 3: block(3, P, x, m, panels, bias, y, j, N, K, 0, NULL, NULL); break;                        \
-    case 4: block(4, P, x, m, panels, bias, y, j, N, K, 0, NULL, NULL); break;                        \
-    case 5: block(5, P, x, m, panels, bias, y, j, N, K, 0, NULL, NULL); break;                        \
-    case 6: block(6, P, x, m, panels, bias, y, j, N, K, 0, NULL, NULL); break;                        \
-    case 7: block(7, P, x, m, panels, bias, y, j, N, K, 0, NULL, NULL); break;                        \
-    default: block(8, P, x, m, panels, bias, y, j, N, K, 0, NULL, NULL); break;                       \
+#define ROW_CASES(P)                                                                                              \
+    if (lines) {                                                                                                  \
+        PREFETCHING_CASES(P)                                                                                      \
+    } else switch (R) {                                                                                           \
+    case 1: block(1, P, x, m, panels, bias, y, j, N, K, 0, NULL, NULL, ahead); break;                             \
+    case 2: block(2, P, x, m, panels, bias, y, j, N, K, 0, NULL, NULL, ahead); break;                             \
+    case 3: block(3, P, x, m, panels, bias, y, j, N, K, 0, NULL, NULL, ahead); break;                             \
+    case 4: block(4, P, x, m, panels, bias, y, j, N, K, 0, NULL, NULL, ahead); break;                             \
+    case 5: block(5, P, x, m, panels, bias, y, j, N, K, 0, NULL, NULL, ahead); break;                             \
+    case 6: block(6, P, x, m, panels, bias, y, j, N, K, 0, NULL, NULL, ahead); break;                             \
+    case 7: block(7, P, x, m, panels, bias, y, j, N, K, 0, NULL, NULL, ahead); break;                             \
+    default: block(8, P, x, m, panels, bias, y, j, N, K, 0, NULL, NULL, ahead); break;                            \
     }
 
 void panel_linear_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y, int64_t M,
@@ -128,6 +144,7 @@ void panel_linear_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t
         for (int64_t m = first; m < last; m += ROWS) {
             const int64_t R = last - m < ROWS ? last - m : ROWS, b = (m - first) / ROWS;
             const char *pf = NULL, *pf_end = NULL;
+            const int64_t ahead = b == 0 ? prefetch_bytes[R] : 0; /* the first block reads from memory */
             int64_t lines = 0; /* per pair: 1-3 (share <= 3 panels' bytes, spread over K / 2 pairs) */
             if (b > 0 && R == ROWS && share > 0) {
                 const int64_t from = (b - 1) * share, to = from + share < next_bytes ? from + share : next_bytes;
@@ -155,4 +172,8 @@ void panel_linear_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t
 }
 
 int32_t panel_linear_available(void) { return 0; } /* no AVX-512 BF16: the callers keep oneDNN */
+
+void panel_linear_set_prefetch(int64_t rows, int64_t bytes) { (void)rows, (void)bytes; }
+
+int64_t panel_linear_prefetch(int64_t rows) { (void)rows; return 0; }
 #endif

@@ -2,7 +2,7 @@
 the library (<cache>/native/<build key>/tuning.json: the key names the sources, the compiler and
 the CPU's flags, so another CPU or an edited kernel measures anew).
 
-Four parameters. `linear_rows_prefetch`: how far ahead of its weight stream the few-rows linear
+Five parameters. `linear_rows_prefetch`: how far ahead of its weight stream the few-rows linear
 kernel (linear_rows.c) issues a software prefetch, in bytes, 0 meaning none (the hardware
 prefetchers alone). Measured on SmolLM2-sized projections (rows of 576 bfloat16 values, 96 MiB, far beyond
 any last-level cache) at one row of x with every core of the process's CPU set: each candidate's
@@ -24,6 +24,14 @@ activations (block_quant_rows.c), timed at one row on Q4 weights of SmolLM2's pr
 (WEIGHT_BYTES of codes), with the same candidates and rule. On AMD Zen 4 that loop, which does
 little work per byte, ran about a fifth faster with 2048-4096 bytes than with the hardware
 prefetchers alone (18.4-21.7 against 15.8-18.3 GB/s of codes in three measurements).
+
+`panel_prefetch`: with panels kept, how far ahead of each panel's loads the panel kernel's first
+block of rows (the one that reads them from memory, panel_linear.c) prefetches, in bytes, for 1, 2,
+4 and 8 rows of x ({"1": ..., "2": ..., "4": ..., "8": ...}; a block of 3-4 rows takes the
+distance of 4, 5-8 that of 8). Each timed over SmolLM2's four projection shapes as panels, each its own allocation,
+WEIGHT_BYTES in all, with PANEL_CANDIDATES and the same rule. On AMD Zen 4 the more rows the
+block multiplies per load, the further behind the hardware prefetchers fall: 1,536 bytes ran one
+row about 8 % faster than none, 2,048-3,072 bytes eight rows about 12 %; 4,096 and more lost.
 
 `linear_bf16_few_rows`: with panels kept, what one or two rows multiply, "panels" or "rows" (the
 row kernel on the dense weight, linear_rows.c): both timed at one row over the prefetch
@@ -53,6 +61,8 @@ LAYOUT_ROWS = (32, 256)
 LAYOUT_SHAPES = ((1536, 576), (576, 1536))  # [N, K]
 BLOCK_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # [N, K] of a SmolLM2 layer
 CANDIDATES = (0, 512, 1024, 2048, 4096, 8192)  # bytes ahead of the stream
+PANEL_CANDIDATES = (0, 512, 1024, 1536, 2048, 3072)  # bytes ahead of each panel's stream
+PANEL_PREFETCH_ROWS = (1, 2, 4, 8)  # measured at these rows; a block of R rows takes the first >= R
 NOISE = 0.05  # a prefetch must be this much faster than none to be kept
 SIZE_IN = 576
 WEIGHT_BYTES = 96 << 20
@@ -89,8 +99,17 @@ def apply(lib, folder: Path) -> dict:
         params["source"] = ",".join(overrides)
     lib.linear_rows_set_prefetch(int(params["linear_rows_prefetch"]))
     lib.block_quant_set_prefetch(int(params["block_quant_prefetch"]))
+    set_panel_prefetch(lib, params.get("panel_prefetch", {}))
     lib._pagedserve_tuning = params
     return params
+
+
+def set_panel_prefetch(lib, distances: dict) -> None:
+    """Sets the panel kernel's distance for every block of 1-8 rows from those measured at
+    PANEL_PREFETCH_ROWS ({"1": bytes, ...}; a missing one is 0)."""
+    for rows in range(1, PANEL_PREFETCH_ROWS[-1] + 1):
+        measured_at = next(r for r in PANEL_PREFETCH_ROWS if r >= rows)
+        lib.panel_linear_set_prefetch(rows, int(distances.get(str(measured_at), 0)))
 
 
 def linear_bf16_layout(lib) -> str:
@@ -108,8 +127,11 @@ def measure(lib) -> dict:
     """Measures every parameter on this host; returns them."""
     params = {**measure_prefetch(lib), **measure_block_prefetch(lib), **measure_layout(lib)}
     lib.linear_rows_set_prefetch(int(params["linear_rows_prefetch"]))
-    params.update(measure_few_rows(lib) if params["linear_bf16_layout"] == "panels"
-                  else {"linear_bf16_few_rows": "rows"})
+    if params["linear_bf16_layout"] == "panels":
+        params.update(measure_panel_prefetch(lib))
+        params.update(measure_few_rows(lib))
+    else:
+        params.update({"panel_prefetch": {}, "linear_bf16_few_rows": "rows"})
     return params
 
 
@@ -162,6 +184,36 @@ def measure_few_rows(lib) -> dict:
     choice = "panels" if times["panels"] < times["rows"] * (1 - NOISE) else "rows"
     return {"linear_bf16_few_rows": choice,
             "few_rows_gb_per_s": {kernel: round(WEIGHT_BYTES / t / 1e9, 2) for kernel, t in times.items()}}
+
+
+def measure_panel_prefetch(lib) -> dict:
+    """Times panel_linear_bf16 at each of PANEL_PREFETCH_ROWS rows for every candidate distance
+    (module doc), and leaves the library set to the distances kept."""
+    import torch
+
+    from pagedserve.kernels.linear import panels
+
+    layer_bytes = sum(2 * n * k for n, k in BLOCK_SHAPES)
+    weights = [(panels.pack(torch.full((n, k), 0.5, dtype=torch.bfloat16)).data, n, k)
+               for _ in range(max(1, WEIGHT_BYTES // layer_bytes)) for n, k in BLOCK_SHAPES]
+    distances, gb_per_s = {}, {}
+    for rows in PANEL_PREFETCH_ROWS:
+        inputs = {k: torch.ones(rows, k, dtype=torch.bfloat16) for _, k in BLOCK_SHAPES}
+        y = torch.empty(rows, max(n for n, _ in BLOCK_SHAPES), dtype=torch.bfloat16)
+
+        def at(distance: int, rows=rows, inputs=inputs, y=y):
+            def run() -> None:
+                lib.panel_linear_set_prefetch(rows, distance)
+                for packed, n, k in weights:
+                    lib.panel_linear_bf16(inputs[k].data_ptr(), packed.data_ptr(), None, y.data_ptr(), rows, n, k)
+            return run
+
+        times = _interleaved_times({distance: at(distance) for distance in PANEL_CANDIDATES})
+        distances[str(rows)] = _best_distance(times)
+        num_bytes = len(weights) // len(BLOCK_SHAPES) * layer_bytes
+        gb_per_s[str(rows)] = {str(d): round(num_bytes / t / 1e9, 2) for d, t in times.items()}
+    set_panel_prefetch(lib, distances)
+    return {"panel_prefetch": distances, "panel_gb_per_s": gb_per_s}
 
 
 def _best_distance(times: dict) -> int:
@@ -251,6 +303,8 @@ def _read(path: Path) -> dict | None:
         int(params["block_quant_prefetch"])
         if params["linear_bf16_layout"] not in LAYOUTS or params["linear_bf16_few_rows"] not in ("rows", "panels"):
             return None
+        if params["linear_bf16_layout"] == "panels":
+            [int(params["panel_prefetch"][str(rows)]) for rows in PANEL_PREFETCH_ROWS]
         return params
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -123,6 +123,7 @@ def test_tuning_measures_once_then_reads_its_file(tmp_path, monkeypatch):
 
     lib = native_lib.load()
     before, before_blocks, tuned = lib.linear_rows_prefetch(), lib.block_quant_prefetch(), lib._pagedserve_tuning
+    before_panels = [lib.panel_linear_prefetch(rows) for rows in range(1, 9)]
     monkeypatch.delenv(tuning.PREFETCH_ENV, raising=False)
     monkeypatch.delenv(tuning.BLOCK_PREFETCH_ENV, raising=False)
     monkeypatch.delenv(tuning.LAYOUT_ENV, raising=False)
@@ -142,6 +143,24 @@ def test_tuning_measures_once_then_reads_its_file(tmp_path, monkeypatch):
         assert measured["linear_bf16_few_rows"] == "rows" or measured["linear_bf16_layout"] == "panels"
         assert set(measured.get("few_rows_gb_per_s", {})) <= {"rows", "panels"}
         assert tuning.linear_bf16_layout(lib) == measured["linear_bf16_layout"]
+        if measured["linear_bf16_layout"] == "panels":
+            distances = measured["panel_prefetch"]
+            assert set(distances) == {"1", "2", "4", "8"} and set(distances.values()) <= set(tuning.PANEL_CANDIDATES)
+            assert set(measured["panel_gb_per_s"]["8"]) == {str(distance) for distance in tuning.PANEL_CANDIDATES}
+            # a block of 3-4 rows takes the distance measured at 4, of 5-8 that measured at 8
+            assert [lib.panel_linear_prefetch(rows) for rows in range(1, 9)] == [
+                distances[key] for key in ("1", "2", "4", "4", "8", "8", "8", "8")]
+        (tmp_path / tuning.FILE_NAME).write_text(
+            '{"linear_rows_prefetch": 0, "block_quant_prefetch": 0, "linear_bf16_layout": "panels",'
+            ' "linear_bf16_few_rows": "panels", "panel_prefetch": {"1": 512, "2": 1024, "4": 2048, "8": 3072},'
+            ' "source": "measured"}')
+        assert tuning.apply(lib, tmp_path)["source"] == "measured"
+        if lib.panel_linear_available():  # without the panel kernel its distances are not kept
+            assert [lib.panel_linear_prefetch(rows) for rows in range(1, 9)] == [512, 1024, 2048, 2048] + [3072] * 4
+        (tmp_path / tuning.FILE_NAME).write_text(
+            '{"linear_rows_prefetch": 0, "block_quant_prefetch": 0, "linear_bf16_layout": "panels",'
+            ' "linear_bf16_few_rows": "panels", "source": "measured"}')
+        assert "layout_ms" in tuning.apply(lib, tmp_path)  # panels without their distances: measured anew
         (tmp_path / tuning.FILE_NAME).write_text(
             '{"linear_rows_prefetch": 2048, "block_quant_prefetch": 1024, "linear_bf16_layout": "onednn",'
             ' "linear_bf16_few_rows": "rows", "source": "measured"}')
@@ -170,6 +189,8 @@ def test_tuning_measures_once_then_reads_its_file(tmp_path, monkeypatch):
     finally:
         lib.linear_rows_set_prefetch(before)
         lib.block_quant_set_prefetch(before_blocks)
+        for rows, distance in enumerate(before_panels, start=1):
+            lib.panel_linear_set_prefetch(rows, distance)
         lib._pagedserve_tuning = tuned
 
 

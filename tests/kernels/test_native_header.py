@@ -102,6 +102,7 @@ def test_a_wrong_signature_is_named(header):
     assert signature_mismatches(header, native_lib.SIGNATURES, {"linear_rows_available": I32,
                                                                 "linear_rows_prefetch": I64,
                                                                 "panel_linear_available": I32,
+                                                                "panel_linear_prefetch": I64,
                                                                 "block_quant_rows_available": I32,
                                                                 "block_quant_dequantize": I32,
                                                                 "block_quant_prefetch": I64}) == [

@@ -55,6 +55,32 @@ def test_each_row_is_independent_of_the_others():
         assert torch.equal(panels.panel_linear(x[first:last], packed, None), whole[first:last])
 
 
+@pytest.mark.parametrize("num_rows", [1, 2, 5, 8, 9, 24])
+def test_the_prefetch_changes_no_result(num_rows):
+    """The first row block's prefetch distance (tuned per host for blocks of 1-8 rows) moves loads
+    earlier, nothing else; a distance past the end of the panels included."""
+    lib = panels.library()
+    generator = torch.Generator().manual_seed(20 + num_rows)
+    x = torch.randn(num_rows, 576, generator=generator).bfloat16()
+    packed = panels.pack(torch.randn(200, 576, generator=generator).bfloat16())
+    before = [lib.panel_linear_prefetch(rows) for rows in range(1, 9)]
+    try:
+        results = []
+        for distance in (0, 64, 1536, 1 << 20):
+            for rows in range(1, 9):
+                lib.panel_linear_set_prefetch(rows, distance)
+            assert [lib.panel_linear_prefetch(rows) for rows in range(1, 9)] == [distance] * 8
+            results.append(panels.panel_linear(x, packed, None))
+        lib.panel_linear_set_prefetch(3, -5)
+        assert lib.panel_linear_prefetch(3) == 0
+        lib.panel_linear_set_prefetch(9, 4096)  # only blocks of 1-8 rows have a distance
+        assert lib.panel_linear_prefetch(9) == 0 and lib.panel_linear_prefetch(0) == 0
+    finally:
+        for rows, distance in enumerate(before, start=1):
+            lib.panel_linear_set_prefetch(rows, distance)
+    assert all(torch.equal(result, results[0]) for result in results[1:])
+
+
 def test_leading_dimensions_strided_input_empty_rows_and_special_values():
     generator = torch.Generator().manual_seed(4)
     weight = torch.randn(48, 64, generator=generator).bfloat16()
