@@ -139,6 +139,7 @@ def _decode_input(seqs: list[ScheduledSeq], block_size: int, num_blocks: int, ma
         query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32, device=device),
         logits_indices=torch.tensor(sampled, dtype=torch.int64, device=device),
     )
+    metadata.step_plans["positions_below"] = max_positions  # every position checked above
     mask_row_indices, token_bitmasks = mask_rows(seqs)
     return ModelInput(token_ids=torch.tensor(token_ids, dtype=torch.int64, device=device), metadata=metadata,
                       sample_seq_ids=[seqs[row].seq_id for row in sampled],

@@ -77,6 +77,27 @@ def layer_weights(norm1: torch.Tensor, norm2: torch.Tensor, qkv: Linear, o: Line
     return weights
 
 
+_ROW_INDICES: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+_LAYER_ARRAY: list = [None, None]  # [the list of structures, its array of their addresses]
+
+
+def _row_indices(num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """query_start_loc (0..M, int32) and seqs (0..M-1, int64) of a step of M one-token rows, made
+    once per M: the C code only reads them."""
+    indices = _ROW_INDICES.get(num_rows)
+    if indices is None:
+        indices = _ROW_INDICES[num_rows] = (torch.arange(num_rows + 1, dtype=torch.int32), torch.arange(num_rows))
+    return indices
+
+
+def _layer_array(layers: list[LayerWeights]):
+    """The array of the structures' addresses that decode_layers takes; the last one is reused while
+    the caller passes the same list, unchanged (llama_native keeps one per model and caches)."""
+    if _LAYER_ARRAY[0] is not layers:
+        _LAYER_ARRAY[:] = [layers, (ctypes.c_void_p * len(layers))(*[ctypes.addressof(weights) for weights in layers])]
+    return _LAYER_ARRAY[1]
+
+
 class DecodeLayers:
     """One decode step of M rows, row i being sequence i's one new token, through a list of layers."""
 
@@ -87,16 +108,15 @@ class DecodeLayers:
         num_rows = positions.shape[0]
         block_tables = block_tables.to(torch.int32).contiguous()
         seq_lens = seq_lens.to(torch.int32).contiguous()
-        query_start_loc = torch.arange(num_rows + 1, dtype=torch.int32)
+        query_start_loc, seqs = _row_indices(num_rows)
         positions, slot_mapping = positions.contiguous(), slot_mapping.contiguous()
-        seqs = torch.arange(num_rows)
         self.rows = StepRows(cos_sin.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(),
                              block_tables.data_ptr(), seq_lens.data_ptr(), query_start_loc.data_ptr(), seqs.data_ptr(),
                              num_rows, block_tables.shape[1])
         self.tensors = (cos_sin, block_tables, seq_lens, query_start_loc, positions, slot_mapping, seqs)
         self.lib = lib
         self.first = layers[0]
-        self.layer_array = (ctypes.c_void_p * len(layers))(*[ctypes.addressof(weights) for weights in layers])
+        self.layer_array = _layer_array(layers)
         self.layers = layers  # keeps the structures alive
         self.rows_address = ctypes.addressof(self.rows)
 

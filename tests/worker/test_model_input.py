@@ -49,6 +49,15 @@ def test_decode_steps_from_lists_equal_the_numpy_path(num_seqs, monkeypatch):
         assert (built.mask_row_indices, built.token_bitmasks) == (expected.mask_row_indices, expected.token_bitmasks)
 
 
+def test_a_decode_step_records_the_bound_it_checked_its_positions_against(monkeypatch):
+    """Every position of a decode step built from lists is checked below max_positions, which the
+    step's plans record so that the rotary table does not check them again; the numpy path records
+    nothing."""
+    seqs = _random_decodes(random.Random(7), 3)
+    assert build_model_input(seqs, **KW).metadata.step_plans == {"positions_below": KW["max_positions"]}
+    assert _numpy_path(seqs, monkeypatch).metadata.step_plans == {}
+
+
 @pytest.mark.parametrize(("position", "table", "kw"), [
     (1000, list(range(63)), {}),  # beyond max_positions
     (40, [1, 2], {}),  # the blocks cannot hold position 40

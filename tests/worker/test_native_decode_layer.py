@@ -192,3 +192,21 @@ def test_native_layers_multiply_the_panels_where_ops_linear_does(checkpoint_dir,
     weights = layer._native_decode[1]
     assert weights.qkv_panels and weights.down_panels  # above two rows, or always without the dense weight
     assert bool(weights.w_qkv) == bool(weights.w_down) == (few_rows == "rows")
+
+
+def test_a_new_cache_after_init_cache_gets_new_layer_structures(checkpoint_dir, monkeypatch):
+    """The model keeps its layers' structures for the list of caches they point into; init_cache
+    allocates a new list, and the next native step points into the new caches, with the logits of a
+    runner that never had the old ones."""
+    prompts = make_prompts(seed=5, lengths=(21, 40))
+    runner = _runner(checkpoint_dir("llama-gqa-untied"), "bfloat16")
+    first = _decode_logits(runner, prompts, True, monkeypatch)
+    old_caches = runner.cache.gpu_cache
+    assert runner.model._native_layers[0] is old_caches
+    runner.init_cache(64, 0)
+    assert runner.cache.gpu_cache is not old_caches
+    again = _decode_logits(runner, prompts, True, monkeypatch)
+    layers = runner.model._native_layers
+    assert layers[0] is runner.cache.gpu_cache
+    assert [weights.key_cache for weights in layers[2]] == [key.data_ptr() for key, _ in runner.cache.gpu_cache]
+    assert torch.equal(again, first)

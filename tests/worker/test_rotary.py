@@ -70,3 +70,18 @@ def test_unsupported_scaling_is_rejected():
         RopeConfig(head_size=HEAD_SIZE, rope_type="linear")
     with pytest.raises(RopeConfigError, match="low_freq_factor"):
         RopeConfig(head_size=HEAD_SIZE, rope_type="llama3", params={"factor": 8.0})
+
+
+def test_positions_are_checked_once_unless_the_step_checked_a_bound_within_the_table():
+    ours = _ours(SCALINGS["default"])
+    beyond = torch.tensor([3, MAX_POSITIONS])
+    with pytest.raises(IndexError, match="beyond the rotary table"):
+        ours.check_positions(beyond, {})
+    with pytest.raises(IndexError):  # a bound past the table checks nothing for it
+        ours.check_positions(beyond, {"positions_below": MAX_POSITIONS + 1})
+    plans = {"positions_below": MAX_POSITIONS}  # what build_model_input records for a decode step
+    ours.check_positions(beyond, plans)  # trusted: no reduction over the positions
+    assert plans[("rotary_checked", id(ours))] is True
+    checked = {}
+    ours.check_positions(torch.tensor([0, MAX_POSITIONS - 1]), checked)
+    ours.check_positions(beyond, checked)  # once per step: the step's plans say it was checked
