@@ -125,15 +125,34 @@ class DecodeLayers:
         returns: one native call for all the layers (decode_layers), the embeddings becoming the
         residual stream in place."""
         num_rows, size = hidden.shape
-        first = self.first
-        q_width = first.num_heads * first.head_size
-        qkv_width = q_width + 2 * first.num_kv_heads * first.head_size
-        num_elements = num_rows * (2 * size + qkv_width + q_width + 3 * first.inner)
-        # then float32 outputs of the block kernels (decode_layer.c), 64-byte aligned
-        num_elements += (64 + 4 * num_rows * 2 * first.inner) // hidden.element_size()
-        scratch = torch.empty(num_elements, dtype=hidden.dtype)
+        scratch = self._scratch(num_rows, size, hidden.dtype)
         hidden = hidden.contiguous()
         out, spare = torch.empty(2, num_rows, size, dtype=hidden.dtype)
         self.lib.decode_layers(self.layer_array, len(self.layers), self.rows_address, hidden.data_ptr(),
                                out.data_ptr(), spare.data_ptr(), scratch.data_ptr())
         return out, hidden
+
+    def run_step(self, token_ids: torch.Tensor, embedding: torch.Tensor, norm_weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+        """token_ids [M] int64 -> the final-normed hidden states [M, H] of every row, in one native call
+        (decode_step): the rows of embedding [vocab, H] (dense, the layers' dtype), the layers, then
+        RMSNorm(residual + last output) with norm_weight [H]. IndexError, as an embedding lookup
+        raises, when a token id is outside the table."""
+        num_rows, size = token_ids.shape[0], embedding.shape[1]
+        residual, out, spare = torch.empty(3, num_rows, size, dtype=embedding.dtype)
+        scratch = self._scratch(num_rows, size, embedding.dtype)  # held until the call returns
+        if not self.lib.decode_step(self.layer_array, len(self.layers), self.rows_address, token_ids.data_ptr(),
+                                    embedding.data_ptr(), embedding.shape[0], norm_weight.data_ptr(), eps,
+                                    residual.data_ptr(), out.data_ptr(), spare.data_ptr(), scratch.data_ptr()):
+            raise IndexError(f"a token id outside the embedding table of {embedding.shape[0]} rows")
+        return out
+
+    def _scratch(self, num_rows: int, size: int, dtype: torch.dtype) -> torch.Tensor:
+        """What decode_layer.c needs beside its inputs and outputs (its module comment)."""
+        first = self.first
+        q_width = first.num_heads * first.head_size
+        qkv_width = q_width + 2 * first.num_kv_heads * first.head_size
+        num_elements = num_rows * (2 * size + qkv_width + q_width + 3 * first.inner)
+        # then float32 outputs of the block kernels (decode_layer.c), 64-byte aligned
+        num_elements += (64 + 4 * num_rows * 2 * first.inner) // dtype.itemsize
+        return torch.empty(num_elements, dtype=dtype)

@@ -22,7 +22,13 @@
  * which become the residual stream (updated in place), the layers' outputs alternating between
  * `spare` and `out`, the last one in `out`. scratch holds M * (H + qkv width + nh * hs + H +
  * 2 inner + inner) values of the dtype, then 64 bytes of alignment and M * 2 inner float32 values
- * (the block kernels' output). */
+ * (the block kernels' output).
+ *
+ * decode_step wraps decode_layers for a whole decode step from token ids to the final norm: each
+ * row's embedding copied into `residual` (rows of a dense table of the layers' dtype, [vocab, H]),
+ * the layers, then the final RMSNorm of residual + the last layer's output into `out` (residual
+ * updated): what the model's forward does around the layers when every row of the step samples.
+ * It returns 0, having done nothing, when a token id is outside the table. */
 #include "common.h"
 #include "pagedserve_cpu.h"
 
@@ -86,4 +92,20 @@ void decode_layers(const struct layer_weights **layers, int64_t num_layers, cons
         decode_layer(layers[i], st, input, x, i > 0, output, scratch);
         input = output;
     }
+}
+
+int32_t decode_step(const struct layer_weights **layers, int64_t num_layers, const struct step_rows *st,
+                    const int64_t *token_ids, const void *embedding, int64_t vocab, const void *final_norm,
+                    float eps, void *residual, void *out, void *spare, void *scratch) {
+    const int64_t M = st->num_rows, H = layers[0]->hidden;
+    const int64_t row_bytes = H * (layers[0]->dtype == DTYPE_BF16 ? 2 : 4);
+    for (int64_t i = 0; i < M; i++)
+        if (token_ids[i] < 0 || token_ids[i] >= vocab) return 0;
+    for (int64_t i = 0; i < M; i++)
+        memcpy((char *)residual + i * row_bytes, (const char *)embedding + token_ids[i] * row_bytes,
+               (size_t)row_bytes);
+    decode_layers(layers, num_layers, st, residual, out, spare, scratch);
+    /* out is also the norm's input: rms_norm.c reads x only while adding it to the residual */
+    add_rms_norm(out, residual, final_norm, out, M, H, eps, layers[0]->dtype, 1);
+    return 1;
 }

@@ -100,6 +100,9 @@ void decode_layer(const struct layer_weights *lw, const struct step_rows *st, vo
                   int32_t has_residual, void *out, void *scratch);
 void decode_layers(const struct layer_weights **layers, int64_t num_layers, const struct step_rows *st, void *x,
                    void *out, void *spare, void *scratch);
+int32_t decode_step(const struct layer_weights **layers, int64_t num_layers, const struct step_rows *st,
+                    const int64_t *token_ids, const void *embedding, int64_t vocab, const void *final_norm,
+                    float eps, void *residual, void *out, void *spare, void *scratch);
 
 /* decode_attention.c */
 void paged_decode_attention(const void *query, int64_t q_stride, void *out, int64_t out_stride, const void *key_cache,

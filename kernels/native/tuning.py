@@ -34,9 +34,13 @@ block multiplies per load, the further behind the hardware prefetchers fall: 1,5
 row about 8 % faster than none, 2,048-3,072 bytes eight rows about 12 %; 4,096 and more lost.
 
 `linear_bf16_few_rows`: with panels kept, what one or two rows multiply, "panels" or "rows" (the
-row kernel on the dense weight, linear_rows.c): both timed at one row over the prefetch
-measurement's weight (far beyond the caches, as a decode step reads its weights), interleaved;
-the panels are kept when they beat the row kernel by more than NOISE.
+row kernel on the dense weight, linear_rows.c): both timed at one row over SmolLM2's four
+projection shapes, each its own allocation, WEIGHT_BYTES in all (far beyond the caches, as a decode
+step reads its weights; the panels with the distance just measured), interleaved; the row kernel
+is kept only when it beats the panels by more than NOISE. Within the noise the panels win: the
+layers need them above two rows anyway, and without the row kernel they keep no dense copy beside
+them. (The rule was the other way round, and on AMD Zen 4 a measurement that found the two equal
+chose the row kernel, whose one-sequence forward then took 1.13-1.19x the panels' time.)
 
     tuning.apply(lib, folder)       # reads folder/tuning.json, or measures and writes it
 
@@ -172,18 +176,32 @@ def _row_weight():
 
 def measure_few_rows(lib) -> dict:
     """Times the row kernel against the panels at one row (module doc)."""
+    import torch
+
     from pagedserve.kernels.linear import panels
 
-    weight, x, y = _row_weight()
-    packed = panels.pack(weight)
-    times = _interleaved_times({
-        "rows": lambda: lib.linear_rows_bf16(x.data_ptr(), weight.data_ptr(), None, y.data_ptr(), 1,
-                                             weight.shape[0], SIZE_IN),
-        "panels": lambda: lib.panel_linear_bf16(x.data_ptr(), packed.data.data_ptr(), None, y.data_ptr(), 1,
-                                                weight.shape[0], SIZE_IN)})
-    choice = "panels" if times["panels"] < times["rows"] * (1 - NOISE) else "rows"
+    layer_bytes = sum(2 * n * k for n, k in BLOCK_SHAPES)
+    dense = [torch.full((n, k), 0.5, dtype=torch.bfloat16)
+             for _ in range(max(1, WEIGHT_BYTES // layer_bytes)) for n, k in BLOCK_SHAPES]
+    pairs = [(weight, panels.pack(weight).data) for weight in dense]
+    inputs = {k: torch.ones(1, k, dtype=torch.bfloat16) for _, k in BLOCK_SHAPES}
+    y = torch.empty(1, max(n for n, _ in BLOCK_SHAPES), dtype=torch.bfloat16)
+
+    def rows() -> None:
+        for weight, _ in pairs:
+            n, k = weight.shape
+            lib.linear_rows_bf16(inputs[k].data_ptr(), weight.data_ptr(), None, y.data_ptr(), 1, n, k)
+
+    def panel() -> None:
+        for weight, packed in pairs:
+            n, k = weight.shape
+            lib.panel_linear_bf16(inputs[k].data_ptr(), packed.data_ptr(), None, y.data_ptr(), 1, n, k)
+
+    times = _interleaved_times({"rows": rows, "panels": panel})
+    choice = "rows" if times["rows"] < times["panels"] * (1 - NOISE) else "panels"
+    num_bytes = sum(weight.numel() * 2 for weight in dense)
     return {"linear_bf16_few_rows": choice,
-            "few_rows_gb_per_s": {kernel: round(WEIGHT_BYTES / t / 1e9, 2) for kernel, t in times.items()}}
+            "few_rows_gb_per_s": {kernel: round(num_bytes / t / 1e9, 2) for kernel, t in times.items()}}
 
 
 def measure_panel_prefetch(lib) -> dict:

@@ -210,3 +210,36 @@ def test_a_new_cache_after_init_cache_gets_new_layer_structures(checkpoint_dir, 
     assert layers[0] is runner.cache.gpu_cache
     assert [weights.key_cache for weights in layers[2]] == [key.data_ptr() for key, _ in runner.cache.gpu_cache]
     assert torch.equal(again, first)
+
+
+def test_a_whole_native_step_gives_the_bits_of_the_layers_between_torch_embedding_and_norm(checkpoint_dir):
+    """bfloat16, every row sampling: the embedding, the layers and the final norm in one native call
+    (decode_step) give what the layers' call between the model's own embedding and final norm gives,
+    bit for bit; a token outside the table raises IndexError as the embedding lookup does."""
+    runner = _runner(checkpoint_dir("qwen2-bias-tied"), "bfloat16")
+    model = runner.model
+    prompts = make_prompts(seed=9, lengths=(12, 30, 47))
+    tables = [[8 * i + j for j in range(-(-len(prompt) // 16))] for i, prompt in enumerate(prompts)]
+
+    def step_input(last_only: bool):
+        seqs = [ScheduledSeq(seq_id=i, token_ids=prompt[-1:] if last_only else prompt[:-1],
+                             start_position=len(prompt) - 1 if last_only else 0, block_table=table,
+                             sample=SampleSpec()) for i, (prompt, table) in enumerate(zip(prompts, tables))]
+        return build_model_input(seqs, block_size=16, num_blocks=runner.cache.num_gpu_blocks,
+                                 max_positions=model.max_positions, device=runner.device)
+
+    with torch.inference_mode():
+        prefill = step_input(False)
+        model(prefill.token_ids, prefill.metadata, runner.cache.gpu_cache)
+        inputs = step_input(True)
+        step = llama_native.NativeDecodeStep.for_step(model, inputs.metadata, runner.cache.gpu_cache)
+        whole = step.final_hidden(inputs.token_ids)
+        hidden, residual = step.run(model.embed_tokens(inputs.token_ids))  # rewrites the same K/V
+        expected, _ = model.norm(hidden, residual)
+        assert whole.dtype == torch.bfloat16 and torch.equal(whole, expected)
+        assert torch.equal(model(inputs.token_ids, inputs.metadata, runner.cache.gpu_cache), expected)
+        with pytest.raises(IndexError, match="outside the embedding table"):
+            step.final_hidden(torch.tensor([1, model.embed_tokens.weight.shape[0], 2]))
+        float32 = _runner(checkpoint_dir("qwen2-bias-tied"), "float32")
+        step32 = llama_native.NativeDecodeStep.for_step(float32.model, inputs.metadata, float32.cache.gpu_cache)
+        assert step32 is not None and step32.final_hidden(inputs.token_ids) is None  # float32 keeps torch's norm

@@ -165,8 +165,13 @@ class LlamaForCausalLM(torch.nn.Module):
         """token_ids [T] -> final-normed hidden states of the logits rows [num_sampled, hidden]."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"{len(kv_caches)} KV caches for {len(self.layers)} layers")
-        hidden = self.embed_tokens(token_ids)  # [T, hidden]
         native_step = None if self.lora_active else NativeDecodeStep.for_step(self, metadata, kv_caches)
+        if native_step is not None and metadata.logits_indices.shape[0] == metadata.num_tokens:
+            # every row samples (each is one sequence's decode): the embedding and the final norm too
+            selected = native_step.final_hidden(token_ids)
+            if selected is not None:
+                return selected  # [num_sampled, hidden]
+        hidden = self.embed_tokens(token_ids)  # [T, hidden]
         if native_step is not None:  # a few decodes in bfloat16: one native call for all the layers
             hidden, residual = native_step.run(hidden)
         else:
