@@ -132,8 +132,9 @@ def measure(lib) -> dict:
     params = {**measure_prefetch(lib), **measure_block_prefetch(lib), **measure_layout(lib)}
     lib.linear_rows_set_prefetch(int(params["linear_rows_prefetch"]))
     if params["linear_bf16_layout"] == "panels":
-        params.update(measure_panel_prefetch(lib))
-        params.update(measure_few_rows(lib))
+        weights = _projection_weights()  # packed once for both measurements
+        params.update(measure_panel_prefetch(lib, weights))
+        params.update(measure_few_rows(lib, weights))
     else:
         params.update({"panel_prefetch": {}, "linear_bf16_few_rows": "rows"})
     return params
@@ -174,8 +175,10 @@ def _row_weight():
     return weight, torch.ones(1, SIZE_IN, dtype=torch.bfloat16), torch.empty(1, weight.shape[0], dtype=torch.bfloat16)
 
 
-def measure_few_rows(lib) -> dict:
-    """Times the row kernel against the panels at one row (module doc)."""
+def _projection_weights() -> list:
+    """SmolLM2's four projection shapes in bfloat16, each its own allocation, WEIGHT_BYTES in all
+    (far beyond the caches, streams that restart at every projection, as a decode step reads its
+    weights): [(dense [N, K], its panels), ...]."""
     import torch
 
     from pagedserve.kernels.linear import panels
@@ -183,52 +186,53 @@ def measure_few_rows(lib) -> dict:
     layer_bytes = sum(2 * n * k for n, k in BLOCK_SHAPES)
     dense = [torch.full((n, k), 0.5, dtype=torch.bfloat16)
              for _ in range(max(1, WEIGHT_BYTES // layer_bytes)) for n, k in BLOCK_SHAPES]
-    pairs = [(weight, panels.pack(weight).data) for weight in dense]
-    inputs = {k: torch.ones(1, k, dtype=torch.bfloat16) for _, k in BLOCK_SHAPES}
-    y = torch.empty(1, max(n for n, _ in BLOCK_SHAPES), dtype=torch.bfloat16)
+    return [(weight, panels.pack(weight).data) for weight in dense]
 
-    def rows() -> None:
-        for weight, _ in pairs:
+
+def _weights_pass(lib, weights: list, rows: int, kernel: str):
+    """A pass of `rows` rows of x over every weight, with the panel kernel or the row kernel."""
+    import torch
+
+    inputs = {k: torch.ones(rows, k, dtype=torch.bfloat16) for _, k in BLOCK_SHAPES}
+    y = torch.empty(rows, max(n for n, _ in BLOCK_SHAPES), dtype=torch.bfloat16)
+
+    def run() -> None:
+        for weight, packed in weights:
             n, k = weight.shape
-            lib.linear_rows_bf16(inputs[k].data_ptr(), weight.data_ptr(), None, y.data_ptr(), 1, n, k)
+            if kernel == "panels":
+                lib.panel_linear_bf16(inputs[k].data_ptr(), packed.data_ptr(), None, y.data_ptr(), rows, n, k)
+            else:
+                lib.linear_rows_bf16(inputs[k].data_ptr(), weight.data_ptr(), None, y.data_ptr(), rows, n, k)
+    return run
 
-    def panel() -> None:
-        for weight, packed in pairs:
-            n, k = weight.shape
-            lib.panel_linear_bf16(inputs[k].data_ptr(), packed.data_ptr(), None, y.data_ptr(), 1, n, k)
 
-    times = _interleaved_times({"rows": rows, "panels": panel})
+def measure_few_rows(lib, weights: list | None = None) -> dict:
+    """Times the row kernel against the panels at one row (module doc) over _projection_weights()."""
+    weights = weights or _projection_weights()
+    times = _interleaved_times({kernel: _weights_pass(lib, weights, 1, kernel) for kernel in ("rows", "panels")})
     choice = "rows" if times["rows"] < times["panels"] * (1 - NOISE) else "panels"
-    num_bytes = sum(weight.numel() * 2 for weight in dense)
+    num_bytes = sum(weight.numel() * 2 for weight, _ in weights)
     return {"linear_bf16_few_rows": choice,
             "few_rows_gb_per_s": {kernel: round(num_bytes / t / 1e9, 2) for kernel, t in times.items()}}
 
 
-def measure_panel_prefetch(lib) -> dict:
+def measure_panel_prefetch(lib, weights: list | None = None) -> dict:
     """Times panel_linear_bf16 at each of PANEL_PREFETCH_ROWS rows for every candidate distance
-    (module doc), and leaves the library set to the distances kept."""
-    import torch
-
-    from pagedserve.kernels.linear import panels
-
-    layer_bytes = sum(2 * n * k for n, k in BLOCK_SHAPES)
-    weights = [(panels.pack(torch.full((n, k), 0.5, dtype=torch.bfloat16)).data, n, k)
-               for _ in range(max(1, WEIGHT_BYTES // layer_bytes)) for n, k in BLOCK_SHAPES]
+    over _projection_weights() (module doc), and leaves the library set to the distances kept."""
+    weights = weights or _projection_weights()
+    num_bytes = sum(weight.numel() * 2 for weight, _ in weights)
     distances, gb_per_s = {}, {}
     for rows in PANEL_PREFETCH_ROWS:
-        inputs = {k: torch.ones(rows, k, dtype=torch.bfloat16) for _, k in BLOCK_SHAPES}
-        y = torch.empty(rows, max(n for n, _ in BLOCK_SHAPES), dtype=torch.bfloat16)
+        run = _weights_pass(lib, weights, rows, "panels")
 
-        def at(distance: int, rows=rows, inputs=inputs, y=y):
-            def run() -> None:
+        def at(distance: int, rows=rows, run=run):
+            def timed_run() -> None:
                 lib.panel_linear_set_prefetch(rows, distance)
-                for packed, n, k in weights:
-                    lib.panel_linear_bf16(inputs[k].data_ptr(), packed.data_ptr(), None, y.data_ptr(), rows, n, k)
-            return run
+                run()
+            return timed_run
 
         times = _interleaved_times({distance: at(distance) for distance in PANEL_CANDIDATES})
         distances[str(rows)] = _best_distance(times)
-        num_bytes = len(weights) // len(BLOCK_SHAPES) * layer_bytes
         gb_per_s[str(rows)] = {str(d): round(num_bytes / t / 1e9, 2) for d, t in times.items()}
     set_panel_prefetch(lib, distances)
     return {"panel_prefetch": distances, "panel_gb_per_s": gb_per_s}
