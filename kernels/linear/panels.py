@@ -6,11 +6,15 @@ unpacked.
     y = panel_linear(x, panels, bias, lib)     # x [M, K] -> [M, N], any M
     y = panel_linear_ref(x, panels, bias)      # F.linear(x, unpack(panels), bias)
 
-Layout: [ceil(N / 16), K / 2, 16, 2]: element [j, p, c, e] = weight[16 j + c, 2 p + e], the
-columns past N zero. One 64-byte row of a panel is the operand of one AVX-512 BF16 dot product
-against a pair of x's inputs broadcast, so each of the 16 lanes sums its own output column and the
-kernel reads the weight once per block of 8 rows of x with no horizontal sums (the kernel's
-comment has the blocking). K must be even.
+Layout: panel j holds the output columns 16 j .. 16 j + 15 (the columns past N zero) as [K / 2, 16, 2]:
+for each pair of inputs p, the 16 columns' two weights side by side, one 64-byte vector, the
+operand of one AVX-512 BF16 dot product against a pair of x's inputs broadcast, so each of the 16
+lanes sums its own output column and the kernel reads the weight once per block of 8 rows of x
+with no horizontal sums. The kernel multiplies BLOCK_PANELS panels at once, so the panels are
+stored in blocks of that many (the last one may have fewer, P), their vectors interleaved pair by
+pair: weight[16 j + c, 2 p + e] is element ((p P + j % 3) 16 + c) 2 + e of block j // 3, the blocks
+one after another. A block's weights are then read in address order, as one stream (the kernel's
+comment has the blocking and the measurements). K must be even.
 
 Which bfloat16 layout a host's layers take, this one or oneDNN's (linear/onednn.py), is measured
 once per host (kernels/native/tuning.py, `linear_bf16_layout`): on AMD Zen 4 (AVX-512 BF16 without
@@ -29,13 +33,14 @@ import torch.nn.functional as F
 from pagedserve.kernels.native import library as native_lib
 
 PANEL = 16
+BLOCK_PANELS = 3  # panel_linear.c's WIDTH: the panels one register block multiplies at once
 
 
 @dataclass(frozen=True)
 class PanelWeight:
     """A weight [out_features, in_features] in panels (module doc)."""
 
-    data: torch.Tensor  # [ceil(out / 16), in / 2, 16, 2] bfloat16, contiguous
+    data: torch.Tensor  # [ceil(out / 16) * 16 * in] bfloat16, contiguous: the module doc's layout
     out_features: int
     in_features: int
 
@@ -49,18 +54,28 @@ def can_pack(weight: torch.Tensor) -> bool:
 def pack(weight: torch.Tensor) -> PanelWeight:
     """weight [N, K] (can_pack) -> its panels."""
     out_features, in_features = weight.shape
-    num_panels = -(-out_features // PANEL)
+    num_panels, pairs = -(-out_features // PANEL), in_features // 2
     padded = weight.detach()
     if num_panels * PANEL != out_features:
         padded = torch.cat([padded, padded.new_zeros(num_panels * PANEL - out_features, in_features)])
-    data = padded.reshape(num_panels, PANEL, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
-    return PanelWeight(data, out_features, in_features)
+    by_panel = padded.reshape(num_panels, PANEL, pairs, 2).permute(0, 2, 1, 3)  # [j, p, c, e]
+    full = num_panels // BLOCK_PANELS * BLOCK_PANELS
+    parts = [by_panel[:full].reshape(full // BLOCK_PANELS, BLOCK_PANELS, pairs, PANEL, 2).transpose(1, 2).reshape(-1)]
+    if full < num_panels:
+        parts.append(by_panel[full:].transpose(0, 1).reshape(-1))
+    return PanelWeight(torch.cat(parts), out_features, in_features)
 
 
 def unpack(panels: PanelWeight) -> torch.Tensor:
     """The dense weight [N, K] the panels were packed from."""
-    num_panels = panels.data.shape[0]
-    dense = panels.data.permute(0, 2, 1, 3).reshape(num_panels * PANEL, panels.in_features)
+    num_panels, pairs = -(-panels.out_features // PANEL), panels.in_features // 2
+    full = num_panels // BLOCK_PANELS * BLOCK_PANELS
+    flat = panels.data.reshape(-1)
+    blocks = flat[:full * pairs * PANEL * 2].reshape(full // BLOCK_PANELS, pairs, BLOCK_PANELS, PANEL, 2)
+    by_panel = [blocks.transpose(1, 2).reshape(full, pairs, PANEL, 2)]
+    if full < num_panels:
+        by_panel.append(flat[full * pairs * PANEL * 2:].reshape(pairs, num_panels - full, PANEL, 2).transpose(0, 1))
+    dense = torch.cat(by_panel).permute(0, 2, 1, 3).reshape(num_panels * PANEL, panels.in_features)
     return dense[:panels.out_features].contiguous()
 
 

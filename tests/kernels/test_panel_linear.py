@@ -12,18 +12,25 @@ from pagedserve.kernels.linear import panels
 pytestmark = pytest.mark.skipif(panels.library() is None, reason="needs a C compiler and AVX-512 BF16")
 
 
-@pytest.mark.parametrize("size_out,size_in", [(960, 576), (40, 64), (17, 2), (576, 1536), (3, 34)])
+@pytest.mark.parametrize("size_out,size_in", [(960, 576), (40, 64), (17, 2), (576, 1536), (3, 34), (100, 6)])
 def test_pack_keeps_every_weight_and_pads_the_last_panel_with_zeros(size_out, size_in):
     weight = torch.randn(size_out, size_in).bfloat16()
     packed = panels.pack(weight)
     num_panels = -(-size_out // panels.PANEL)
-    assert packed.data.shape == (num_panels, size_in // 2, panels.PANEL, 2) and packed.data.is_contiguous()
+    assert packed.data.shape == (num_panels * panels.PANEL * size_in,) and packed.data.is_contiguous()
     assert torch.equal(panels.unpack(packed), weight)
-    # element [j, p, c, e] is weight[16 j + c, 2 p + e]
-    j, p, c, e = num_panels - 1, size_in // 2 - 1, (size_out - 1) % panels.PANEL, 1
-    assert packed.data[j, p, c, e] == weight[size_out - 1, size_in - 1]
-    if size_out % panels.PANEL:
-        assert not packed.data[-1, :, size_out % panels.PANEL:].any()
+    # weight[16 j + c, 2 p + e] sits in block b = j // 3 of P = min(3, panels left) panels, at
+    # 3 b panels' elements + ((p P + j - 3 b) 16 + c) 2 + e: a block's panels interleaved by pairs
+    n, k = torch.meshgrid(torch.arange(size_out), torch.arange(size_in), indexing="ij")
+    j, c, p, e = n // panels.PANEL, n % panels.PANEL, k // 2, k % 2
+    first = j // panels.BLOCK_PANELS * panels.BLOCK_PANELS
+    width = (num_panels - first).clamp(max=panels.BLOCK_PANELS)
+    index = first * panels.PANEL * size_in + ((p * width + j - first) * panels.PANEL + c) * 2 + e
+    assert torch.equal(packed.data[index], weight)
+    padding = torch.ones(packed.data.shape, dtype=torch.bool)
+    padding[index.flatten()] = False
+    assert int(padding.sum()) == (num_panels * panels.PANEL - size_out) * size_in
+    assert not packed.data[padding].any()
 
 
 @pytest.mark.parametrize("num_rows", [1, 2, 7, 8, 9, 24, 33, 64, 65, 130])

@@ -94,7 +94,7 @@ def test_a_module_moves_with_its_values_and_references_kept():
     model.embedding = embedding
     model.linear = torch.nn.Linear(576, 1000).to(torch.bfloat16)
     model.head_weight = embedding.weight  # tied: one tensor, two names
-    model.panels = PanelWeight(torch.randn(63, 288, 16, 2).bfloat16(), 1000, 576)
+    model.panels = PanelWeight(torch.randn(63 * 16 * 576).bfloat16(), 1000, 576)
     model.register_buffer("table", torch.randn(100, 64))
     before = _snapshot(model)
     assert len(before) == 5  # the tied weight counted once
