@@ -101,13 +101,17 @@ def _real_model_system(system: str, config: str) -> str:
 
 def _real_model_rates(report: dict):
     """(dtype, streams, system, tokens/s, the run's limit in tokens/s or None) for every figure of a
-    real_model report, the systems named as _real_model_system names them."""
+    real_model report, the systems named as _real_model_system names them. The limit is the one
+    measured at the run's start, or for a one-stream figure that kept the bandwidth sampled between
+    its own requests (bench/real_model.py), that bandwidth's."""
     for dtype, entry in report["dtypes"].items():
         for system, runs in entry["systems"].items():
             system = _real_model_system(system, entry.get("configs", {}).get(system, ""))
             for streams, run in runs.items():
-                yield dtype, int(streams), system, run["tokens_per_second"], entry.get("token_limits", {}).get(
-                    str(streams))
+                limit = entry.get("token_limits", {}).get(str(streams))
+                if "read_gb_per_s" in run:  # the bandwidth sampled between this system's own requests
+                    limit = run["read_gb_per_s"] * 1e9 / entry["weight_bytes_per_token"]
+                yield dtype, int(streams), system, run["tokens_per_second"], limit
 
 
 def real_model_section(cpu: str, reports: list[dict]) -> list[str]:
@@ -133,7 +137,8 @@ def real_model_section(cpu: str, reports: list[dict]) -> list[str]:
         rows.append(row)
     return [*real_model_latest_section(cpu, reports), f"### SmolLM2-135M-Instruct output tokens/s: {cpu}", "",
             f"bench/real_model.py; {_dates(reports)}; medians, in brackets the share of this CPU's limit (1 stream: "
-            "read bandwidth / weight bytes per token; 32 streams: GEMM peak at 32 rows / FLOPs per token).", "",
+            "read bandwidth / weight bytes per token, the bandwidth sampled between the system's own requests where "
+            "the run kept it, else the run's start; 32 streams: GEMM peak at 32 rows / FLOPs per token).", "",
             *_table(["dtype", "streams", *systems], rows), "",
             *(f"- {config}" for config in configs),
             *(f"- extra serve flags: {' / '.join(extra)}" for _ in extra[:1]), ""]

@@ -39,10 +39,16 @@ the worker's own default (the variable is passed to them empty). llama.cpp keeps
 pool's defaults.
 
 Output tokens/s = requested output tokens / wall time from the first submission to the last
-token. Every figure is also given as a share of this CPU's limits, measured at the start of the run
+token; for one stream, the sum of the requests' own times (from sending each to its last token).
+Every figure is also given as a share of this CPU's limits, measured at the start of the run
 (bench/roofline.py: read bandwidth and GEMM peaks): 1 stream against read bandwidth / weight bytes
 per token (the GGUF's size for q4_1), 32 streams against the GEMM peak at 32 rows / 2 x parameters
-FLOPs per token; the figures and limits are also kept in bench/results/kept/ (make perf-tables).
+FLOPs per token. The read bandwidth of a shared host changes within seconds (docs/cpu-limits.md:
+34-38 and 63-65 GB/s on one AMD EPYC), so each system's one-stream requests are also separated by
+short samples of it (the best of a few passes over 1 GiB, 0.05 s after a request), and its
+one-stream share is taken against the mean of the samples before, between and after its requests:
+the bandwidth that system met. The figures and limits are also kept in bench/results/kept/ (make
+perf-tables).
 The roofline (bench/roofline.py on SmolLM2's shapes, --threads threads) gives the model
 FLOP utilization of pagedserve-stream's 32-stream decode phase. The targets and ratios compare
 "pagedserve" (whole answers) with llama.cpp (whole answers). Targets (issue "Performance on a real
@@ -73,7 +79,7 @@ from lib.output import RESULTS_DIR, print_table, save_report, timestamp
 from pagedserve.checkpoints.smollm2 import ensure_smollm2
 from pagedserve.launch.serve_process import ServeProcess
 from perf_tables import save_kept
-from roofline import measure_limits, measure_matmul, token_limits
+from roofline import BandwidthProbe, measure_limits, measure_matmul, token_limits
 from lib.step_recorder import StepRecorder
 from lib.stream_client import run_requests
 from lib.workload import BenchRequest, ModelShape
@@ -90,6 +96,7 @@ TARGETS = {32: {"llama.cpp best": 1.5, "hf": 1.5}, 1: {"llama.cpp best": 1.0}}
 QUANTIZED = "q4_1"  # the GGUF's own format: no dequantization, no HF run, no roofline
 ROOFLINE_TARGET = 0.75
 WARMUP_TOKENS = 8
+IDLE_PAUSE = 0.05  # seconds after a request before a bandwidth sample, for the server's threads to stop spinning
 
 
 def make_workload(gguf: Path, seed: int = 0) -> list[BenchRequest]:
@@ -107,16 +114,39 @@ def make_workload(gguf: Path, seed: int = 0) -> list[BenchRequest]:
     return requests
 
 
-def timed(traces) -> dict:
-    start = min(trace.sent_at for trace in traces)
-    end = max(trace.finished_at for trace in traces)
+def timed(traces, probe: BandwidthProbe | None = None) -> dict:
+    """Output tokens over the time from the first submission to the last token; with a probe (requests
+    one after another, the bandwidth sampled between them), over the requests' own times, and the
+    mean of the samples as the bandwidth this run met."""
     num_tokens = sum(trace.num_tokens for trace in traces)
-    return {"seconds": end - start, "num_output_tokens": num_tokens, "tokens_per_second": num_tokens / (end - start),
-            "load_average": os.getloadavg()[0]}
+    if probe is None:
+        seconds = max(trace.finished_at for trace in traces) - min(trace.sent_at for trace in traces)
+    else:
+        seconds = sum(trace.finished_at - trace.sent_at for trace in traces)
+    run = {"seconds": seconds, "num_output_tokens": num_tokens, "tokens_per_second": num_tokens / seconds,
+           "load_average": os.getloadavg()[0]}
+    if probe is not None and probe.samples:
+        run["read_gb_per_s"] = sum(probe.samples) / len(probe.samples)
+        run["read_gb_per_s_samples"] = list(probe.samples)
+    return run
+
+
+def sampling(probe: BandwidthProbe, then=lambda: None):
+    """A callback for the end of each request of a one-stream run: `then`, a pause for the server's
+    threads to go idle, and a bandwidth sample; the probe's samples restart with one taken now."""
+    probe.samples.clear()
+    probe.sample()
+
+    def on_done() -> None:
+        then()
+        time.sleep(IDLE_PAUSE)
+        probe.sample()
+
+    return on_done
 
 
 def run_pagedserve(dtype: str, workloads: dict[int, tuple[list[BenchRequest], bool]], log_dir: Path,
-                   serve_args: list[str], whole: bool) -> dict:
+                   serve_args: list[str], whole: bool, probe: BandwidthProbe) -> dict:
     precision_args = ["--quantization", "auto"] if dtype == QUANTIZED else ["--dtype", dtype, "--quantization", "none"]
     results = {"config": " ".join(["pagedserve serve --model smollm2", *precision_args, *serve_args])
                + ("; unary Generate (whole answers)" if whole else "; GenerateStream")}
@@ -131,8 +161,8 @@ def run_pagedserve(dtype: str, workloads: dict[int, tuple[list[BenchRequest], bo
                     traces = run_requests(server.address, requests, whole=whole)
                 else:
                     traces = run_requests(server.address, requests, whole=whole, sequential=True,
-                                          on_done=recorder.collect)
-            results[streams] = timed(traces)
+                                          on_done=sampling(probe, recorder.collect))
+            results[streams] = timed(traces, None if concurrent else probe)
             results[streams]["steps"] = step_summary(list(recorder.records.values()), len(requests))
             if concurrent and len(requests) > 1 and not whole:
                 results[streams]["decode_phase"] = decode_phase(traces, SMOLLM2)
@@ -174,7 +204,7 @@ def run_hf(gguf: Path, dtype: str, workloads: dict[int, tuple[list[BenchRequest]
 
 def run_llama_cpp(binary: Path, gguf: Path, dtype: str, threads: int,
                   workloads: dict[int, tuple[list[BenchRequest], bool]], log_dir: Path,
-                  extra_args: list[str]) -> dict:
+                  extra_args: list[str], probe: BandwidthProbe) -> dict:
     converted = gguf if dtype == QUANTIZED else convert_gguf(gguf, dtype)
     results = {}
     for streams, (requests, concurrent) in workloads.items():
@@ -185,10 +215,21 @@ def run_llama_cpp(binary: Path, gguf: Path, dtype: str, threads: int,
             extra_args = [*extra_args, "--no-repack"]  # for the next streams and the config line
         with server:
             server.run([BenchRequest(requests[0].prompt_token_ids, WARMUP_TOKENS)])
-            results[streams] = timed(server.run(requests, concurrent=concurrent))
+            if concurrent:
+                results[streams] = timed(server.run(requests))
+            else:
+                results[streams] = timed(server.run(requests, concurrent=False, on_done=sampling(probe)), probe)
     results["config"] = (f"llama-server -m {converted.name} -t {threads} -tb {threads} -np S -c S*{CONTEXT_PER_SLOT} "
                          f"{' '.join(extra_args)} (S = streams; F16 KV cache, its default)").replace("  ", " ")
     return results
+
+
+def run_limit(entry: dict, system: str, streams: int) -> float | None:
+    """The one-stream tokens/s limit of the bandwidth measured between the system's own requests."""
+    run = entry["systems"].get(system, {}).get(streams, {})
+    if "read_gb_per_s" not in run:
+        return None
+    return run["read_gb_per_s"] * 1e9 / entry["weight_bytes_per_token"]
 
 
 def summary_rows(report: dict) -> list[dict]:
@@ -200,8 +241,9 @@ def summary_rows(report: dict) -> list[dict]:
                 run = entry["systems"].get(system, {}).get(streams)
                 row[system] = run["tokens_per_second"] if run else ""
             ours = row["pagedserve"]
-            llama_runs = [row[name] for name in LLAMA_ARGS if row[name]]
-            row["llama.cpp best"] = max(llama_runs) if llama_runs else ""  # its better configuration in this run
+            llama_runs = [name for name in LLAMA_ARGS if row[name]]
+            best_llama = max(llama_runs, key=lambda name: row[name]) if llama_runs else None
+            row["llama.cpp best"] = row[best_llama] if best_llama else ""  # its better configuration in this run
             for peer, target in TARGETS.get(streams, {}).items():
                 if ours and row[peer]:
                     ratio = ours / row[peer]
@@ -209,9 +251,10 @@ def summary_rows(report: dict) -> list[dict]:
             limit = entry.get("token_limits", {}).get(str(streams))
             if limit:
                 row["limit tok/s"] = limit
-                row["pagedserve % of limit"] = f"{100 * ours / limit:.0f}%" if ours else ""
-                row["llama.cpp % of limit"] = (f"{100 * row['llama.cpp best'] / limit:.0f}%"
-                                               if row["llama.cpp best"] else "")
+                for label, system in (("pagedserve", "pagedserve"), ("llama.cpp", best_llama)):
+                    rate = row[system] if system else ""
+                    own = run_limit(entry, system, streams) if rate else None
+                    row[f"{label} % of limit"] = f"{100 * rate / (own or limit):.0f}%" if rate else ""
             mfu = entry.get("mfu_decode", {}).get(streams)
             if mfu is not None:
                 row["roofline"] = (f"{100 * mfu:.0f}% (target {100 * ROOFLINE_TARGET:.0f}%: "
@@ -262,7 +305,8 @@ def main() -> None:
         print(f"note: {note}", flush=True)
     started = time.perf_counter()
     dense_dtypes = [dtype for dtype in args.dtypes.split(",") if dtype != QUANTIZED]
-    report["limits"] = limits = measure_limits(dense_dtypes or ["bfloat16"])
+    probe = BandwidthProbe()
+    report["limits"] = limits = measure_limits(dense_dtypes or ["bfloat16"], probe=probe)
     print(f"limits ({args.threads} threads): read {limits['read_gb_per_s']:.1f} GB/s; GEMM at 32 rows "
           + ", ".join(f"{dtype} {peaks['32']:.0f} GFLOP/s" for dtype, peaks in limits["gemm_gflops"].items()), flush=True)
     for dtype in args.dtypes.split(","):
@@ -276,7 +320,8 @@ def main() -> None:
             if system == "hf" and dtype == QUANTIZED:
                 continue
             if system in PAGEDSERVE:
-                run = run_pagedserve(dtype, workloads, log_dir, args.serve_args, whole=PAGEDSERVE[system])
+                run = run_pagedserve(dtype, workloads, log_dir, args.serve_args, whole=PAGEDSERVE[system],
+                                     probe=probe)
                 for streams in streams_list:
                     if roofline is not None and "decode_phase" in run.get(streams, {}):
                         entry["mfu_decode"][streams] = (run[streams]["decode_phase"]["gflops_per_second"]
@@ -285,10 +330,12 @@ def main() -> None:
                 run = run_hf(gguf, dtype, workloads)
             else:
                 run = run_llama_cpp(args.llama_server, gguf, dtype, args.threads, workloads, log_dir,
-                                    LLAMA_ARGS[system])
+                                    LLAMA_ARGS[system], probe)
             entry["systems"][system] = run
-            print(f"  {dtype} {system}: " + ", ".join(f"{streams} stream(s) {run[streams]['tokens_per_second']:.1f} tok/s"
-                                                      for streams in streams_list), flush=True)
+            print(f"  {dtype} {system}: " + ", ".join(
+                f"{streams} stream(s) {run[streams]['tokens_per_second']:.1f} tok/s"
+                + (f" (read {run[streams]['read_gb_per_s']:.1f} GB/s between its requests)"
+                   if "read_gb_per_s" in run[streams] else "") for streams in streams_list), flush=True)
     report["wall_seconds"] = time.perf_counter() - started
     report["load_average_end"] = os.getloadavg()
     print()
@@ -308,7 +355,9 @@ def main() -> None:
     kept = {key: value for key, value in report.items() if key != "dtypes"}  # the figures, not every trace
     kept["dtypes"] = {dtype: {"token_limits": entry["token_limits"], "weight_bytes_per_token": entry["weight_bytes_per_token"],
                               "configs": {system: run["config"] for system, run in entry["systems"].items()},
-                              "systems": {system: {str(streams): {"tokens_per_second": run[streams]["tokens_per_second"]}
+                              "systems": {system: {str(streams): {key: run[streams][key]
+                                                                  for key in ("tokens_per_second", "read_gb_per_s")
+                                                                  if key in run[streams]}
                                                    for streams in streams_list}
                                           for system, run in entry["systems"].items()}}
                       for dtype, entry in report["dtypes"].items()}

@@ -70,21 +70,39 @@ GEMM_ROWS = (1, 32, 512)
 GEMM_SIZE = 2048
 
 
-def measure_read_bandwidth(gib: float = 1.0, seconds: float = 3.0) -> float:
-    """Best GB/s of torch.sum over `gib` GiB of float32 (one read of every byte), torch's threads,
-    on 2 MiB pages where the host gives them, as the worker keeps its weights
-    (worker/huge_pages.py; on AMD EPYC 35.2 GB/s against 33.3 on 4 KiB pages)."""
-    from pagedserve.worker.huge_pages import huge_page_buffer
+class BandwidthProbe:
+    """torch.sum over `gib` GiB of float32 (one read of every byte), torch's threads, on 2 MiB pages
+    where the host gives them, as the worker keeps its weights (worker/huge_pages.py; on AMD EPYC
+    35.2 GB/s against 33.3 on 4 KiB pages). The buffer is kept, so that a benchmark can also take
+    short samples between its requests: on a shared host the bandwidth changes within seconds
+    (docs/cpu-limits.md), and a limit measured once at the start need not be what a later run met."""
 
-    data = huge_page_buffer(int(gib * (1 << 30))).view(torch.float32).fill_(1.0)
-    data.sum()
-    best = float("inf")
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        start = time.perf_counter()
-        data.sum()
-        best = min(best, time.perf_counter() - start)
-    return data.numel() * 4 / best / 1e9
+    def __init__(self, gib: float = 1.0) -> None:
+        from pagedserve.worker.huge_pages import huge_page_buffer
+
+        self._data = huge_page_buffer(int(gib * (1 << 30))).view(torch.float32).fill_(1.0)
+        self._data.sum()
+        self.samples: list[float] = []
+
+    def best(self, seconds: float) -> float:
+        """GB/s of the fastest pass within `seconds` (at least two passes)."""
+        best, passes = float("inf"), 0
+        deadline = time.perf_counter() + seconds
+        while passes < 2 or time.perf_counter() < deadline:
+            start = time.perf_counter()
+            self._data.sum()
+            best, passes = min(best, time.perf_counter() - start), passes + 1
+        return self._data.numel() * 4 / best / 1e9
+
+    def sample(self, seconds: float = 0.1) -> float:
+        """A short measurement, also appended to `samples`."""
+        self.samples.append(self.best(seconds))
+        return self.samples[-1]
+
+
+def measure_read_bandwidth(gib: float = 1.0, seconds: float = 3.0) -> float:
+    """Best GB/s of BandwidthProbe's read over `seconds`."""
+    return BandwidthProbe(gib).best(seconds)
 
 
 def measure_gemm_peaks(dtype: torch.dtype, rows: tuple[int, ...] = GEMM_ROWS, seconds: float = 1.0) -> dict[int, float]:
@@ -92,9 +110,11 @@ def measure_gemm_peaks(dtype: torch.dtype, rows: tuple[int, ...] = GEMM_ROWS, se
     return {num: time_linear(num, GEMM_SIZE, GEMM_SIZE, dtype, seconds) / 1e9 for num in rows}
 
 
-def measure_limits(dtypes: list[str], gib: float = 1.0) -> dict:
-    """{"read_gb_per_s", "gemm_gflops": {dtype: {rows: GFLOP/s}}, "num_threads"}."""
-    return {"num_threads": torch.get_num_threads(), "read_gb_per_s": measure_read_bandwidth(gib),
+def measure_limits(dtypes: list[str], gib: float = 1.0, probe: BandwidthProbe | None = None) -> dict:
+    """{"read_gb_per_s", "gemm_gflops": {dtype: {rows: GFLOP/s}}, "num_threads"}; the bandwidth by
+    `probe`'s buffer where one is given."""
+    read = probe.best(3.0) if probe is not None else measure_read_bandwidth(gib)
+    return {"num_threads": torch.get_num_threads(), "read_gb_per_s": read,
             "gemm_gflops": {dtype: {str(num): value for num, value in measure_gemm_peaks(getattr(torch, dtype)).items()}
                             for dtype in dtypes}}
 

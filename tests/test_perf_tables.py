@@ -63,6 +63,20 @@ def test_real_model_runs_kept_before_whole_answers_count_as_streamed(tmp_path):
     assert "- bfloat16, pagedserve-stream: serve --model m" in page
 
 
+def test_a_one_stream_share_takes_the_bandwidth_sampled_between_its_own_requests(tmp_path):
+    """A run that kept the bandwidth sampled between a system's requests is judged against it: the
+    host's bandwidth changes within seconds, so the start's limit need not be what that system met."""
+    tables = _perf_tables()
+    report = _real_model("20261101T010000Z", "CPU A", 40.0, 80.0)
+    entry = report["dtypes"]["bfloat16"]
+    entry["weight_bytes_per_token"] = 1e9  # 1 GB per token: N GB/s allows N tokens/s
+    entry["systems"]["pagedserve"]["1"]["read_gb_per_s"] = 50.0
+    entry["systems"]["llama.cpp"]["1"]["read_gb_per_s"] = 160.0
+    tables.save_kept("real_model", report, tmp_path)
+    page = tables.render(tables.load_kept(tmp_path))
+    assert "| bfloat16 | 1 | 40.0 (80 %) | 80.0 (50 %) |" in page  # not 40 % and 80 % of the start's 100
+
+
 def _guidellm_chat(date: str, ours: float, theirs: float) -> dict:
     figures = {"output_tokens_per_second": ours, "ttft_p50_ms": 100.0, "itl_p50_ms": 10.0}
     return {"date": date, "machine": {"cpu": "CPU A"}, "load_average_start": [1.0, 1.0, 1.0],

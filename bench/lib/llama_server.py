@@ -137,12 +137,14 @@ class LlamaServer:
         if trace.num_tokens != request.max_tokens:
             raise RuntimeError(f"llama-server predicted {trace.num_tokens} tokens, {request.max_tokens} asked for")
 
-    def run(self, requests: list[BenchRequest], *, concurrent: bool = True) -> list[CompletionTrace]:
-        """All requests at once (one thread each), or one after another."""
+    def run(self, requests: list[BenchRequest], *, concurrent: bool = True,
+            on_done=lambda: None) -> list[CompletionTrace]:
+        """All requests at once (one thread each), or one after another, on_done() after each of those."""
         traces = [CompletionTrace(request.prompt_len, request.max_tokens) for request in requests]
         if not concurrent:
             for request, trace in zip(requests, traces):
                 self.complete(request, trace)
+                on_done()
             return traces
         with ThreadPoolExecutor(max_workers=len(requests)) as pool:
             for future in [pool.submit(self.complete, request, trace) for request, trace in zip(requests, traces)]:
