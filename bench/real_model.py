@@ -81,6 +81,7 @@ from pagedserve.launch.serve_process import ServeProcess
 from perf_tables import save_kept
 from roofline import BandwidthProbe, measure_limits, measure_matmul, token_limits
 from lib.step_recorder import StepRecorder
+from pagedserve.worker.cpu_share import CHECK_SECONDS
 from lib.stream_client import run_requests
 from lib.workload import BenchRequest, ModelShape
 
@@ -97,6 +98,7 @@ QUANTIZED = "q4_1"  # the GGUF's own format: no dequantization, no HF run, no ro
 ROOFLINE_TARGET = 0.75
 WARMUP_TOKENS = 8
 IDLE_PAUSE = 0.05  # seconds after a request before a bandwidth sample, for the server's threads to stop spinning
+QUIET_PAUSE = 3.0 * CHECK_SECONDS + 0.2  # seconds without a request before a sample (sampling())
 
 
 def make_workload(gguf: Path, seed: int = 0) -> list[BenchRequest]:
@@ -133,13 +135,22 @@ def timed(traces, probe: BandwidthProbe | None = None) -> dict:
 
 def sampling(probe: BandwidthProbe, then=lambda: None):
     """A callback for the end of each request of a one-stream run: `then`, a pause for the server's
-    threads to go idle, and a bandwidth sample; the probe's samples restart with one taken now."""
+    threads to go idle, a bandwidth sample, a quiet pause, and another sample right before the
+    next request; the probe's samples restart with a quiet pause and one taken now.
+
+    The quiet pause keeps the samples from looking like another tenant to pagedserve's worker,
+    which about once a second measures the cores other processes used and drops to one thread
+    above half a core (worker/cpu_share.py): a sample's two threads for a tenth of a second did
+    so once. A check more than three check intervals after the last one counts nothing."""
     probe.samples.clear()
+    time.sleep(QUIET_PAUSE)
     probe.sample()
 
     def on_done() -> None:
         then()
         time.sleep(IDLE_PAUSE)
+        probe.sample()
+        time.sleep(QUIET_PAUSE)
         probe.sample()
 
     return on_done
@@ -150,8 +161,8 @@ def run_pagedserve(dtype: str, workloads: dict[int, tuple[list[BenchRequest], bo
     precision_args = ["--quantization", "auto"] if dtype == QUANTIZED else ["--dtype", dtype, "--quantization", "none"]
     results = {"config": " ".join(["pagedserve serve --model smollm2", *precision_args, *serve_args])
                + ("; unary Generate (whole answers)" if whole else "; GenerateStream")}
-    with ServeProcess("smollm2", log_dir / f"serve-{dtype}{'' if whole else '-stream'}.log",
-                      [*precision_args, *serve_args], env={"GOMP_SPINCOUNT": ""}) as server:
+    log_path = log_dir / f"serve-{dtype}{'' if whole else '-stream'}.log"
+    with ServeProcess("smollm2", log_path, [*precision_args, *serve_args], env={"GOMP_SPINCOUNT": ""}) as server:
         run_requests(server.address, [BenchRequest(workloads[max(workloads)][0][0].prompt_token_ids, WARMUP_TOKENS)],
                      whole=whole)
         for streams, (requests, concurrent) in workloads.items():
@@ -166,7 +177,22 @@ def run_pagedserve(dtype: str, workloads: dict[int, tuple[list[BenchRequest], bo
             results[streams]["steps"] = step_summary(list(recorder.records.values()), len(requests))
             if concurrent and len(requests) > 1 and not whole:
                 results[streams]["decode_phase"] = decode_phase(traces, SMOLLM2)
+    results["thread_changes"] = thread_changes(log_path)
     return results
+
+
+def thread_changes(log_path: Path) -> list[dict]:
+    """The worker's changes of its thread count (worker/cpu_share.py) in a serve log: a run in
+    which it dropped to one thread measured that, not the kernels."""
+    changes = []
+    for line in log_path.read_text(errors="replace").splitlines():
+        if '"cpu_threads_changed"' in line:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            changes.append({key: event.get(key) for key in ("timestamp", "num_threads", "other_cores")})
+    return changes
 
 
 def hf_folder(gguf: Path) -> Path:
@@ -332,6 +358,9 @@ def main() -> None:
                 run = run_llama_cpp(args.llama_server, gguf, dtype, args.threads, workloads, log_dir,
                                     LLAMA_ARGS[system], probe)
             entry["systems"][system] = run
+            for change in run.get("thread_changes", []):
+                notes.append(f"{dtype} {system}: the worker went to {change['num_threads']} thread(s) at "
+                             f"{change['timestamp']} (other processes used {change['other_cores']} cores)")
             print(f"  {dtype} {system}: " + ", ".join(
                 f"{streams} stream(s) {run[streams]['tokens_per_second']:.1f} tok/s"
                 + (f" (read {run[streams]['read_gb_per_s']:.1f} GB/s between its requests)"
