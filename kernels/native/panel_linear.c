@@ -13,9 +13,9 @@
  * A register block thus reads its weights as one stream, in address order, and a thread's
  * contiguous range of tasks as one longer stream: what the hardware prefetchers follow best. With
  * the panels one after another instead (three streams per task, each restarting at every task),
- * SmolLM2's decode forward took 1.02-1.03x this layout's time at one sequence and 1.05-1.06x at
- * eight on AMD Zen 4 when the host's bandwidth was high, and the same time when it was low
- * (bench/forward_ab.py; the same logits).
+ * SmolLM2's decode forward on AMD Zen 4 took, against this layout's time, 1.02-1.03x at one
+ * sequence when the host's bandwidth was high and 0.97-0.99x when it was low, 1.04-1.06x at eight
+ * either way, 1.0x at four and 32 (bench/forward_ab.py; the same logits).
  *
  * Register block: ROWS (8) rows of x times WIDTH (3) panels, 24 float32 accumulators; per pair of
  * inputs, 3 panel vectors and 8 broadcasts feed 24 dot products. The block walks K once; the
@@ -36,8 +36,10 @@
  * A task's first row block, which reads its panels from memory, may also prefetch each panel's
  * stream a distance ahead of its loads into L2: panel_linear_prefetch(R) bytes for a block of R
  * rows, 0 meaning the hardware prefetchers alone. The distances are measured per host at 1, 2, 4 and
- * 8 rows (kernels/native/tuning.py; on AMD Zen 4, 1.5 KiB made one row's pass over SmolLM2's weights
- * about 8 % faster, 2-3 KiB eight rows' about 12 %). A prefetch changes no result.
+ * 8 rows (kernels/native/tuning.py; on AMD Zen 4, with a block's panels stored one after another,
+ * 1.5 KiB made one row's pass over SmolLM2's weights about 8 % faster and 2-3 KiB eight rows' about
+ * 12 %; with them interleaved, one stream, its tuning kept none, and 0.5-3 KiB made the one-sequence
+ * forward 0.95-0.99x as fast). A prefetch changes no result.
  *
  * Sums: float32 products of bfloat16 values added in another order than oneDNN's (the results
  * differ from F.linear in the last bits of some values); the bias (bfloat16) is added in float32
