@@ -45,9 +45,10 @@ Every figure is also given as a share of this CPU's limits, measured at the star
 per token (the GGUF's size for q4_1), 32 streams against the GEMM peak at 32 rows / 2 x parameters
 FLOPs per token. The read bandwidth of a shared host changes within seconds (docs/cpu-limits.md:
 34-38 and 63-65 GB/s on one AMD EPYC), so each system's one-stream requests are also separated by
-short samples of it (the best of a few passes over 1 GiB, 0.05 s after a request), and its
-one-stream share is taken against the mean of the samples before, between and after its requests:
-the bandwidth that system met. The figures and limits are also kept in bench/results/kept/ (make
+short samples of it (the best of a few passes over 1 GiB: one 0.05 s after a request, another
+after 3.2 s without one, right before the next; sampling()), and its one-stream share is taken
+against the mean of the samples before, between and after its requests: the bandwidth that system
+met. The worker's changes of its thread count (worker/cpu_share.py) are kept as notes. The figures and limits are also kept in bench/results/kept/ (make
 perf-tables).
 The roofline (bench/roofline.py on SmolLM2's shapes, --threads threads) gives the model
 FLOP utilization of pagedserve-stream's 32-stream decode phase. The targets and ratios compare
