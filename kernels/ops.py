@@ -89,6 +89,7 @@ from pagedserve.kernels.layer.decode_layer import (  # noqa: F401
     DecodeLayers,
     LayerWeights,
     decode_layer_library,
+    layer_addresses,
     layer_weights,
     supports_decode_layer,
 )

@@ -78,7 +78,6 @@ def layer_weights(norm1: torch.Tensor, norm2: torch.Tensor, qkv: Linear, o: Line
 
 
 _ROW_INDICES: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-_LAYER_ARRAY: list = [None, None]  # [the list of structures, its array of their addresses]
 
 
 def _row_indices(num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,21 +89,20 @@ def _row_indices(num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     return indices
 
 
-def _layer_array(layers: list[LayerWeights]):
-    """The array of the structures' addresses that decode_layers takes; the last one is reused while
-    the caller passes the same list, unchanged (llama_native keeps one per model and caches)."""
-    if _LAYER_ARRAY[0] is not layers:
-        _LAYER_ARRAY[:] = [layers, (ctypes.c_void_p * len(layers))(*[ctypes.addressof(weights) for weights in layers])]
-    return _LAYER_ARRAY[1]
+def layer_addresses(layers: list[LayerWeights]):
+    """The array of the structures' addresses that decode_layers takes: a caller that keeps its list
+    of structures across steps keeps this array beside it and passes it to DecodeLayers."""
+    return (ctypes.c_void_p * len(layers))(*[ctypes.addressof(weights) for weights in layers])
 
 
 class DecodeLayers:
     """One decode step of M rows, row i being sequence i's one new token, through a list of layers."""
 
     def __init__(self, lib, layers: list[LayerWeights], cos_sin: torch.Tensor, positions: torch.Tensor,
-                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
+                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                 addresses=None) -> None:
         """cos_sin [P, 2 hs] in the layers' dtype; positions, slot_mapping [M] int64; block_tables
-        [M, max_blocks]; seq_lens [M]."""
+        [M, max_blocks]; seq_lens [M]; addresses: layer_addresses(layers), when the caller keeps it."""
         num_rows = positions.shape[0]
         block_tables = block_tables.to(torch.int32).contiguous()
         seq_lens = seq_lens.to(torch.int32).contiguous()
@@ -116,7 +114,7 @@ class DecodeLayers:
         self.tensors = (cos_sin, block_tables, seq_lens, query_start_loc, positions, slot_mapping, seqs)
         self.lib = lib
         self.first = layers[0]
-        self.layer_array = _layer_array(layers)
+        self.layer_array = addresses if addresses is not None else layer_addresses(layers)
         self.layers = layers  # keeps the structures alive
         self.rows_address = ctypes.addressof(self.rows)
 
