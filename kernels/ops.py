@@ -287,6 +287,38 @@ def linear(x, weight, bias=None, *, packed=None, prepacked=None):
     return F.linear(x, weight, bias)
 
 
+def bound_linear(x, weight, bias=None, *, packed=None, prepacked=None, out):
+    """What linear(x, weight, bias, packed=, prepacked=) computes, written into out [M, N] (x's dtype,
+    contiguous), as a call without arguments bound to these tensors, its path picked once as linear
+    picks it for x's rows: for a loop that multiplies the same tensors again with new values in x
+    (worker/decode_run.py). The same kernel and so the same bits as linear. None where linear would
+    take a path without such a call (quantized or oneDNN weights, F.linear, the references, x not
+    contiguous bfloat16 on the CPU): the caller then calls linear."""
+    if packed is not None or prepacked is None or not (
+            x.dim() == 2 and x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.is_contiguous()
+            and out.dtype == x.dtype and out.is_contiguous() and out.shape == (x.shape[0], weight.shape[0])):
+        return None
+    if isinstance(prepacked, panels.PanelWeight) and (lib := panels.library()) is not None \
+            and native_tuning.panels_for_few_rows(lib):
+        return panels.bound_panel_linear(x, prepacked, bias, out, lib)
+    lib = native_rows.supports(x, weight)
+    if lib is not None:
+        return native_rows.bound_linear_rows(x, weight, bias, out, lib)
+    if isinstance(prepacked, panels.PanelWeight) and (lib := panels.library()) is not None:
+        return panels.bound_panel_linear(x, prepacked, bias, out, lib)
+    return None
+
+
+def bound_greedy(logits):
+    """greedy(logits) as a call without arguments bound to logits (kernels/sampling/greedy.py
+    BoundGreedy: the native kernel, its outputs allocated once), or None where greedy would take
+    the torch ops: the caller then calls greedy."""
+    if os.environ.get(KERNELS_ENV) == "reference":
+        return None
+    lib = greedy_kernel.supports(logits)
+    return greedy_kernel.BoundGreedy(logits, lib) if lib is not None else None
+
+
 def panels_for_few_rows() -> bool:
     """Whether layers with panels multiply them at one or two rows too (kernels/native/tuning.py)."""
     lib = panels.library()

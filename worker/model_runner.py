@@ -44,10 +44,12 @@ from pagedserve.worker.speculation.draft_model import DraftModel
 from pagedserve.worker.speculation.draft_proposer import DraftProposer
 from pagedserve.worker.speculation.draft_verify import sample_verifying_drafts
 from pagedserve.worker.loading.hf_checkpoint import resolve_dtype
+from pagedserve.worker.decode_run import DecodeRun
 from pagedserve.worker.model_input import PlanError, build_model_input, mask_rows
 from pagedserve.worker.loading.build import load_model
 from pagedserve.worker.lora.slots import LoraSlots
 from pagedserve.worker.models.llama import LlamaForCausalLM
+from pagedserve.worker.models.llama_native import release_native_layers
 from pagedserve.worker.models.llama_config import LlamaModelConfig
 from pagedserve.worker.quantization.quantizers import QuantizationConfig
 from pagedserve.worker.sampler import Sampler
@@ -123,6 +125,7 @@ class ModelRunner:
         self.tiers: TierStore | None = None
         self.lora_config = lora
         self.lora: LoraSlots | None = None
+        self._decode_run: DecodeRun | None = None  # kept between plans (decode_run.py)
 
     def load(self) -> None:
         """Reads config.json, builds this rank's shard of the model and loads its weights."""
@@ -263,7 +266,7 @@ class ModelRunner:
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int, num_host_blocks: int = 0,
                    kv_cache_dir: str | None = None, layout: KvLayout | None = None) -> None:
         """The device pool and swap space; with num_host_blocks or kv_cache_dir, the KV tiers too."""
-        self.tiers = None
+        self.release_cache()
         self.cache = CacheEngine(self.cache_shape, num_gpu_blocks, num_cpu_blocks, self.device,
                                  draft_shape=self.draft_cache_shape)
         if num_host_blocks or kv_cache_dir:
@@ -272,11 +275,23 @@ class ModelRunner:
             self.tiers = TierStore(self.cache, num_host_blocks, folder=folder, layout_id=layout.layout_id,
                                    layout=layout.describe(), rank=self.rank, tp=self.tp)
 
+    def release_cache(self) -> None:
+        """Drops the KV pool, the tiers and what holds on to them (the kept decode run, the model's
+        native layer structures), so that a new pool is not allocated beside the old one."""
+        self.cache = self.tiers = self._decode_run = None
+        for model in (self.model, self.draft.loaded.model if self.draft is not None and self.draft.loaded else None):
+            if model is not None:
+                release_native_layers(model)
+
     def execute(self, plan: StepPlan, receive_masks: Callable[[], bytes] | None = None) -> StepResult:
         """Block operations, then the forward (the draft model's first when it proposes the drafts);
         rank 0 returns the samples, other ranks none. forward_seconds covers the draft forwards too.
         With LoRA adapters the plan's loads come first, and each sequence's rows get its slot's delta;
-        sequences whose adapter could not be loaded come back as failures."""
+        sequences whose adapter could not be loaded come back as failures. A continuable plan of
+        plain greedy decodes goes through the decode run kept for its sequences (decode_run.py):
+        the same samples, for less of the step's Python."""
+        if plan.continuable and (result := self._execute_in_run(plan)) is not None:
+            return result
         if plan.lora_loads or any(seq.lora_slot >= 0 for seq in plan.seqs):
             if self.lora is None:
                 raise PlanError("the plan uses LoRA adapters, and this worker was started without --enable-lora")
@@ -295,6 +310,21 @@ class ModelRunner:
             result.samples = [sample for sample in result.samples if sample.seq_id not in failed]
             result.failures += [SeqFailure(seq_id, message) for seq_id, message in failed.items()]
         return result
+
+    def _execute_in_run(self, plan: StepPlan) -> StepResult | None:
+        """plan's result through the kept decode run (a new one when plan starts another), or None
+        when plan or this worker does not qualify (decode_run.py)."""
+        if self.lora is not None or self.sampler is None or self.cache is None or self.model is None:
+            return None
+        kv_caches = self.cache.gpu_cache
+        run = self._decode_run
+        if run is None or not run.accepts(plan, kv_caches):
+            with torch.inference_mode():
+                run = self._decode_run = DecodeRun.for_plan(self.model, kv_caches, plan, self.block_size)
+            if run is None:
+                return None
+        with torch.inference_mode():
+            return run(plan)
 
     def _execute_step(self, plan: StepPlan, receive_masks: Callable[[], bytes] | None = None) -> StepResult:
         """Block operations, then the forward (the draft model's first when it proposes the drafts);

@@ -262,7 +262,7 @@ def _serve_plans(config, runner, sub, pusher, state, log, cpu_share=None, layout
                 sizes = (init.num_gpu_blocks, init.num_cpu_blocks, init.num_host_blocks)
                 num_host = runner.tiers.num_host_blocks if runner.tiers is not None else 0
                 if runner.cache is None or (runner.cache.num_gpu_blocks, runner.cache.num_cpu_blocks, num_host) != sizes:
-                    runner.cache = runner.tiers = None  # the old pool goes before the new one is allocated
+                    runner.release_cache()  # the old pool goes before the new one is allocated
                     runner.init_cache(*sizes, kv_cache_dir=config.kv_cache_dir, layout=layout)
                 state["epoch"] = init.epoch
                 last_step_id = None

@@ -68,7 +68,7 @@ def has_penalties(spec: SampleSpec) -> bool:
     return spec.repetition_penalty != 1.0 or spec.presence_penalty != 0.0 or spec.frequency_penalty != 0.0
 
 
-def _is_plain_greedy(spec: SampleSpec) -> bool:
+def is_plain_greedy(spec: SampleSpec) -> bool:
     """Greedy with nothing that changes the argmax or asks for more than the chosen token."""
     return (spec.is_greedy and not has_penalties(spec) and not spec.suppress_token_ids
             and spec.num_logprobs == 0 and spec.num_beam_candidates == 0)
@@ -203,7 +203,7 @@ class Sampler:
         distinct = list({id(spec): spec for spec in specs}.values())  # plans share equal specs
         for spec in distinct:
             _validate(spec)
-        if all(_is_plain_greedy(spec) for spec in distinct):
+        if all(is_plain_greedy(spec) for spec in distinct):
             return self._sample_greedy(logits, seq_ids)
         raw = logits.float()  # [rows, V]
         processed = self._processed(raw, specs)  # [rows, V]

@@ -131,13 +131,18 @@ class DecodeLayers:
         return out, hidden
 
     def run_step(self, token_ids: torch.Tensor, embedding: torch.Tensor, norm_weight: torch.Tensor,
-                 eps: float) -> torch.Tensor:
+                 eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
         """token_ids [M] int64 -> the final-normed hidden states [M, H] of every row, in one native call
         (decode_step): the rows of embedding [vocab, H] (dense, the layers' dtype), the layers, then
-        RMSNorm(residual + last output) with norm_weight [H]. IndexError, as an embedding lookup
-        raises, when a token id is outside the table."""
+        RMSNorm(residual + last output) with norm_weight [H]; into `out` [M, H] (contiguous, the
+        embedding's dtype) when given. IndexError, as an embedding lookup raises, when a token id is
+        outside the table."""
         num_rows, size = token_ids.shape[0], embedding.shape[1]
-        residual, out, spare = torch.empty(3, num_rows, size, dtype=embedding.dtype)
+        residual, spare = torch.empty(2, num_rows, size, dtype=embedding.dtype)
+        if out is None:
+            out = torch.empty(num_rows, size, dtype=embedding.dtype)
+        elif out.shape != (num_rows, size) or out.dtype != embedding.dtype or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous [{num_rows}, {size}] {embedding.dtype} tensor")
         scratch = self._scratch(num_rows, size, embedding.dtype)  # held until the call returns
         if not self.lib.decode_step(self.layer_array, len(self.layers), self.rows_address, token_ids.data_ptr(),
                                     embedding.data_ptr(), embedding.shape[0], norm_weight.data_ptr(), eps,

@@ -20,6 +20,8 @@ one keep F.linear.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 
@@ -59,6 +61,14 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                                                 bias.data_ptr() if bias is not None else None, y.data_ptr(),
                                                 num_rows, weight.shape[0], size_in)
     return y
+
+
+def bound_linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, lib):
+    """linear_rows(x, weight, bias) written into out [M, N] (x's dtype, contiguous) as a call without
+    arguments, bound to these tensors (supports(x, weight) holds; the caller keeps them alive and
+    changes only their values)."""
+    return partial(lib.linear_rows_bf16, x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None,
+                   out.data_ptr(), x.shape[0], weight.shape[0], x.shape[1])
 
 
 def linear_rows_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -26,6 +26,7 @@ docs/kernels.md); where oneDNN has AMX tiles the measurement decides.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -103,6 +104,15 @@ def panel_linear(x: torch.Tensor, panels: PanelWeight, bias: torch.Tensor | None
         lib.panel_linear_bf16(rows.data_ptr(), panels.data.data_ptr(), bias.data_ptr() if bias is not None else None,
                               y.data_ptr(), rows.shape[0], panels.out_features, panels.in_features)
     return y.reshape(*leading, panels.out_features)
+
+
+def bound_panel_linear(x: torch.Tensor, panels: PanelWeight, bias: torch.Tensor | None, out: torch.Tensor, lib):
+    """panel_linear(x, panels, bias) written into out [M, N] (bfloat16, contiguous) as a call without
+    arguments, bound to these tensors (x [M, K] bfloat16, contiguous; the caller keeps all of them
+    alive and changes only their values): the same kernel call, at none of the per-call checks."""
+    return partial(lib.panel_linear_bf16, x.data_ptr(), panels.data.data_ptr(),
+                   bias.data_ptr() if bias is not None else None, out.data_ptr(), x.shape[0], panels.out_features,
+                   panels.in_features)
 
 
 def panel_linear_ref(x: torch.Tensor, panels: PanelWeight, bias: torch.Tensor | None) -> torch.Tensor:

@@ -15,6 +15,8 @@ run with the caches cold after the forward streamed the weights).
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from pagedserve.kernels.native import library as native_lib
@@ -40,6 +42,24 @@ def greedy_native(logits: torch.Tensor, lib=None) -> tuple[list[int], list[float
     lib.greedy_rows(logits.data_ptr(), rows, vocab, logits.stride(0), DTYPE_CODES[logits.dtype], ids.data_ptr(),
                     logprobs.data_ptr())
     return ids.tolist(), logprobs.tolist()
+
+
+class BoundGreedy:
+    """greedy_native(logits) as a call without arguments, bound to logits [rows, vocab] (supports(logits)
+    holds; the caller keeps it and changes only its values), its outputs allocated once: the same
+    kernel call, at none of the per-call checks and allocations."""
+
+    def __init__(self, logits: torch.Tensor, lib) -> None:
+        rows, vocab = logits.shape
+        self.ids = torch.empty(rows, dtype=torch.int64)
+        self.logprobs = torch.empty(rows, dtype=torch.float32)
+        self.logits = logits
+        self._call = partial(lib.greedy_rows, logits.data_ptr(), rows, vocab, logits.stride(0),
+                             DTYPE_CODES[logits.dtype], self.ids.data_ptr(), self.logprobs.data_ptr())
+
+    def __call__(self) -> tuple[list[int], list[float]]:
+        self._call()
+        return self.ids.tolist(), self.logprobs.tolist()
 
 
 def greedy_ref(logits: torch.Tensor) -> tuple[list[int], list[float]]:

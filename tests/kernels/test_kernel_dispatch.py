@@ -169,3 +169,48 @@ def test_kernels_refuse_cpu_tensors_without_the_interpreter():
             else:
                 raise AssertionError("a Triton kernel accepted CPU tensors without the interpreter")
     """)
+
+
+@pytest.mark.parametrize("few_rows", ["panels", "rows"])
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 9])
+def test_bound_linear_takes_the_kernel_linear_takes(monkeypatch, few_rows, num_rows):
+    """ops.bound_linear writes what ops.linear returns, bit for bit, for the values x holds at each
+    call, whichever kernel the host's tuning picks for the rows; None where linear has no kernel to bind."""
+    from pagedserve.kernels.linear import native_rows, panels
+    from pagedserve.kernels.native import tuning
+
+    if panels.library() is None or native_rows.library() is None:
+        pytest.skip("needs a C compiler and AVX-512 BF16")
+    monkeypatch.setattr(tuning, "panels_for_few_rows", lambda lib: few_rows == "panels")
+    generator = torch.Generator().manual_seed(num_rows)
+    weight = torch.randn(70, 64, generator=generator).bfloat16()
+    bias = torch.randn(70, generator=generator).bfloat16()
+    packed = panels.pack(weight)
+    x = torch.empty(num_rows, 64, dtype=torch.bfloat16)
+    out = torch.empty(num_rows, 70, dtype=torch.bfloat16)
+    call = ops.bound_linear(x, weight, bias, prepacked=packed, out=out)
+    assert call is not None
+    for _ in range(3):
+        x.copy_(torch.randn(num_rows, 64, generator=generator))
+        call()
+        assert torch.equal(out, ops.linear(x, weight, bias, prepacked=packed))
+    assert ops.bound_linear(x, weight, bias, out=out) is None  # F.linear
+    assert ops.bound_linear(x.float(), weight, bias, prepacked=packed, out=out) is None
+    assert ops.bound_linear(x, weight, bias, prepacked=packed, out=out[:, :5]) is None
+    monkeypatch.setenv(ops.KERNELS_ENV, "reference")
+    assert ops.bound_greedy(out) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_bound_greedy_gives_what_greedy_gives(dtype):
+    from pagedserve.kernels.sampling import greedy as greedy_kernel
+
+    logits = torch.empty(3, 1000, dtype=dtype)
+    call = ops.bound_greedy(logits)
+    if greedy_kernel.supports(logits) is None:
+        assert call is None
+        return
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        logits.copy_(torch.randn(3, 1000, generator=generator))
+        assert call() == ops.greedy(logits)

@@ -9,6 +9,9 @@ measurements).
     hidden, residual = step.run(hidden)                            # after the embedding
     normed = step.final_hidden(token_ids)  # every row sampled: embedding, layers and final norm at once
 
+    run = NativeDecodeRun.for_rows(model, kv_caches, block_tables, block_size)  # None: forward computes
+    run.set_rows(token_ids, positions); logits = run.step()  # the same rows again, one position on
+
 It applies when every row of the step is a one-token decode, there are at most MAX_ROWS (4) of
 them (MAX_PACKED_ROWS, 32, when every projection is in bfloat16 panels or GGUF blocks, whose
 kernels the per-op path calls at any row count too), the model is bfloat16 or float32 on one CPU
@@ -22,9 +25,11 @@ Each layer's weight and cache pointers are gathered once into the kernel's struc
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pagedserve.kernels import ops
+from pagedserve.worker.layers.attention import AttentionMetadata
 
 # up to 4 rows: the row kernel streams the weights at least as fast as oneDNN there (bench/linear_rows.py,
 # docs/kernels.md) and the layer saves the per-op calls
@@ -102,6 +107,15 @@ def _model_layer_weights(model, kv_caches, dtype: torch.dtype) -> tuple[list, ob
     return model._native_layers[2:]
 
 
+def release_native_layers(model) -> None:
+    """Drops the layer structures kept on the model and its layers (_model_layer_weights), which hold
+    the KV caches they point into: before those caches are replaced, so that the old pool is freed
+    before the new one is allocated."""
+    model._native_layers = None
+    for layer in model.layers:
+        layer._native_decode = None
+
+
 def _is_packed(weights) -> bool:
     """Every projection of the layer has panels or GGUF blocks (its dense weight, if any, serves one
     or two rows only)."""
@@ -151,3 +165,84 @@ class NativeDecodeStep:
                 and token_ids.dtype == torch.int64 and token_ids.is_contiguous()):
             return None
         return self.layers.run_step(token_ids, weight, norm.weight, norm.eps)
+
+
+class NativeDecodeRun:
+    """Decode steps of the same rows, one after another, each row one sequence's one token (the
+    steps of a decode run and the steps computed ahead of their plans, worker/decode_run.py): what
+    forward + compute_logits give for such a step, as NativeDecodeStep.final_hidden and the LM head
+    compute it, with everything but the rows' tokens and positions kept between steps. The step's
+    input tensors, the layers' structure (DecodeLayers over those tensors), the hidden states and
+    the logits are made once, and the LM head's kernel is picked once (ParallelLMHead.bound_forward),
+    so a step is two native calls and a few writes. Built per run rather than per step, this saves
+    the building of the step's input, the model's and the head's Python and their allocations:
+    about 0.44 ms of a 9.4 ms step at one sequence of SmolLM2 in bfloat16 on a 2-core AMD EPYC, their
+    objects all out of the CPU caches after each step's weights (bench/forward_ab.py does not see
+    it; the worker's decode runs do). The same kernels in the same order, so the same bits."""
+
+    def __init__(self, model, step: NativeDecodeStep, token_ids: torch.Tensor, positions: np.ndarray,
+                 slots: np.ndarray, seq_lens: np.ndarray, tables: list[list[int]], block_size: int) -> None:
+        self.model = model
+        self.step_layers = step.layers
+        self.token_ids = token_ids
+        self._tokens, self._positions, self._slots, self._seq_lens = token_ids.numpy(), positions, slots, seq_lens
+        self.tables, self.block_size = tables, block_size
+        weight = model.embed_tokens.weight
+        self.hidden = torch.empty(token_ids.shape[0], weight.shape[1], dtype=weight.dtype)
+        self._embedding, self._norm = weight, model.norm
+        bound = model.lm_head.bound_forward(self.hidden)
+        self._head, self.logits = bound if bound is not None else (None, None)  # None: compute_logits
+
+    @classmethod
+    def for_rows(cls, model, kv_caches, tables: list[list[int]], block_size: int) -> "NativeDecodeRun | None":
+        """The run for rows whose sequences hold these block tables, or None where a step of them would
+        not take NativeDecodeStep.final_hidden (forward then computes each step)."""
+        num_rows = len(tables)
+        if model.lora_active or not num_rows or not all(tables):
+            return None
+        weight, norm = model.embed_tokens.weight, model.norm
+        if not (weight.dtype == norm.weight.dtype == model.rotary.cos_sin.dtype == torch.bfloat16
+                and weight.dim() == 2 and weight.is_contiguous()):
+            return None  # final_hidden's conditions
+        width = max(map(len, tables))
+        block_tables = np.zeros((num_rows, width), dtype=np.int32)
+        for row, table in enumerate(tables):
+            block_tables[row, :len(table)] = table
+        positions, slots = np.zeros(num_rows, dtype=np.int64), np.zeros(num_rows, dtype=np.int64)
+        seq_lens = np.ones(num_rows, dtype=np.int32)
+        metadata = AttentionMetadata(
+            positions=torch.from_numpy(positions), slot_mapping=torch.from_numpy(slots),
+            block_tables=torch.from_numpy(block_tables), seq_lens=torch.from_numpy(seq_lens),
+            query_start_loc=torch.arange(num_rows + 1, dtype=torch.int32),
+            logits_indices=torch.arange(num_rows))
+        metadata.step_plans["positions_below"] = model.max_positions  # set_rows checks each step's
+        step = NativeDecodeStep.for_step(model, metadata, kv_caches)
+        if step is None:
+            return None
+        return cls(model, step, torch.zeros(num_rows, dtype=torch.int64), positions, slots, seq_lens,
+                   [list(table) for table in tables], block_size)
+
+    def set_rows(self, token_ids: list[int], positions: list[int]) -> bool:
+        """The next step's token and position of each row; False, having changed nothing the step
+        reads, when a position is outside the row's blocks or the rotary table (forward then
+        computes the step, and raises what it raises)."""
+        block_size, limit = self.block_size, self.model.max_positions
+        for table, position in zip(self.tables, positions):
+            if not 0 <= position < min(limit, len(table) * block_size):
+                return False
+        for row, (table, token, position) in enumerate(zip(self.tables, token_ids, positions)):
+            self._tokens[row] = token
+            self._positions[row] = position
+            self._slots[row] = table[position // block_size] * block_size + position % block_size
+            self._seq_lens[row] = position + 1
+        return True
+
+    def step(self) -> torch.Tensor:
+        """The logits [rows, vocab] of the step set_rows set: self.logits, where the head's kernel is
+        bound, else a new tensor; IndexError when a token id is outside the embedding table."""
+        norm = self._norm
+        self.step_layers.run_step(self.token_ids, self._embedding, norm.weight, norm.eps, out=self.hidden)
+        if self._head is not None:
+            self._head()
+            return self.logits
+        return self.model.compute_logits(self.hidden)

@@ -1,0 +1,196 @@
+"""The decode run kept between plans (worker/decode_run.py) against the full step: two runners on
+the same checkpoint, one executing every plan in full (ModelRunner._execute_step), the other
+through ModelRunner.execute, which takes the kept run where the plan qualifies; both get the same
+plans, and every sample (token and log probability) must be equal bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import make_prompts
+
+from pagedserve.contracts.step_plan import SampleSpec, ScheduledSeq, StepPlan
+from pagedserve.kernels import ops
+from pagedserve.kernels.linear import native_rows
+from pagedserve.kernels.native import library as native_lib
+from pagedserve.worker import model_runner as model_runner_module
+from pagedserve.worker.continuation import next_plan
+from pagedserve.worker.model_runner import ModelRunner
+
+pytestmark = pytest.mark.skipif(
+    native_lib.load() is None or native_rows.supports(torch.zeros(1, 2, dtype=torch.bfloat16),
+                                                          torch.zeros(2, 2, dtype=torch.bfloat16)) is None,
+    reason="needs a C compiler and AVX-512 BF16")
+
+BLOCK = 16
+BUILD = model_runner_module.build_model_input
+
+
+def _runner(path, dtype: str = "bfloat16") -> ModelRunner:
+    runner = ModelRunner(path, device="cpu", dtype=dtype, block_size=BLOCK)
+    runner.load()
+    runner.init_cache(64, 0)
+    return runner
+
+
+def _prefill(runners, prompts, tables, spec):
+    plan = StepPlan(step_id=0, seqs=[ScheduledSeq(i, prompt, 0, table, spec)
+                                     for i, (prompt, table) in enumerate(zip(prompts, tables))])
+    results = [runner._execute_step(plan) for runner in runners]
+    assert results[0].samples == results[1].samples
+    tokens = {sample.seq_id: sample.token_id for sample in results[0].samples}
+    return StepPlan(step_id=1, continuable=True, seqs=[
+        ScheduledSeq(i, [tokens[i]], len(prompt), table, spec) for i, (prompt, table) in enumerate(zip(prompts, tables))])
+
+
+def _decode(full: ModelRunner, kept: ModelRunner, plan: StepPlan, num_steps: int, monkeypatch=None):
+    """num_steps plans, each the one next_plan derives, through both runners: the samples of each,
+    and the plan that follows the last (None when next_plan derives none)."""
+    samples = []
+    for _ in range(num_steps):
+        expected = full._execute_step(plan)
+        got = kept.execute(plan)
+        assert got.samples == expected.samples
+        assert got.step_id == plan.step_id and got.epoch == plan.epoch and not got.failures
+        samples.append(got.samples)
+        plan = next_plan(plan, got, BLOCK)
+        if plan is None:
+            break
+    return samples, plan
+
+
+@pytest.mark.parametrize("name", ["llama-gqa-untied", "qwen2-bias-tied"])
+@pytest.mark.parametrize("lengths", [(20,), (5, 40), (9, 17, 31, 50)])
+def test_kept_run_gives_the_full_steps_samples(checkpoint_dir, monkeypatch, name, lengths):
+    """The kept run's samples equal the full step's; once started, no plan of the run builds the
+    step's input (each is a step of the kept run), and the run is the same object throughout."""
+    path = checkpoint_dir(name)
+    full, kept = _runner(path), _runner(path)
+    prompts = make_prompts(seed=len(lengths), lengths=lengths)
+    # each sequence's blocks up to the end of the block after the one its first decode falls in
+    tables = [[8 * i + j for j in range(len(prompt) // BLOCK + 2)] for i, prompt in enumerate(prompts)]
+    plan = _prefill((full, kept), prompts, tables, SampleSpec())
+    room = min(2 * BLOCK - len(prompt) % BLOCK for prompt in prompts)
+    samples, plan = _decode(full, kept, plan, 1)
+    run = kept._decode_run
+    assert run is not None
+    built = []
+    monkeypatch.setattr(model_runner_module, "build_model_input",
+                        lambda *args, **kwargs: built.append(1) or BUILD(*args, **kwargs))
+    more, _ = _decode(full, kept, plan, room - 1)  # the full runner builds one input per step
+    assert len(more) == room - 1 and len(built) == room - 1
+    assert kept._decode_run is run
+
+
+def test_a_new_block_starts_another_run_with_the_same_samples(checkpoint_dir):
+    """Crossing a block boundary the plans carry one more block: another run, the same samples."""
+    path = checkpoint_dir("llama-gqa-untied")
+    full, kept = _runner(path), _runner(path)
+    prompt = make_prompts(seed=3, lengths=(13,))[0]
+    table = [4, 9, 2]
+    plan = _prefill((full, kept), [prompt], [table[:1]], SampleSpec())
+    runs = []
+    for _ in range(30):
+        expected = full._execute_step(plan)
+        got = kept.execute(plan)
+        assert got.samples == expected.samples
+        runs.append(kept._decode_run)
+        position = plan.seqs[0].start_position + 1
+        plan = StepPlan(step_id=plan.step_id + 1, continuable=True, seqs=[ScheduledSeq(
+            0, [got.samples[0].token_id], position, table[:position // BLOCK + 1], plan.seqs[0].sample)])
+    assert all(run is not None for run in runs)
+    assert len({id(run) for run in runs}) == 3  # blocks 0, 1 and 2
+
+
+@pytest.mark.parametrize("spec", [SampleSpec(temperature=0.8, seed=3), SampleSpec(num_logprobs=2),
+                                  SampleSpec(logit_bias={5: 3.0}), SampleSpec(repetition_penalty=1.3)],
+                         ids=["sampled", "logprobs", "logit-bias", "penalty"])
+def test_other_specs_take_the_full_step(checkpoint_dir, spec):
+    path = checkpoint_dir("llama-gqa-untied")
+    full, kept = _runner(path), _runner(path)
+    prompt = make_prompts(seed=4, lengths=(10,))[0]
+    plan = _prefill((full, kept), [prompt], [[1, 2]], spec)
+    _decode(full, kept, plan, 4)
+    assert kept._decode_run is None
+
+
+def test_plans_that_are_not_continuable_or_carry_operations_take_the_full_step(checkpoint_dir):
+    path = checkpoint_dir("llama-gqa-untied")
+    full, kept = _runner(path), _runner(path)
+    prompt = make_prompts(seed=6, lengths=(10,))[0]
+    plan = _prefill((full, kept), [prompt], [[1, 2]], SampleSpec())
+    plan.continuable = False
+    samples, _ = _decode(full, kept, plan, 1)
+    assert kept._decode_run is None
+    seq = plan.seqs[0]
+    plan = StepPlan(step_id=plan.step_id + 1, continuable=True, blocks_to_copy=[(5, 6)], seqs=[ScheduledSeq(
+        0, [samples[0][0].token_id], seq.start_position + 1, seq.block_table, seq.sample)])
+    assert kept.execute(plan).samples == full._execute_step(plan).samples
+    assert kept._decode_run is None
+
+
+def test_a_float32_model_takes_the_full_step(checkpoint_dir):
+    path = checkpoint_dir("llama-gqa-untied")
+    full, kept = _runner(path, "float32"), _runner(path, "float32")
+    prompt = make_prompts(seed=7, lengths=(10,))[0]
+    plan = _prefill((full, kept), [prompt], [[1, 2]], SampleSpec())
+    _decode(full, kept, plan, 3)
+    assert kept._decode_run is None
+
+
+def test_unbound_head_and_greedy_give_the_same_samples(checkpoint_dir, monkeypatch):
+    """Where the head's kernel or the greedy kernel cannot be bound, the run calls them per step."""
+    monkeypatch.setattr(ops, "bound_linear", lambda *args, **kwargs: None)
+    monkeypatch.setattr(ops, "bound_greedy", lambda logits: None)
+    path = checkpoint_dir("qwen2-bias-tied")
+    full, kept = _runner(path), _runner(path)
+    prompts = make_prompts(seed=8, lengths=(7, 25))
+    plan = _prefill((full, kept), prompts, [[1], [3, 4]], SampleSpec())
+    samples, _ = _decode(full, kept, plan, 6)
+    assert len(samples) == 6
+    assert kept._decode_run is not None and kept._decode_run.native.logits is None
+
+
+def test_positions_outside_the_blocks_or_the_table_raise_as_the_full_step_does(checkpoint_dir):
+    path = checkpoint_dir("llama-gqa-untied")
+    full, kept = _runner(path), _runner(path)
+    prompt = make_prompts(seed=2, lengths=(10,))[0]
+    plan = _prefill((full, kept), [prompt], [[1]], SampleSpec())
+    _decode(full, kept, plan, 1)
+    assert kept._decode_run is not None
+    beyond = StepPlan(step_id=9, continuable=True, seqs=[ScheduledSeq(0, [3], BLOCK, [1], SampleSpec())])
+    with pytest.raises(Exception) as expected:
+        full.execute(beyond)
+    with pytest.raises(type(expected.value)):
+        kept.execute(beyond)
+    limit = kept.model.max_positions
+    table = list(range(-(-(limit + 1) // BLOCK)))
+    if len(table) <= kept.cache.num_gpu_blocks:
+        past = StepPlan(step_id=10, continuable=True, seqs=[ScheduledSeq(0, [3], limit, table, SampleSpec())])
+        with pytest.raises(type(_raised(full, past))):
+            kept.execute(past)
+
+
+def _raised(runner, plan):
+    try:
+        runner.execute(plan)
+    except Exception as exc:
+        return exc
+    raise AssertionError("the full step did not raise")
+
+
+def test_init_cache_drops_the_run_and_the_structures_holding_the_old_pool(checkpoint_dir):
+    path = checkpoint_dir("llama-gqa-untied")
+    full, kept = _runner(path), _runner(path)
+    prompt = make_prompts(seed=1, lengths=(12,))[0]
+    plan = _prefill((full, kept), [prompt], [[1]], SampleSpec())
+    _decode(full, kept, plan, 2)
+    assert kept._decode_run is not None
+    old = kept.cache.gpu_cache
+    kept.init_cache(32, 0)
+    assert kept._decode_run is None and kept.model._native_layers is None
+    assert all(getattr(layer, "_native_decode", None) is None for layer in kept.model.layers)
+    full.init_cache(32, 0)
+    plan = _prefill((full, kept), [prompt], [[1]], SampleSpec())
+    _decode(full, kept, plan, 2)
+    assert kept._decode_run.kv_caches is kept.cache.gpu_cache is not old

@@ -1,0 +1,89 @@
+"""The steps of a decode, one position after another, with their inputs kept between steps.
+
+A continuable plan (StepPlan.continuable, scheduler/core/continuable.py) is followed, unless a
+token ends a sequence, by the same decodes one position on: the later steps of a decode run and
+the steps computed ahead of their plans (worker/continuation.py), and the plans of a streamed
+decode. ModelRunner.execute hands such a plan to the DecodeRun it keeps when the plan qualifies:
+
+    every sequence   decodes one token and samples it plain greedily (no penalties, suppressed
+                     tokens, logprobs beyond the chosen token's, beams or logit_bias: the
+                     sampler's _sample_greedy path), with no drafts, masks or adapter
+    the plan         no block, tier or adapter operations, no drafts from the worker, no masks
+    the worker       one rank, no LoRA, and a model whose step of these rows takes the native
+                     decode step with the embedding and final norm (NativeDecodeRun)
+
+The run is kept while the plans keep its sequences in the same order with the same block tables
+and specs; another plan that qualifies starts another run (a sequence that gets its next block
+included), one that does not goes through the full step. A step then writes each row's token,
+position, slot and length into the kept input, makes the native call for the whole model, the LM
+head's call and the greedy kernel's, picked once per run, and wraps the samples: the kernels and
+the order of the full step, so the same tokens and log probabilities (tests/worker/
+test_decode_run.py), for a fraction of its Python and allocations.
+"""
+
+from __future__ import annotations
+
+import time
+
+from pagedserve.contracts.step_plan import SampleSpec, ScheduledSeq, SeqSample, StepPlan, StepResult
+from pagedserve.kernels import ops
+from pagedserve.worker.models.llama_native import NativeDecodeRun
+from pagedserve.worker.sampler import is_plain_greedy
+
+
+def _qualifies(plan: StepPlan) -> bool:
+    return (plan.continuable and bool(plan.seqs)
+            and not (plan.blocks_to_swap_out or plan.blocks_to_swap_in or plan.blocks_to_copy or plan.lora_loads
+                     or plan.drafts_from_worker or plan.masks_follow)
+            and (plan.tier_ops is None or plan.tier_ops.is_empty))
+
+
+def _is_plain_decode(seq: ScheduledSeq) -> bool:
+    spec = seq.sample
+    return (len(seq.token_ids) == 1 and spec is not None and is_plain_greedy(spec) and not spec.logit_bias
+            and not seq.num_draft_tokens and not seq.num_mask_rows and seq.lora_slot < 0)
+
+
+class DecodeRun:
+    """Plans of the same one-token greedy decodes (module doc) through a NativeDecodeRun."""
+
+    def __init__(self, native: NativeDecodeRun, kv_caches: list, seqs: list[ScheduledSeq]) -> None:
+        self.native = native
+        self.kv_caches = kv_caches
+        self.seq_ids = [seq.seq_id for seq in seqs]
+        self.specs: list[SampleSpec] = [seq.sample for seq in seqs]
+        self.tables = native.tables
+        self._greedy = ops.bound_greedy(native.logits) if native.logits is not None else None
+
+    @classmethod
+    def for_plan(cls, model, kv_caches: list, plan: StepPlan, block_size: int) -> "DecodeRun | None":
+        """A run for plan's sequences, or None when plan or model does not qualify (module doc)."""
+        if not (_qualifies(plan) and all(map(_is_plain_decode, plan.seqs))):
+            return None
+        native = NativeDecodeRun.for_rows(model, kv_caches, [seq.block_table for seq in plan.seqs], block_size)
+        return cls(native, kv_caches, plan.seqs) if native is not None else None
+
+    def accepts(self, plan: StepPlan, kv_caches: list) -> bool:
+        """Whether plan is a step of this run's sequences (module doc) over the same caches."""
+        if kv_caches is not self.kv_caches or len(plan.seqs) != len(self.seq_ids) or not _qualifies(plan):
+            return False
+        for seq, seq_id, spec, table in zip(plan.seqs, self.seq_ids, self.specs, self.tables):
+            if not (seq.seq_id == seq_id and (seq.sample is spec or seq.sample == spec) and len(seq.token_ids) == 1
+                    and not seq.num_draft_tokens and not seq.num_mask_rows and seq.lora_slot < 0
+                    and seq.block_table == table):
+                return False
+        return True
+
+    def __call__(self, plan: StepPlan) -> StepResult | None:
+        """plan's result (the caller checked accepts), or None when a position is outside its
+        sequence's blocks or the rotary table (the full step then reports it)."""
+        seqs = plan.seqs
+        if not self.native.set_rows([seq.token_ids[0] for seq in seqs], [seq.start_position for seq in seqs]):
+            return None
+        started = time.perf_counter()
+        logits = self.native.step()
+        forward_seconds = time.perf_counter() - started
+        ids, logprobs = self._greedy() if self._greedy is not None else ops.greedy(logits)
+        samples = [SeqSample(seq_id=seq_id, token_id=token_id, logprob=logprob)
+                   for seq_id, token_id, logprob in zip(self.seq_ids, ids, logprobs)]
+        return StepResult(step_id=plan.step_id, samples=samples, forward_seconds=forward_seconds, epoch=plan.epoch)
