@@ -309,6 +309,19 @@ def bound_linear(x, weight, bias=None, *, packed=None, prepacked=None, out):
     return None
 
 
+def bound_block_quant_linear(x, weight, bias=None, *, out):
+    """What block_quant_linear(x, weight, bias) computes, written into out [M, N] (x's dtype,
+    contiguous), as a call without arguments bound to these tensors (bound_linear's use): the
+    native kernel where block_quant_linear takes it, the same bits. None where it would take
+    another path (the references, the dequantized product, x not contiguous)."""
+    if os.environ.get(KERNELS_ENV) == "reference" or not (
+            x.dim() == 2 and x.is_contiguous() and out.dtype == x.dtype and out.is_contiguous()
+            and out.shape == (x.shape[0], weight.out_features)):
+        return None
+    lib = block_quant.supports(x, weight)
+    return block_quant.bound_block_quant_linear(x, weight, bias, out, lib) if lib is not None else None
+
+
 def bound_greedy(logits):
     """greedy(logits) as a call without arguments bound to logits (kernels/sampling/greedy.py
     BoundGreedy: the native kernel, its outputs allocated once), or None where greedy would take

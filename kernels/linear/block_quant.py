@@ -32,6 +32,7 @@ gguf package's values bit for bit.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -143,6 +144,32 @@ def block_quant_linear_native(x: torch.Tensor, weight: BlockQuantWeight, bias: t
         weight.mins.data_ptr() if weight.mins is not None else None, y.data_ptr(), x.shape[0],
         weight.out_features, weight.in_features, weight.bits)
     return _finish(y, bias, x.dtype)
+
+
+def bound_block_quant_linear(x: torch.Tensor, weight: BlockQuantWeight, bias: torch.Tensor | None, out: torch.Tensor,
+                             lib):
+    """block_quant_linear_native(x, weight, bias) written into out [M, N] (x's dtype, contiguous) as a
+    call without arguments bound to these tensors (supports(x, weight) holds, x contiguous; the
+    caller keeps them alive and changes only their values): the same kernel, sum and rounding.
+    None where the native path would first convert x (bfloat16 x without the BF16 variant)."""
+    if x.dtype == torch.bfloat16 and _has_bf16(lib):
+        kernel = lib.block_quant_rows_bf16
+    elif x.dtype == torch.float32:
+        kernel = lib.block_quant_rows
+    else:
+        return None
+    y = out if out.dtype == torch.float32 and bias is None else torch.empty(out.shape, dtype=torch.float32)
+    call = partial(kernel, x.data_ptr(), weight.qs.data_ptr(), weight.scales.data_ptr(),
+                   weight.mins.data_ptr() if weight.mins is not None else None, y.data_ptr(), x.shape[0],
+                   weight.out_features, weight.in_features, weight.bits)
+    if y is out:
+        return call
+    bias32 = bias.to(torch.float32) if bias is not None else None
+
+    def run() -> None:
+        call()
+        out.copy_(y + bias32 if bias32 is not None else y)  # _finish's sum and rounding
+    return run
 
 
 def _has_bf16(lib) -> bool:

@@ -195,3 +195,33 @@ def test_the_result_does_not_depend_on_the_thread_count(tensor_type, dtype):
                                        rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-3)
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("tensor_type", TYPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_bound_call_writes_what_block_quant_linear_returns(tensor_type, dtype, with_bias):
+    """ops.bound_block_quant_linear, called again after x changes, writes ops.block_quant_linear's
+    result bit for bit; None under the references and above the kernel's rows."""
+    weight, _ = _gguf_weight(tensor_type, 70, 128, seed=11)
+    if block_quant.supports(torch.empty(1, 128), weight) is None:
+        pytest.skip("needs a C compiler and AVX-512")
+    bias = torch.randn(70).to(dtype) if with_bias else None
+    x = torch.empty(3, 128, dtype=dtype)
+    out = torch.empty(3, 70, dtype=dtype)
+    call = ops.bound_block_quant_linear(x, weight, bias, out=out)
+    assert call is not None
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x.copy_(torch.randn(3, 128, generator=generator))
+        call()
+        assert torch.equal(out, ops.block_quant_linear(x, weight, bias))
+    big = torch.empty(block_quant.MAX_ROWS + 1, 128, dtype=dtype)
+    assert ops.bound_block_quant_linear(big, weight, out=torch.empty(big.shape[0], 70, dtype=dtype)) is None
+
+
+def test_the_bound_call_is_refused_under_the_references(monkeypatch):
+    weight, _ = _gguf_weight("Q4_1", 64, 128, seed=12)
+    monkeypatch.setenv(ops.KERNELS_ENV, "reference")
+    x = torch.zeros(1, 128)
+    assert ops.bound_block_quant_linear(x, weight, out=torch.empty(1, 64)) is None

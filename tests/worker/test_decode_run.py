@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gguf_fixtures import write_all_kept
 from tiny_models import make_prompts
 
 from pagedserve.contracts.step_plan import SampleSpec, ScheduledSeq, StepPlan
@@ -26,8 +27,8 @@ BLOCK = 16
 BUILD = model_runner_module.build_model_input
 
 
-def _runner(path, dtype: str = "bfloat16") -> ModelRunner:
-    runner = ModelRunner(path, device="cpu", dtype=dtype, block_size=BLOCK)
+def _runner(path, dtype: str = "bfloat16", quantization: str = "auto") -> ModelRunner:
+    runner = ModelRunner(path, device="cpu", dtype=dtype, block_size=BLOCK, quantization=quantization)
     runner.load()
     runner.init_cache(64, 0)
     return runner
@@ -194,3 +195,18 @@ def test_init_cache_drops_the_run_and_the_structures_holding_the_old_pool(checkp
     plan = _prefill((full, kept), [prompt], [[1]], SampleSpec())
     _decode(full, kept, plan, 2)
     assert kept._decode_run.kv_caches is kept.cache.gpu_cache is not old
+
+
+@pytest.mark.parametrize("num_seqs", [1, 2])
+def test_kept_gguf_blocks_give_the_full_steps_samples(tmp_path_factory, num_seqs):
+    """A GGUF file's blocks kept (--quantization auto), its Q8_0 LM head's blocks multiplied by the
+    block kernel at one row (bound once, ops.bound_block_quant_linear): the same samples."""
+    path = write_all_kept(tmp_path_factory, seed=41)
+    full, kept = _runner(path), _runner(path)
+    assert kept.model.lm_head.blocks is not None
+    prompts = make_prompts(seed=num_seqs, lengths=(11, 26)[:num_seqs])
+    plan = _prefill((full, kept), prompts, [[1, 2, 3], [5, 6, 7]][:num_seqs], SampleSpec())
+    samples, _ = _decode(full, kept, plan, 8)
+    assert len(samples) == 8
+    run = kept._decode_run
+    assert run is not None and run.native.logits is not None

@@ -186,12 +186,16 @@ class ParallelLMHead(torch.nn.Module):
     def bound_forward(self, hidden: torch.Tensor):
         """forward(hidden) as (call, logits): call() writes the logits of hidden [L, hidden] (the caller
         keeps it and changes only its values) into logits [L, vocab_size], with the kernel forward
-        would take for L rows, picked once (ops.bound_linear). None where forward takes another path
-        (GGUF blocks, tensor parallelism, a kernel without such a call): the caller then calls it."""
-        if self.tp.world_size != 1 or (self.blocks is not None and ops.block_quant_prefers(hidden, self.blocks)):
+        would take for L rows, picked once (ops.bound_linear, ops.bound_block_quant_linear). None
+        where forward takes another path (tensor parallelism, a kernel without such a call): the
+        caller then calls it."""
+        if self.tp.world_size != 1:
             return None
         logits = torch.empty(hidden.shape[0], self.weight.shape[0], dtype=hidden.dtype, device=hidden.device)
-        call = ops.bound_linear(hidden, self.weight, prepacked=self.prepacked_weight, out=logits)
+        if self.blocks is not None and ops.block_quant_prefers(hidden, self.blocks):
+            call = ops.bound_block_quant_linear(hidden, self.blocks, out=logits)
+        else:
+            call = ops.bound_linear(hidden, self.weight, prepacked=self.prepacked_weight, out=logits)
         if call is None:
             return None
         return call, logits if logits.shape[-1] == self.vocab_size else logits[:, : self.vocab_size]
