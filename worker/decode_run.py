@@ -1,24 +1,27 @@
 """The steps of a decode, one position after another, with their inputs kept between steps.
 
-A continuable plan (StepPlan.continuable, scheduler/core/continuable.py) is followed, unless a
-token ends a sequence, by the same decodes one position on: the later steps of a decode run and
-the steps computed ahead of their plans (worker/continuation.py), and the plans of a streamed
-decode. ModelRunner.execute hands such a plan to the DecodeRun it keeps when the plan qualifies:
+A step whose sequences all decode one token is, unless a token ends a sequence or a request
+arrives, followed by the same decodes one position on: the steps of a decode run and those
+computed ahead of their plans (worker/continuation.py), the plans of streamed decodes, a batch
+decoding between arrivals. ModelRunner.execute hands every plan that qualifies to the DecodeRun it
+keeps:
 
     every sequence   decodes one token and samples it plain greedily (no penalties, suppressed
                      tokens, logprobs beyond the chosen token's, beams or logit_bias: the
                      sampler's _sample_greedy path), with no drafts, masks or adapter
     the plan         no block, tier or adapter operations, no drafts from the worker, no masks
     the worker       one rank, no LoRA, and a model whose step of these rows takes the native
-                     decode step with the embedding and final norm (NativeDecodeRun)
+                     decode step with the embedding and final norm (NativeDecodeRun: up to 4
+                     rows, or 32 where every projection is in panels or GGUF blocks)
 
-The run is kept while the plans keep its sequences in the same order with the same block tables
-and specs; another plan that qualifies starts another run (a sequence that gets its next block
-included), one that does not goes through the full step. A step then writes each row's token,
-position, slot and length into the kept input, makes the native call for the whole model, the LM
-head's call and the greedy kernel's, picked once per run, and wraps the samples: the kernels and
-the order of the full step, so the same tokens and log probabilities (tests/worker/
-test_decode_run.py), for a fraction of its Python and allocations.
+The run is kept while the plans keep its sequences in the same order with the same specs; a
+sequence whose block table gained blocks at its end keeps its row (the new blocks written into
+the kept table). Another plan that qualifies starts another run (a request arrived or finished),
+one that does not goes through the full step. A step writes each row's token, position, slot and
+length into the kept input, makes the native call for the whole model, the LM head's call and the
+greedy kernel's, picked once per run, and wraps the samples: the kernels and the order of the
+full step, so the same tokens and log probabilities (tests/worker/test_decode_run.py), for a
+fraction of its Python and allocations.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from pagedserve.worker.sampler import is_plain_greedy
 
 
 def _qualifies(plan: StepPlan) -> bool:
-    return (plan.continuable and bool(plan.seqs)
+    return (bool(plan.seqs)
             and not (plan.blocks_to_swap_out or plan.blocks_to_swap_in or plan.blocks_to_copy or plan.lora_loads
                      or plan.drafts_from_worker or plan.masks_follow)
             and (plan.tier_ops is None or plan.tier_ops.is_empty))
@@ -64,14 +67,22 @@ class DecodeRun:
         return cls(native, kv_caches, plan.seqs) if native is not None else None
 
     def accepts(self, plan: StepPlan, kv_caches: list) -> bool:
-        """Whether plan is a step of this run's sequences (module doc) over the same caches."""
+        """Whether plan is a step of this run's sequences (module doc) over the same caches; a
+        sequence whose table gained blocks at its end keeps its row, the new blocks written in."""
         if kv_caches is not self.kv_caches or len(plan.seqs) != len(self.seq_ids) or not _qualifies(plan):
             return False
-        for seq, seq_id, spec, table in zip(plan.seqs, self.seq_ids, self.specs, self.tables):
+        grown = []
+        for row, (seq, seq_id, spec, table) in enumerate(zip(plan.seqs, self.seq_ids, self.specs, self.tables)):
             if not (seq.seq_id == seq_id and (seq.sample is spec or seq.sample == spec) and len(seq.token_ids) == 1
-                    and not seq.num_draft_tokens and not seq.num_mask_rows and seq.lora_slot < 0
-                    and seq.block_table == table):
+                    and not seq.num_draft_tokens and not seq.num_mask_rows and seq.lora_slot < 0):
                 return False
+            new = seq.block_table
+            if new != table:
+                if not (len(table) < len(new) <= self.native.max_blocks and new[:len(table)] == table):
+                    return False
+                grown.append((row, new))
+        for row, new in grown:
+            self.native.grow(row, new)
         return True
 
     def __call__(self, plan: StepPlan) -> StepResult | None:

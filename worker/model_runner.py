@@ -287,10 +287,10 @@ class ModelRunner:
         """Block operations, then the forward (the draft model's first when it proposes the drafts);
         rank 0 returns the samples, other ranks none. forward_seconds covers the draft forwards too.
         With LoRA adapters the plan's loads come first, and each sequence's rows get its slot's delta;
-        sequences whose adapter could not be loaded come back as failures. A continuable plan of
-        plain greedy decodes goes through the decode run kept for its sequences (decode_run.py):
-        the same samples, for less of the step's Python."""
-        if plan.continuable and (result := self._execute_in_run(plan)) is not None:
+        sequences whose adapter could not be loaded come back as failures. A plan of plain greedy
+        one-token decodes goes through the decode run kept for its sequences (decode_run.py): the
+        same samples, for less of the step's Python."""
+        if (result := self._execute_in_run(plan)) is not None:
             return result
         if plan.lora_loads or any(seq.lora_slot >= 0 for seq in plan.seqs):
             if self.lora is None:

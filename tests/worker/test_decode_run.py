@@ -83,8 +83,10 @@ def test_kept_run_gives_the_full_steps_samples(checkpoint_dir, monkeypatch, name
     assert kept._decode_run is run
 
 
-def test_a_new_block_starts_another_run_with_the_same_samples(checkpoint_dir):
-    """Crossing a block boundary the plans carry one more block: another run, the same samples."""
+def test_a_table_that_grows_keeps_the_run_with_the_same_samples(checkpoint_dir):
+    """Crossing a block boundary the plans carry one more block: the run keeps the sequence's row,
+    the new block written into its kept table, and gives the full step's samples; a table that
+    changes otherwise starts another run."""
     path = checkpoint_dir("llama-gqa-untied")
     full, kept = _runner(path), _runner(path)
     prompt = make_prompts(seed=3, lengths=(13,))[0]
@@ -97,10 +99,16 @@ def test_a_new_block_starts_another_run_with_the_same_samples(checkpoint_dir):
         assert got.samples == expected.samples
         runs.append(kept._decode_run)
         position = plan.seqs[0].start_position + 1
-        plan = StepPlan(step_id=plan.step_id + 1, continuable=True, seqs=[ScheduledSeq(
+        plan = StepPlan(step_id=plan.step_id + 1, seqs=[ScheduledSeq(
             0, [got.samples[0].token_id], position, table[:position // BLOCK + 1], plan.seqs[0].sample)])
-    assert all(run is not None for run in runs)
-    assert len({id(run) for run in runs}) == 3  # blocks 0, 1 and 2
+    assert runs[0] is not None and all(run is runs[0] for run in runs)  # blocks 0, 1 and 2
+    assert runs[0].tables == [table]
+    moved = StepPlan(step_id=plan.step_id, seqs=[ScheduledSeq(0, plan.seqs[0].token_ids, plan.seqs[0].start_position,
+                                                              [4, 7, 2], plan.seqs[0].sample)])
+    full.cache.copy([(9, 7)])  # the sequence's second block moved: its KV where the table says
+    kept.cache.copy([(9, 7)])
+    assert kept.execute(moved).samples == full._execute_step(moved).samples
+    assert kept._decode_run is not runs[0] and kept._decode_run.tables == [[4, 7, 2]]
 
 
 @pytest.mark.parametrize("spec", [SampleSpec(temperature=0.8, seed=3), SampleSpec(num_logprobs=2),
@@ -115,19 +123,31 @@ def test_other_specs_take_the_full_step(checkpoint_dir, spec):
     assert kept._decode_run is None
 
 
-def test_plans_that_are_not_continuable_or_carry_operations_take_the_full_step(checkpoint_dir):
+def test_plans_not_continuable_take_the_run_and_plans_with_operations_the_full_step(checkpoint_dir):
     path = checkpoint_dir("llama-gqa-untied")
     full, kept = _runner(path), _runner(path)
     prompt = make_prompts(seed=6, lengths=(10,))[0]
     plan = _prefill((full, kept), [prompt], [[1, 2]], SampleSpec())
     plan.continuable = False
     samples, _ = _decode(full, kept, plan, 1)
-    assert kept._decode_run is None
+    run = kept._decode_run
+    assert run is not None
     seq = plan.seqs[0]
-    plan = StepPlan(step_id=plan.step_id + 1, continuable=True, blocks_to_copy=[(5, 6)], seqs=[ScheduledSeq(
+    plan = StepPlan(step_id=plan.step_id + 1, blocks_to_copy=[(5, 6)], seqs=[ScheduledSeq(
         0, [samples[0][0].token_id], seq.start_position + 1, seq.block_table, seq.sample)])
     assert kept.execute(plan).samples == full._execute_step(plan).samples
     assert kept._decode_run is None
+
+
+def test_many_sequences_give_the_full_steps_samples(checkpoint_dir):
+    """Nine sequences (the native step takes them where every projection is packed, else the full
+    step runs): the same samples either way."""
+    path = checkpoint_dir("qwen2-bias-tied")
+    full, kept = _runner(path), _runner(path)
+    prompts = make_prompts(seed=9, lengths=(3, 9, 17, 12, 5, 30, 8, 21, 14))
+    plan = _prefill((full, kept), prompts, [[2 * i, 2 * i + 1] for i in range(9)], SampleSpec())
+    samples, _ = _decode(full, kept, plan, 2)
+    assert len(samples) == 2
 
 
 def test_a_float32_model_takes_the_full_step(checkpoint_dir):

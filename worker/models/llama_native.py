@@ -181,12 +181,15 @@ class NativeDecodeRun:
     it; the worker's decode runs do). The same kernels in the same order, so the same bits."""
 
     def __init__(self, model, step: NativeDecodeStep, token_ids: torch.Tensor, positions: np.ndarray,
-                 slots: np.ndarray, seq_lens: np.ndarray, tables: list[list[int]], block_size: int) -> None:
+                 slots: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray, tables: list[list[int]],
+                 block_size: int) -> None:
         self.model = model
         self.step_layers = step.layers
         self.token_ids = token_ids
         self._tokens, self._positions, self._slots, self._seq_lens = token_ids.numpy(), positions, slots, seq_lens
+        self._block_tables = block_tables  # [rows, max_blocks]: what DecodeLayers reads the tables from
         self.tables, self.block_size = tables, block_size
+        self.max_blocks = block_tables.shape[1]
         weight = model.embed_tokens.weight
         self.hidden = torch.empty(token_ids.shape[0], weight.shape[1], dtype=weight.dtype)
         self._embedding, self._norm = weight, model.norm
@@ -204,7 +207,8 @@ class NativeDecodeRun:
         if not (weight.dtype == norm.weight.dtype == model.rotary.cos_sin.dtype == torch.bfloat16
                 and weight.dim() == 2 and weight.is_contiguous()):
             return None  # final_hidden's conditions
-        width = max(map(len, tables))
+        # room for every block a sequence can have, so that a table that grows keeps its row (grow)
+        width = max(max(map(len, tables)), -(-model.max_positions // block_size))
         block_tables = np.zeros((num_rows, width), dtype=np.int32)
         for row, table in enumerate(tables):
             block_tables[row, :len(table)] = table
@@ -220,7 +224,14 @@ class NativeDecodeRun:
         if step is None:
             return None
         return cls(model, step, torch.zeros(num_rows, dtype=torch.int64), positions, slots, seq_lens,
-                   [list(table) for table in tables], block_size)
+                   block_tables, [list(table) for table in tables], block_size)
+
+    def grow(self, row: int, table: list[int]) -> None:
+        """Row's sequence now holds `table`: its kept table followed by more blocks (the caller checked
+        that it extends it)."""
+        kept = self.tables[row]
+        self._block_tables[row, len(kept):len(table)] = table[len(kept):]
+        self.tables[row] = list(table)
 
     def set_rows(self, token_ids: list[int], positions: list[int]) -> bool:
         """The next step's token and position of each row; False, having changed nothing the step
