@@ -78,7 +78,7 @@ class DecodeRun:
                 return False
             new = seq.block_table
             if new != table:
-                if not (len(table) < len(new) <= self.native.max_blocks and new[:len(table)] == table):
+                if not self.native.can_grow(row, new, kv_caches[0][0].shape[0]):
                     return False
                 grown.append((row, new))
         for row, new in grown:

@@ -16,6 +16,7 @@ from pagedserve.kernels.linear import native_rows
 from pagedserve.kernels.native import library as native_lib
 from pagedserve.worker import model_runner as model_runner_module
 from pagedserve.worker.continuation import next_plan
+from pagedserve.worker.model_input import PlanError
 from pagedserve.worker.model_runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(
@@ -230,3 +231,23 @@ def test_kept_gguf_blocks_give_the_full_steps_samples(tmp_path_factory, num_seqs
     assert len(samples) == 8
     run = kept._decode_run
     assert run is not None and run.native.logits is not None
+
+
+def test_blocks_outside_the_pool_raise_the_full_steps_error(checkpoint_dir):
+    """A table naming a block outside the pool, from the start or as a new block, takes the full step
+    and its PlanError, never the kept run's native call."""
+    path = checkpoint_dir("llama-gqa-untied")
+    full, kept = _runner(path), _runner(path)
+    prompt = make_prompts(seed=2, lengths=(15,))[0]
+    plan = _prefill((full, kept), [prompt], [[1]], SampleSpec())
+    samples, _ = _decode(full, kept, plan, 1)
+    run = kept._decode_run
+    assert run is not None
+    seq = plan.seqs[0]
+    for table in ([1, 64], [64, 2]):  # the pool holds blocks 0-63
+        bad = StepPlan(step_id=5, seqs=[ScheduledSeq(0, [samples[0][0].token_id], 16, table, seq.sample)])
+        with pytest.raises(PlanError):
+            full.execute(bad)
+        with pytest.raises(PlanError):
+            kept.execute(bad)
+    assert run.tables == [[1]]

@@ -200,9 +200,10 @@ class NativeDecodeRun:
     def for_rows(cls, model, kv_caches, tables: list[list[int]], block_size: int) -> "NativeDecodeRun | None":
         """The run for rows whose sequences hold these block tables, or None where a step of them would
         not take NativeDecodeStep.final_hidden (forward then computes each step)."""
-        num_rows = len(tables)
-        if model.lora_active or not num_rows or not all(tables):
-            return None
+        num_rows, num_blocks = len(tables), kv_caches[0][0].shape[0]
+        if model.lora_active or not num_rows or not all(tables) \
+                or not all(0 <= block < num_blocks for table in tables for block in table):
+            return None  # a block outside the pool: the full step raises its PlanError
         weight, norm = model.embed_tokens.weight, model.norm
         if not (weight.dtype == norm.weight.dtype == model.rotary.cos_sin.dtype == torch.bfloat16
                 and weight.dim() == 2 and weight.is_contiguous()):
@@ -226,9 +227,14 @@ class NativeDecodeRun:
         return cls(model, step, torch.zeros(num_rows, dtype=torch.int64), positions, slots, seq_lens,
                    block_tables, [list(table) for table in tables], block_size)
 
+    def can_grow(self, row: int, table: list[int], num_blocks: int) -> bool:
+        """Whether `table` is row's kept table followed by more blocks, all in the pool of num_blocks."""
+        kept = self.tables[row]
+        return (len(kept) < len(table) <= self.max_blocks and table[:len(kept)] == kept
+                and all(0 <= block < num_blocks for block in table[len(kept):]))
+
     def grow(self, row: int, table: list[int]) -> None:
-        """Row's sequence now holds `table`: its kept table followed by more blocks (the caller checked
-        that it extends it)."""
+        """Row's sequence now holds `table`: its kept table followed by more blocks (can_grow)."""
         kept = self.tables[row]
         self._block_tables[row, len(kept):len(table)] = table[len(kept):]
         self.tables[row] = list(table)
