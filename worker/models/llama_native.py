@@ -201,7 +201,7 @@ class NativeDecodeRun:
         """The run for rows whose sequences hold these block tables, or None where a step of them would
         not take NativeDecodeStep.final_hidden (forward then computes each step)."""
         num_rows, num_blocks = len(tables), kv_caches[0][0].shape[0]
-        if model.lora_active or not num_rows or not all(tables) \
+        if model.lora_active or model.tp.world_size != 1 or not num_rows or not all(tables) \
                 or not all(0 <= block < num_blocks for table in tables for block in table):
             return None  # a block outside the pool: the full step raises its PlanError
         weight, norm = model.embed_tokens.weight, model.norm
