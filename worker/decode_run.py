@@ -41,10 +41,13 @@ def _qualifies(plan: StepPlan) -> bool:
             and (plan.tier_ops is None or plan.tier_ops.is_empty))
 
 
+def _decodes_one_token(seq: ScheduledSeq) -> bool:
+    return len(seq.token_ids) == 1 and not seq.num_draft_tokens and not seq.num_mask_rows and seq.lora_slot < 0
+
+
 def _is_plain_decode(seq: ScheduledSeq) -> bool:
     spec = seq.sample
-    return (len(seq.token_ids) == 1 and spec is not None and is_plain_greedy(spec) and not spec.logit_bias
-            and not seq.num_draft_tokens and not seq.num_mask_rows and seq.lora_slot < 0)
+    return _decodes_one_token(seq) and spec is not None and is_plain_greedy(spec) and not spec.logit_bias
 
 
 class DecodeRun:
@@ -73,8 +76,7 @@ class DecodeRun:
             return False
         grown = []
         for row, (seq, seq_id, spec, table) in enumerate(zip(plan.seqs, self.seq_ids, self.specs, self.tables)):
-            if not (seq.seq_id == seq_id and (seq.sample is spec or seq.sample == spec) and len(seq.token_ids) == 1
-                    and not seq.num_draft_tokens and not seq.num_mask_rows and seq.lora_slot < 0):
+            if not (seq.seq_id == seq_id and (seq.sample is spec or seq.sample == spec) and _decodes_one_token(seq)):
                 return False
             new = seq.block_table
             if new != table:

@@ -201,13 +201,13 @@ class NativeDecodeRun:
         """The run for rows whose sequences hold these block tables, or None where a step of them would
         not take NativeDecodeStep.final_hidden (forward then computes each step)."""
         num_rows, num_blocks = len(tables), kv_caches[0][0].shape[0]
-        if model.lora_active or model.tp.world_size != 1 or not num_rows or not all(tables) \
-                or not all(0 <= block < num_blocks for table in tables for block in table):
-            return None  # a block outside the pool: the full step raises its PlanError
         weight, norm = model.embed_tokens.weight, model.norm
         if not (weight.dtype == norm.weight.dtype == model.rotary.cos_sin.dtype == torch.bfloat16
                 and weight.dim() == 2 and weight.is_contiguous()):
-            return None  # final_hidden's conditions
+            return None  # final_hidden's conditions (checked first: they rule out a whole model)
+        if model.lora_active or model.tp.world_size != 1 or not num_rows or not all(tables) \
+                or not all(0 <= block < num_blocks for table in tables for block in table):
+            return None  # a block outside the pool: the full step raises its PlanError
         # room for every block a sequence can have, so that a table that grows keeps its row (grow)
         width = max(max(map(len, tables)), -(-model.max_positions // block_size))
         block_tables = np.zeros((num_rows, width), dtype=np.int32)
