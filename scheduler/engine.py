@@ -283,6 +283,10 @@ class Engine:
         self._hand_over()
         try:
             result = self.link.wait_result(scheduled.plan)
+            while result.run_step:  # a step of a run that streams them: its tokens go out now
+                self._hold(self.scheduler.process_run_step(scheduled, result))
+                self._hand_over()
+                result = self.link.wait_result(scheduled.plan, in_run=True)
         finally:
             self._run_in_flight = False
         self._hold(self.scheduler.process_result(scheduled, result))

@@ -282,14 +282,16 @@ class WorkerLink:
         """Sends the bitmask rows of a plan published with masks_follow."""
         self._pub.send(step_pb2.SchedulerMessage(step_masks=masks_to_proto(plan)).SerializeToString())
 
-    def wait_result(self, plan: StepPlan, poll_seconds: float = 0.5) -> StepResult:
-        """Waits for rank 0's result of a published plan, watching every rank's heartbeat.
+    def wait_result(self, plan: StepPlan, poll_seconds: float = 0.5, in_run: bool = False) -> StepResult:
+        """Waits for rank 0's result of a published plan, watching every rank's heartbeat; in_run:
+        the next result of a run that streams its steps, after one of its steps.
 
         The heartbeats are checked on a clock, not only when the socket falls silent: the other
         ranks keep heartbeating while a dead one holds the step back.
         """
         next_check = time.monotonic() + poll_seconds
-        self._interrupted = False  # one noted while idle was for a run already over
+        if not in_run:
+            self._interrupted = False  # one noted while idle was for a run already over
         while True:
             message = self._receive(max(0.0, next_check - time.monotonic()))
             if self._interrupted:

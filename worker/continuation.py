@@ -15,10 +15,11 @@ in a block that sequence owned alone. A sequence that finished meanwhile frees t
 next owner writes every slot it reads; a sequence that goes on writes the same K/V there again.
 The cost of a miss is one forward that the next plan waits for (a finished request, a new one).
 
-A decode run (StepPlan.num_steps > 1: a continuable plan whose requests take their whole answer
-at the end, scheduler/core/continuable.py) is computed the same way without waiting for the plans
-in between: each step is the one before one position on, and the result holds every step's
-samples. A step that fails, or that next_plan cannot derive, ends the run before it; the
+A decode run (StepPlan.num_steps > 1: a continuable plan, scheduler/core/continuable.py) is
+computed the same way without waiting for the plans in between: each step is the one before one
+position on, and the result holds every step's samples; a run that streams its steps
+(StepPlan.streams_steps) sends each step's result as soon as it is computed, then a result that
+ends the run. A step that fails, or that next_plan cannot derive, ends the run before it; the
 scheduler plans that step again like any other. So does any message from the scheduler waiting
 to be read (EndRun: a request arrived or left), so that the next plan comes one step later, not
 a run later. What a dropped step wrote is harmless as above.
@@ -31,6 +32,7 @@ ahead are computed for nothing.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from pagedserve.contracts.step_plan import ScheduledSeq, StepPlan, StepResult
 
@@ -55,11 +57,18 @@ def next_plan(plan: StepPlan, result: StepResult, block_size: int) -> StepPlan |
 
 def run_steps(result: StepResult, plan: StepPlan, block_size: int,
               try_execute: Callable[[StepPlan], StepResult | None],
-              should_end: Callable[[], bool]) -> tuple[StepResult, StepPlan, StepResult]:
+              should_end: Callable[[], bool],
+              send: Callable[[StepResult], None] | None = None) -> tuple[StepResult, StepPlan, StepResult]:
     """`result` (of `plan`'s first step) with the later steps of its decode run (module doc) when
     plan is one, computed by try_execute (None: that step failed, which ends the run); the run also
     ends when should_end() (a message from the scheduler waits: a request arrived or left). Also
-    returns the last step computed and its own result, which the step after the run follows."""
+    returns the last step computed and its own result, which the step after the run follows.
+
+    A run that streams its steps (StepPlan.streams_steps) hands each step's result to `send` as
+    soon as it is computed (StepResult.run_step), and returns the result that ends the run."""
+    streams = send is not None and plan.streams_steps and plan.num_steps > 1
+    if streams:
+        send(replace(result, run_step=1))
     last, last_result, num_steps = plan, result, 1
     samples, forward_seconds = result.samples, result.forward_seconds
     while num_steps < plan.num_steps and not should_end():
@@ -70,12 +79,17 @@ def run_steps(result: StepResult, plan: StepPlan, block_size: int,
         step_result = try_execute(following)
         if step_result is None or step_result.failures or len(step_result.samples) != len(plan.seqs):
             break
-        if num_steps == 1:
-            samples = list(samples)
-        samples += step_result.samples
+        if streams:
+            send(replace(step_result, run_step=num_steps + 1))
+        else:
+            if num_steps == 1:
+                samples = list(samples)
+            samples += step_result.samples
         forward_seconds += step_result.forward_seconds
         last, last_result, num_steps = following, step_result, num_steps + 1
-    if num_steps > 1:
+    if streams:
+        result = StepResult(plan.step_id, [], forward_seconds, plan.epoch, num_steps=num_steps)
+    elif num_steps > 1:
         result = StepResult(plan.step_id, samples, forward_seconds, plan.epoch, num_steps=num_steps)
     return result, last, last_result
 

@@ -120,6 +120,8 @@ def plan_to_proto(plan: StepPlan) -> step_pb2.StepPlan:
         msg.continuable = True
     if plan.num_steps > 1:
         msg.num_steps = plan.num_steps
+    if plan.streams_steps:
+        msg.streams_steps = True
     msg.end_token_ids.extend(plan.end_token_ids)
     if plan.drafts_from_worker:
         msg.drafts_from_worker = True
@@ -192,6 +194,7 @@ def plan_from_proto(msg: step_pb2.StepPlan) -> StepPlan:
         continuable=msg.continuable,
         num_steps=max(1, msg.num_steps),
         end_token_ids=list(msg.end_token_ids),
+        streams_steps=msg.streams_steps,
         step_id=msg.step_id,
         seqs=seqs,
         blocks_to_swap_out=_pairs_from_proto(msg.blocks_to_swap_out),
@@ -224,6 +227,8 @@ def result_to_proto(result: StepResult) -> step_pb2.StepResult:
     msg.failed_fetch_keys.extend(result.failed_fetch_keys)
     if result.num_steps > 1:
         msg.num_steps = result.num_steps
+    if result.run_step:
+        msg.run_step = result.run_step
     return msg
 
 
@@ -251,7 +256,7 @@ def result_from_proto(msg: step_pb2.StepResult) -> StepResult:
     failures = [SeqFailure(seq_id, message) for seq_id, message in zip(msg.failed_seq_ids, msg.failure_messages)]
     return StepResult(step_id=msg.step_id, samples=samples, forward_seconds=msg.forward_seconds,
                       epoch=msg.epoch, failures=failures, failed_fetch_keys=list(msg.failed_fetch_keys),
-                      num_steps=max(1, msg.num_steps))
+                      num_steps=max(1, msg.num_steps), run_step=msg.run_step)
 
 
 def encode_plan(plan: StepPlan) -> bytes:

@@ -104,13 +104,16 @@ class StepPlan:
     # under a spec its tokens do not change, and nothing waits: a single-rank worker may compute
     # the likely next plan ahead (worker/continuation.py)
     continuable: bool = False
-    # More than 1: a decode run of a continuable plan whose requests take their whole answer at the
-    # end. A single-rank worker computes up to num_steps steps in a row, each one position on with
-    # the tokens the step before sampled, and answers them all in one StepResult
+    # More than 1: a decode run of a continuable plan. A single-rank worker computes up to
+    # num_steps steps in a row, each one position on with the tokens the step before sampled, and
+    # answers them all in one StepResult, or each as it comes with streams_steps
     num_steps: int = 1
     # Of a continuable plan: tokens that may end one of its sequences (EOS unless ignored, stop
     # tokens); the worker computes nothing ahead after a step that sampled one
     end_token_ids: list[int] = field(default_factory=list)
+    # Of a decode run some of whose requests read tokens as they come: each step's StepResult is
+    # sent as soon as it is computed (StepResult.run_step), then a result that ends the run
+    streams_steps: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -149,3 +152,6 @@ class StepResult:
     # The steps of a decode run computed (StepPlan.num_steps): samples holds each step's, every
     # sequence of the plan in plan order, one step after the other; a run has no failures
     num_steps: int = 1
+    # Of a run that streams its steps (StepPlan.streams_steps): 1 + the index in the run of the one
+    # step this result holds; 0 ends the run (no samples, num_steps steps computed)
+    run_step: int = 0

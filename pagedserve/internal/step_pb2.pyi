@@ -53,7 +53,7 @@ class BlockPair(_message.Message):
     def __init__(self, src: _Optional[_Iterable[int]] = ..., dst: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("epoch", "step_id", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "seq_ids", "start_positions", "num_tokens", "token_ids", "num_blocks", "block_ids", "sample_index", "samples", "num_draft_tokens", "drafts_from_worker", "draft_start_positions", "num_draft_context_tokens", "draft_context_ids", "num_mask_rows", "token_bitmasks", "masks_follow", "continuable", "num_steps", "end_token_ids", "tier_ops", "lora_slots", "lora_loads")
+    __slots__ = ("epoch", "step_id", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "seq_ids", "start_positions", "num_tokens", "token_ids", "num_blocks", "block_ids", "sample_index", "samples", "num_draft_tokens", "drafts_from_worker", "draft_start_positions", "num_draft_context_tokens", "draft_context_ids", "num_mask_rows", "token_bitmasks", "masks_follow", "continuable", "num_steps", "end_token_ids", "streams_steps", "tier_ops", "lora_slots", "lora_loads")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_TO_SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class StepPlan(_message.Message):
     CONTINUABLE_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     END_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_STEPS_FIELD_NUMBER: _ClassVar[int]
     TIER_OPS_FIELD_NUMBER: _ClassVar[int]
     LORA_SLOTS_FIELD_NUMBER: _ClassVar[int]
     LORA_LOADS_FIELD_NUMBER: _ClassVar[int]
@@ -105,10 +106,11 @@ class StepPlan(_message.Message):
     continuable: bool
     num_steps: int
     end_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    streams_steps: bool
     tier_ops: TierOps
     lora_slots: _containers.RepeatedScalarFieldContainer[int]
     lora_loads: _containers.RepeatedCompositeFieldContainer[LoraLoad]
-    def __init__(self, epoch: _Optional[int] = ..., step_id: _Optional[int] = ..., blocks_to_swap_out: _Optional[_Union[BlockPair, _Mapping]] = ..., blocks_to_swap_in: _Optional[_Union[BlockPair, _Mapping]] = ..., blocks_to_copy: _Optional[_Union[BlockPair, _Mapping]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., start_positions: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., sample_index: _Optional[_Iterable[int]] = ..., samples: _Optional[_Iterable[_Union[SampleSpec, _Mapping]]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., drafts_from_worker: _Optional[bool] = ..., draft_start_positions: _Optional[_Iterable[int]] = ..., num_draft_context_tokens: _Optional[_Iterable[int]] = ..., draft_context_ids: _Optional[_Iterable[int]] = ..., num_mask_rows: _Optional[_Iterable[int]] = ..., token_bitmasks: _Optional[bytes] = ..., masks_follow: _Optional[bool] = ..., continuable: _Optional[bool] = ..., num_steps: _Optional[int] = ..., end_token_ids: _Optional[_Iterable[int]] = ..., tier_ops: _Optional[_Union[TierOps, _Mapping]] = ..., lora_slots: _Optional[_Iterable[int]] = ..., lora_loads: _Optional[_Iterable[_Union[LoraLoad, _Mapping]]] = ...) -> None: ...
+    def __init__(self, epoch: _Optional[int] = ..., step_id: _Optional[int] = ..., blocks_to_swap_out: _Optional[_Union[BlockPair, _Mapping]] = ..., blocks_to_swap_in: _Optional[_Union[BlockPair, _Mapping]] = ..., blocks_to_copy: _Optional[_Union[BlockPair, _Mapping]] = ..., seq_ids: _Optional[_Iterable[int]] = ..., start_positions: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_blocks: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., sample_index: _Optional[_Iterable[int]] = ..., samples: _Optional[_Iterable[_Union[SampleSpec, _Mapping]]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., drafts_from_worker: _Optional[bool] = ..., draft_start_positions: _Optional[_Iterable[int]] = ..., num_draft_context_tokens: _Optional[_Iterable[int]] = ..., draft_context_ids: _Optional[_Iterable[int]] = ..., num_mask_rows: _Optional[_Iterable[int]] = ..., token_bitmasks: _Optional[bytes] = ..., masks_follow: _Optional[bool] = ..., continuable: _Optional[bool] = ..., num_steps: _Optional[int] = ..., end_token_ids: _Optional[_Iterable[int]] = ..., streams_steps: _Optional[bool] = ..., tier_ops: _Optional[_Union[TierOps, _Mapping]] = ..., lora_slots: _Optional[_Iterable[int]] = ..., lora_loads: _Optional[_Iterable[_Union[LoraLoad, _Mapping]]] = ...) -> None: ...
 
 class TierOps(_message.Message):
     __slots__ = ("save_blocks", "save_slots", "save_to_disk", "save_keys", "fetch_keys", "fetch_slots", "load_slots", "load_blocks", "delete_keys")
@@ -229,7 +231,7 @@ class Ready(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("epoch", "step_id", "forward_seconds", "seq_ids", "token_ids", "logprobs", "num_top", "top_token_ids", "top_logprobs", "num_beam", "beam_token_ids", "beam_logprobs", "failed_seq_ids", "failure_messages", "num_steps", "failed_fetch_keys")
+    __slots__ = ("epoch", "step_id", "forward_seconds", "seq_ids", "token_ids", "logprobs", "num_top", "top_token_ids", "top_logprobs", "num_beam", "beam_token_ids", "beam_logprobs", "failed_seq_ids", "failure_messages", "num_steps", "run_step", "failed_fetch_keys")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +247,7 @@ class StepResult(_message.Message):
     FAILED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     FAILURE_MESSAGES_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    RUN_STEP_FIELD_NUMBER: _ClassVar[int]
     FAILED_FETCH_KEYS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     step_id: int
@@ -261,8 +264,9 @@ class StepResult(_message.Message):
     failed_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     failure_messages: _containers.RepeatedScalarFieldContainer[str]
     num_steps: int
+    run_step: int
     failed_fetch_keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, epoch: _Optional[int] = ..., step_id: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., num_top: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., num_beam: _Optional[_Iterable[int]] = ..., beam_token_ids: _Optional[_Iterable[int]] = ..., beam_logprobs: _Optional[_Iterable[float]] = ..., failed_seq_ids: _Optional[_Iterable[int]] = ..., failure_messages: _Optional[_Iterable[str]] = ..., num_steps: _Optional[int] = ..., failed_fetch_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    def __init__(self, epoch: _Optional[int] = ..., step_id: _Optional[int] = ..., forward_seconds: _Optional[float] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., num_top: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., num_beam: _Optional[_Iterable[int]] = ..., beam_token_ids: _Optional[_Iterable[int]] = ..., beam_logprobs: _Optional[_Iterable[float]] = ..., failed_seq_ids: _Optional[_Iterable[int]] = ..., failure_messages: _Optional[_Iterable[str]] = ..., num_steps: _Optional[int] = ..., run_step: _Optional[int] = ..., failed_fetch_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class WorkerError(_message.Message):
     __slots__ = ("rank", "message", "pid", "instance_id")

@@ -9,15 +9,20 @@ sequence, the same decodes one position on.
     the step     every sequence so, at most MAX_CONTINUABLE_SEQS of them, no speculation, nothing
                  waiting or swapped out, and no block operations, KV tier operations or adapter loads
 
-A continuable step whose requests all take their whole answer at the end (Request.hold_output:
-nobody reads their tokens one by one) is a decode run (StepPlan.num_steps > 1) on a single-rank
-worker: the worker computes its steps in a row, each one position on, and answers them in one
-result, so the scheduler plans, sends, receives and applies once for up to MAX_RUN_STEPS tokens of
-each sequence instead of once per token. A run stays inside the blocks the plan gives (each
-sequence's last one) and short of every sequence's last token (run_length). A continuable plan
-names the tokens that may end its sequences (StepPlan.end_token_ids: EOS unless ignored, stop
-tokens); the worker ends a run after a step that sampled one and computes nothing ahead of it, and
-the scheduler plans whatever follows (a sequence the token did not end goes on in the next plan).
+A continuable step is a decode run (StepPlan.num_steps > 1) on a single-rank worker: the worker
+computes its steps in a row, each one position on, so the scheduler plans, sends and receives one
+plan for up to MAX_RUN_STEPS tokens of each sequence instead of one per token. When the run's
+requests all take their whole answer at the end (Request.hold_output: nobody reads their tokens
+one by one), the worker answers every step in one result, applied once. When some read tokens as
+they come (StepPlan.streams_steps), it sends each step's result as soon as it is computed and the
+scheduler applies it and hands its tokens out at once, then a result that ends the run: a token
+leaves the worker when it would without runs, and the scheduler and the worker skip the plan of
+every step but the first (the scheduler's step turned around on the same cores as the forward).
+A run stays inside the blocks the plan gives (each sequence's last one) and short of every
+sequence's last token (run_length). A continuable plan names the tokens that may end its
+sequences (StepPlan.end_token_ids: EOS unless ignored, stop tokens); the worker ends a run after a
+step that sampled one and computes nothing ahead of it, and the scheduler plans whatever follows
+(a sequence the token did not end goes on in the next plan).
 """
 
 from __future__ import annotations
@@ -55,13 +60,10 @@ def is_predictable_decode(group: SequenceGroup, seq: Sequence, spec: SampleSpec,
 
 def run_length(group: SequenceGroup, seq: Sequence, position: int, block_size: int) -> int:
     """How many steps a decode run may give a predictable decode at position: to the end of its
-    block, and up to the token before the last one max_tokens leaves; 1 when its request reads
-    tokens as they come. The last token is planned alone, in a step that is not continuable (its
+    block, and up to the token before the last one max_tokens leaves. The last token is planned alone, in a step that is not continuable (its
     next would be past the answer): a run that took it would leave the worker computing, ahead,
     a step past the end, which a new request's prefill would then wait for. The worker computes
     that last step ahead instead, while the scheduler applies the run."""
-    if not group.request.hold_output:
-        return 1
     return min(MAX_RUN_STEPS, block_size - position % block_size,
                group.max_output_tokens - (len(seq.token_ids) - seq.num_prompt_tokens) - 1)
 

@@ -5,7 +5,9 @@ and reports deltas. A sequence that verified speculative drafts gets several tok
 
 A decode run (StepPlan.num_steps > 1, continuable.py) answers several steps in one result: they
 are applied in order, as the steps they are (each sequence's KV one position on before its next
-token, its block registered once full), and each request gets one delta with all its tokens.
+token, its block registered once full), and each request gets one delta with all its tokens. A run
+that streams its steps (StepPlan.streams_steps) answers each step as it comes (process_run_step):
+its first like a step of its own, each later one as that step of the run.
 
 A constrained sequence's matcher consumes every token appended (structured_output/): the
 worker's mask let only tokens the grammar accepts through, and EOS only once the value is
@@ -20,6 +22,7 @@ Stops, checked on the token just appended (it is part of the output, like HF's E
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from pagedserve.contracts.request_types import CompletionDelta, FinishReason, RequestOutput, TokenLogprob
@@ -103,48 +106,76 @@ class OutputProcessor:
 
     def _process_run(self, step: ScheduledStep, result: StepResult) -> list[RequestOutput]:
         """The steps of a decode run (module doc); a group whose token handling raises fails alone."""
-        sampled = step.sampled
-        num_seqs, num_steps = len(sampled), result.num_steps
+        num_seqs, num_steps = len(step.sampled), result.num_steps
         if num_steps > step.plan.num_steps or result.failures or len(result.samples) != num_seqs * num_steps:
             raise StepOrderError(f"step {result.step_id}: {len(result.samples)} samples and "
                                  f"{len(result.failures)} failures for {num_steps} steps of a run of "
                                  f"{step.plan.num_steps} over {num_seqs} sequences")
-        register = self.scheduler.block_manager.prefix_cache.register_computed
-        block_size = self.scheduler.block_manager.block_size
-        running = GroupStatus.RUNNING
         deltas_of: dict[SequenceGroup, list[CompletionDelta]] = {}
         failed: dict[SequenceGroup, str] = {}
         for index in range(num_steps):
-            samples = {sample.seq_id: sample for sample in result.samples[index * num_seqs:(index + 1) * num_seqs]}
-            for group, seq in sampled:
-                if group.status is not running or seq.finish_reason is not None or group in failed:
-                    continue
-                sample = samples.get(seq.seq_id)
-                if sample is None:
-                    raise StepOrderError(f"step {result.step_id}: no sample for sequence {seq.seq_id} "
-                                         f"in step {index} of its run")
-                if index:  # this step computed the KV of the token the step before sampled
-                    seq.num_computed_tokens += 1
-                    step.num_decode_tokens += 1
-                    if seq.num_computed_tokens % block_size == 0:
-                        register(seq)
-                try:
-                    delta = self._append(group, seq, sample)
-                except Exception as exc:
-                    failed[group] = f"handling the sampled token failed: {type(exc).__name__}: {exc}"
-                    continue
-                deltas = deltas_of.setdefault(group, [])
-                if deltas:  # one delta per request: its tokens joined
-                    last = deltas[-1]
-                    last.token_ids += delta.token_ids
-                    last.logprobs += delta.logprobs
-                    last.cumulative_logprob, last.finish_reason = delta.cumulative_logprob, delta.finish_reason
-                else:
-                    deltas.append(delta)
+            self._apply_run_step(step, result.samples[index * num_seqs:(index + 1) * num_seqs], index,
+                                 deltas_of, failed)
+        return self._run_outputs(deltas_of, failed)
+
+    def process_run_step(self, step: ScheduledStep, result: StepResult) -> list[RequestOutput]:
+        """One step of a run that streams its steps (StepResult.run_step), in the run's order: the
+        first as a step of its own, a later one as the run's step it is (module doc)."""
+        index = result.run_step - 1
+        if index != step.num_streamed_steps or index >= step.plan.num_steps or (index and result.failures):
+            raise StepOrderError(f"step {result.step_id}: step {index} of a run of {step.plan.num_steps} "
+                                 f"given after {step.num_streamed_steps}")
+        step.num_streamed_steps += 1
+        if not index:
+            return self.process(step, replace(result, num_steps=1))
+        if len(result.samples) != len(step.sampled):
+            raise StepOrderError(f"step {result.step_id}: {len(result.samples)} samples for step {index} "
+                                 f"of a run over {len(step.sampled)} sequences")
+        deltas_of: dict[SequenceGroup, list[CompletionDelta]] = {}
+        failed: dict[SequenceGroup, str] = {}
+        self._apply_run_step(step, result.samples, index, deltas_of, failed)
+        return self._run_outputs(deltas_of, failed)
+
+    def _run_outputs(self, deltas_of: dict[SequenceGroup, list[CompletionDelta]],
+                     failed: dict[SequenceGroup, str]) -> list[RequestOutput]:
         for group, message in failed.items():
             deltas_of.pop(group, None)
             self.scheduler.fail_group(group, message)
         return self._outputs(deltas_of)
+
+    def _apply_run_step(self, step: ScheduledStep, step_samples: list[SeqSample], index: int,
+                        deltas_of: dict[SequenceGroup, list[CompletionDelta]], failed: dict[SequenceGroup, str]) -> None:
+        """Step `index` of a run: each live sequence's token appended, its delta joined to its
+        request's (one delta per request)."""
+        register = self.scheduler.block_manager.prefix_cache.register_computed
+        block_size = self.scheduler.block_manager.block_size
+        running = GroupStatus.RUNNING
+        samples = {sample.seq_id: sample for sample in step_samples}
+        for group, seq in step.sampled:
+            if group.status is not running or seq.finish_reason is not None or group in failed:
+                continue
+            sample = samples.get(seq.seq_id)
+            if sample is None:
+                raise StepOrderError(f"step {step.plan.step_id}: no sample for sequence {seq.seq_id} "
+                                     f"in step {index} of its run")
+            if index:  # this step computed the KV of the token the step before sampled
+                seq.num_computed_tokens += 1
+                step.num_decode_tokens += 1
+                if seq.num_computed_tokens % block_size == 0:
+                    register(seq)
+            try:
+                delta = self._append(group, seq, sample)
+            except Exception as exc:
+                failed[group] = f"handling the sampled token failed: {type(exc).__name__}: {exc}"
+                continue
+            deltas = deltas_of.setdefault(group, [])
+            if deltas:  # one delta per request: its tokens joined
+                last = deltas[-1]
+                last.token_ids += delta.token_ids
+                last.logprobs += delta.logprobs
+                last.cumulative_logprob, last.finish_reason = delta.cumulative_logprob, delta.finish_reason
+            else:
+                deltas.append(delta)
 
     def _append(self, group: SequenceGroup, seq: Sequence, sample: SeqSample) -> CompletionDelta:
         token_id = sample.token_id

@@ -25,6 +25,7 @@ class ScheduledStep:
     # fill_masks() computes after the plan was published (the plan says masks_follow).
     pending_masks: list[tuple[ScheduledSeq, Sequence]] = field(default_factory=list)
     vocab_size: int = 0
+    num_streamed_steps: int = 0  # of a run that streams its steps: those applied so far
 
     def fill_masks(self) -> None:
         """Computes the deferred bitmask rows into the plan's sequences (nothing changes the

@@ -148,17 +148,39 @@ class Scheduler:
         return step
 
     def process_result(self, step: ScheduledStep, result: StepResult) -> list[RequestOutput]:
-        """Applies the workers' answer to step; results of steps from before reset() are ignored."""
-        if step is not self._in_flight:
-            if step.plan.epoch != self.epoch:
-                return []
-            raise StepOrderError(f"step {step.plan.step_id} is not the step in flight")
-        if result.step_id != step.plan.step_id:
-            raise StepOrderError(f"result of step {result.step_id} given for step {step.plan.step_id}")
+        """Applies the workers' answer to step; results of steps from before reset() are ignored.
+        After the steps of a run that streamed them (process_run_step), the answer is the result
+        that ends the run; a run's steps may also come in one result, streamed or not."""
+        if not self._is_in_flight(step, result):
+            return []
         self._in_flight = None
         if self.block_manager.tiers is not None:
             self.block_manager.tiers.complete(step.plan, result)
+        if step.num_streamed_steps:
+            if result.run_step or result.samples or result.num_steps != step.num_streamed_steps:
+                raise StepOrderError(f"step {result.step_id}: a run of {step.num_streamed_steps} streamed steps "
+                                     f"ended by a result of {result.num_steps} with {len(result.samples)} samples")
+            return self.pop_pending_outputs()
         return self.pop_pending_outputs() + self._outputs.process(step, result)
+
+    def process_run_step(self, step: ScheduledStep, result: StepResult) -> list[RequestOutput]:
+        """Applies one step of a run that streams its steps (StepPlan.streams_steps) as it comes;
+        the run stays in flight until the result that ends it (process_result)."""
+        if not self._is_in_flight(step, result):
+            return []
+        if not step.plan.streams_steps or not result.run_step:
+            raise StepOrderError(f"step {result.step_id}: a streamed step of a plan that does not stream its steps")
+        return self.pop_pending_outputs() + self._outputs.process_run_step(step, result)
+
+    def _is_in_flight(self, step: ScheduledStep, result: StepResult) -> bool:
+        """Whether result answers the step in flight (False: a step from before reset())."""
+        if step is not self._in_flight:
+            if step.plan.epoch != self.epoch:
+                return False
+            raise StepOrderError(f"step {step.plan.step_id} is not the step in flight")
+        if result.step_id != step.plan.step_id:
+            raise StepOrderError(f"result of step {result.step_id} given for step {step.plan.step_id}")
+        return True
 
     def reset(self) -> None:
         """Workers restarted and every KV block is lost: all unfinished requests wait to be

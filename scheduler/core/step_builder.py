@@ -42,9 +42,9 @@ pass like one that lacks blocks. Each scheduled sequence names its slot, and the
 adapters the workers load before the forward.
 
 Continuable steps (continuable.py): a plan of a few in-place decodes, nothing else pending, says so,
-and a single-rank worker computes the step after it ahead. When their requests take the whole
-answer at the end, the plan is a decode run: the worker computes up to num_steps steps of it in a
-row, and OutputProcessor applies them as the steps they are.
+and a single-rank worker computes the step after it ahead, or, within each sequence's block and
+answer, a decode run: up to num_steps steps of it in a row, which OutputProcessor applies as the
+steps they are, all at once or, when a request streams, each as it comes.
 
 Beam search steps all live beams together: a beam group samples only in a step where every beam
 computes its whole tail; otherwise its beams compute up to their last token and sample later.
@@ -98,6 +98,7 @@ class StepBuilder(PriorityPasses):
         self.adapter_slots = StepAdapterSlots(scheduler.lora_slots)
         self.num_continuable = 0  # scheduled decodes whose next step the worker may compute ahead
         self.num_run_steps = MAX_RUN_STEPS  # the longest decode run every continuable decode allows
+        self.streams_steps = False  # a continuable decode's request reads tokens as they come
         self.speculates = False  # proposals may come in any step: the next step is not predictable
 
     def build(self, step_id: int, epoch: int) -> ScheduledStep | None:
@@ -125,14 +126,17 @@ class StepBuilder(PriorityPasses):
         lora_loads = self.adapter_slots.take_loads()
         if not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or tier_ops or lora_loads):
             return None
+        num_steps = 1
         continuable = is_continuable_step(
             self.scheduler, len(self.scheduled), self.num_continuable, self.speculates,
             bool(self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy or tier_ops or lora_loads))
+        if continuable and self.scheduler.config.num_kv_ranks == 1:
+            num_steps = self.num_run_steps
         plan = StepPlan(step_id=step_id, seqs=self.scheduled, blocks_to_swap_out=self.blocks_to_swap_out,
                         blocks_to_swap_in=self.blocks_to_swap_in, blocks_to_copy=self.blocks_to_copy,
                         epoch=epoch, drafts_from_worker=self.drafts_from_worker, tier_ops=tier_ops,
                         masks_follow=bool(self.pending_masks), lora_loads=lora_loads, continuable=continuable,
-                        num_steps=self.num_run_steps if continuable and self.scheduler.config.num_kv_ranks == 1 else 1,
+                        num_steps=num_steps, streams_steps=num_steps > 1 and self.streams_steps,
                         end_token_ids=sorted(set().union(*(group.stop_token_ids for group in self.groups)))
                         if continuable else [])
         return ScheduledStep(plan=plan, sampled=self.sampled, groups=self.groups,
@@ -210,6 +214,7 @@ class StepBuilder(PriorityPasses):
             self.num_continuable += 1
             self.num_run_steps = min(self.num_run_steps, run_length(group, seq, computed,
                                                                     self.block_manager.block_size))
+            self.streams_steps |= not group.request.hold_output
         self.scheduled.append(scheduled)
         if (computed + 1) % self.block_manager.block_size == 0:
             self.emitted.append((group, seq))  # its last block is full now: register it

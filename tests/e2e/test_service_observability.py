@@ -47,7 +47,7 @@ def test_pinned_metrics_and_latency_histograms(service_server):
         return _value(frontend, name, **labels) - _value(frontend_before, name, **labels)
 
     assert delta("pagedserve_time_to_first_token_seconds_count") == 1
-    assert delta("pagedserve_inter_token_latency_seconds_count") == 7  # 8 tokens, one per step
+    assert delta("pagedserve_inter_token_latency_seconds_count") == 7  # 8 tokens, each as it comes
     assert delta("pagedserve_request_latency_seconds_count") == 1
     assert delta("pagedserve_requests_total", finish_reason="length") == 1
     assert delta("pagedserve_prompt_tokens_total") == len(PROMPT)
@@ -68,8 +68,9 @@ def test_pinned_metrics_and_latency_histograms(service_server):
     names = {name for name, _ in scheduler}
     assert set(SCHEDULER_METRICS) <= names, set(SCHEDULER_METRICS) - names
     assert _value(scheduler, "pagedserve_kv_blocks_total") == service_server.stats().num_gpu_blocks_total
+    # each request: its prefill, then decode runs (a run of several forwards is one step)
     assert (_value(scheduler, "pagedserve_step_seconds_count")
-            >= _value(scheduler_before, "pagedserve_step_seconds_count") + 8)
+            >= _value(scheduler_before, "pagedserve_step_seconds_count") + 4)
     assert {"swap", "recompute"} <= {dict(labels).get("mode") for name, labels in scheduler
                                      if name == "pagedserve_preemptions_total"}
 

@@ -1,8 +1,11 @@
-"""Decode runs (StepPlan.num_steps > 1, scheduler/core/continuable.py): a continuable plan whose
-requests all take their whole answer at the end asks the worker for several steps at once, within
-each sequence's last block and max_tokens. Applied, a run gives the same tokens, finish reasons,
-log probabilities and cached blocks as the same steps planned one by one, with the block pool's
-invariants holding after every step; a token that ends a sequence drops the run's later tokens."""
+"""Decode runs (StepPlan.num_steps > 1, scheduler/core/continuable.py): a continuable plan asks a
+single-rank worker for several steps at once, within each sequence's last block and max_tokens,
+answered in one result when every request takes its whole answer at the end, else each step as it
+comes (StepPlan.streams_steps) and then a result that ends the run. Applied, a run gives the same
+tokens, finish reasons, log probabilities and cached blocks as the same steps planned one by one
+(as for a two-rank replica, which has no runs), with the block pool's invariants holding after
+every step; a streamed request gets each token in the step that sampled it; a token that ends a
+sequence drops the run's later tokens."""
 
 from __future__ import annotations
 
@@ -63,9 +66,16 @@ def _worker(plan: StepPlan, tokens_of: dict[int, list[int]], eos_at: int | None,
     return StepResult(plan.step_id, samples, epoch=plan.epoch, num_steps=num_steps)
 
 
-def _serve(requests: list[Request], eos_at: int | None = None, max_steps: int = 200):
+def _streamed(result: StepResult, num_seqs: int) -> list[StepResult]:
+    """A run's result as a worker streams it: each step's, then the one that ends the run."""
+    steps = [dataclasses.replace(result, samples=result.samples[index * num_seqs:(index + 1) * num_seqs],
+                                 num_steps=1, run_step=index + 1) for index in range(result.num_steps)]
+    return steps + [StepResult(result.step_id, [], epoch=result.epoch, num_steps=result.num_steps)]
+
+
+def _serve(requests: list[Request], eos_at: int | None = None, max_steps: int = 200, **config):
     """Runs the requests to their end; returns (outputs by request id, plans, cached block count)."""
-    scheduler = _scheduler()
+    scheduler = _scheduler(**config)
     for request in requests:
         scheduler.add_request(request)
     outputs: dict[str, list] = {request.request_id: [] for request in requests}
@@ -76,11 +86,23 @@ def _serve(requests: list[Request], eos_at: int | None = None, max_steps: int = 
             break
         plans.append(step.plan)
         tokens_of = {seq.seq_id: seq.token_ids for group in step.groups for seq in group.seqs}
-        for output in scheduler.process_result(step, _worker(step.plan, tokens_of, eos_at)):
+        result = _worker(step.plan, tokens_of, eos_at)
+        if step.plan.streams_steps:
+            *steps, result = _streamed(result, len(step.plan.seqs))
+            for streamed_step in steps:
+                for output in scheduler.process_run_step(step, streamed_step):
+                    outputs[output.request_id].append(output)
+                scheduler.check_invariants()
+        for output in scheduler.process_result(step, result):
             outputs[output.request_id].append(output)
         scheduler.check_invariants()
     assert not scheduler.has_unfinished_requests()
     return outputs, plans, scheduler.block_manager.gpu_pool.num_cached
+
+
+def _one_by_one(requests: list[Request], eos_at: int | None = None):
+    """The same requests planned one step at a time (a two-rank replica has no runs)."""
+    return _serve(requests, eos_at, num_kv_ranks=2)
 
 
 def _joined(outputs) -> tuple:
@@ -90,19 +112,26 @@ def _joined(outputs) -> tuple:
             deltas[-1].cumulative_logprob, deltas[-1].finish_reason, outputs[-1].is_finished)
 
 
-def test_a_held_request_runs_to_its_block_end_and_the_token_before_its_last_with_the_same_tokens():
+def test_a_request_runs_to_its_block_end_and_the_token_before_its_last_with_the_same_tokens():
     prompt = [5, 6, 7, 8, 9, 11]  # decodes at positions 6 .. 14 for 10 outputs
     held, plans, held_cached = _serve([_request("a", prompt, hold=True)])
-    plain, plain_plans, plain_cached = _serve([_request("a", prompt, hold=False)])
-    assert _joined(held["a"]) == _joined(plain["a"])
+    streamed, streamed_plans, streamed_cached = _serve([_request("a", prompt, hold=False)])
+    plain, plain_plans, plain_cached = _one_by_one([_request("a", prompt, hold=False)])
+    assert _joined(held["a"]) == _joined(streamed["a"]) == _joined(plain["a"])
     assert _joined(held["a"])[3] is FinishReason.LENGTH and len(_joined(held["a"])[0]) == 10
     # the prefill, then runs to each block's end (positions 6-7, 8-11) and to the token before the
     # last (12-13); the last token alone, in a plan whose next step the worker must not compute
-    assert [(plan.seqs[0].start_position, plan.num_steps) for plan in plans] == [
-        (0, 1), (6, 2), (8, 4), (12, 2), (14, 1)]
+    shapes = [(0, 1), (6, 2), (8, 4), (12, 2), (14, 1)]
+    assert [(plan.seqs[0].start_position, plan.num_steps) for plan in plans] == shapes
+    assert [(plan.seqs[0].start_position, plan.num_steps) for plan in streamed_plans] == shapes
     assert [plan.continuable for plan in plans[1:]] == [True, True, True, False]
+    assert not any(plan.streams_steps for plan in plans)
+    assert [plan.streams_steps for plan in streamed_plans] == [False, True, True, True, False]
+    # held: one output per run; streamed: one per token, as each step comes
+    assert [len(output.deltas[0].token_ids) for output in held["a"]] == [1, 2, 4, 2, 1]
+    assert [len(output.deltas[0].token_ids) for output in streamed["a"]] == [1] * 10
     assert len(plain_plans) == 10 and all(plan.num_steps == 1 for plan in plain_plans)
-    assert held_cached == plain_cached == 3  # the blocks filled during the runs are registered, then cached
+    assert held_cached == streamed_cached == plain_cached == 3  # blocks filled in runs are registered
 
 
 @pytest.mark.parametrize("ignore_eos, stop_token_ids, expected", [
@@ -121,9 +150,11 @@ def test_a_run_ends_after_a_step_that_sampled_an_end_token_and_the_answer_is_the
     the answer equals the one planned step by step."""
     prompt = [5, 6, 7, 8, 9, 11]
     held, plans, _ = _serve([_request("a", prompt, hold=True, ignore_eos=False)], eos_at=9)
-    plain, _, _ = _serve([_request("a", prompt, hold=False, ignore_eos=False)], eos_at=9)
-    assert _joined(held["a"]) == _joined(plain["a"])
+    streamed, streamed_plans, _ = _serve([_request("a", prompt, hold=False, ignore_eos=False)], eos_at=9)
+    plain, _, _ = _one_by_one([_request("a", prompt, hold=False, ignore_eos=False)], eos_at=9)
+    assert _joined(held["a"]) == _joined(streamed["a"]) == _joined(plain["a"])
     assert [(plan.seqs[0].start_position, plan.num_steps) for plan in plans] == [(0, 1), (6, 2), (8, 4)]
+    assert [(plan.seqs[0].start_position, plan.num_steps) for plan in streamed_plans] == [(0, 1), (6, 2), (8, 4)]
 
 
 def test_a_run_never_exceeds_the_step_limit():
@@ -138,24 +169,30 @@ def test_a_run_never_exceeds_the_step_limit():
 def test_a_token_that_ends_a_sequence_drops_the_rest_of_its_run(eos_at):
     prompt = [5, 6, 7, 8, 9, 11]
     held, _, held_cached = _serve([_request("a", prompt, hold=True, ignore_eos=False)], eos_at=eos_at)
-    plain, _, plain_cached = _serve([_request("a", prompt, hold=False, ignore_eos=False)], eos_at=eos_at)
-    assert _joined(held["a"]) == _joined(plain["a"])
+    streamed, _, streamed_cached = _serve([_request("a", prompt, hold=False, ignore_eos=False)], eos_at=eos_at)
+    plain, _, plain_cached = _one_by_one([_request("a", prompt, hold=False, ignore_eos=False)], eos_at=eos_at)
+    assert _joined(held["a"]) == _joined(streamed["a"]) == _joined(plain["a"])
+    assert streamed_cached == plain_cached
     tokens, _, _, reason, _ = _joined(held["a"])
     assert tokens[-1] == EOS and len(tokens) == eos_at - len(prompt) + 1 and reason is FinishReason.STOP
     assert held_cached == plain_cached
 
 
-def test_a_batch_runs_only_when_every_request_is_held_and_each_gets_its_own_tokens():
+def test_a_batch_runs_streamed_when_any_request_streams_and_each_gets_its_own_tokens():
     prompts = {"a": [5, 6, 7, 8, 9], "b": [21, 22, 23, 24, 25, 26, 27, 28, 29]}
     requests = [_request(name, prompt, hold=True, max_tokens=9) for name, prompt in prompts.items()]
     held, plans, _ = _serve(requests)
-    plain, plain_plans, _ = _serve([dataclasses.replace(request, hold_output=False) for request in requests])
+    plain, plain_plans, _ = _one_by_one(requests)
     for name in prompts:
         assert _joined(held[name]) == _joined(plain[name])
     assert any(plan.num_steps > 1 and len(plan.seqs) == 2 for plan in plans) and len(plans) < len(plain_plans) / 2
+    assert not any(plan.streams_steps for plan in plans)
     mixed, mixed_plans, _ = _serve([requests[0], dataclasses.replace(requests[1], hold_output=False)])
-    assert all(plan.num_steps == 1 for plan in mixed_plans if len(plan.seqs) == 2)
-    assert _joined(mixed["a"]) == _joined(plain["a"])
+    runs = [plan for plan in mixed_plans if plan.num_steps > 1 and len(plan.seqs) == 2]
+    assert runs and all(plan.streams_steps for plan in runs)
+    for name in prompts:
+        assert _joined(mixed[name]) == _joined(plain[name])
+    assert all(len(output.deltas[0].token_ids) == 1 for output in mixed["b"])
 
 
 def test_no_runs_with_several_ranks_and_a_result_that_does_not_fit_its_run_is_refused():
@@ -195,3 +232,50 @@ def test_a_shorter_run_than_planned_is_applied_as_far_as_it_went():
     scheduler.check_invariants()
     following = scheduler.schedule().plan
     assert (following.seqs[0].start_position, following.num_steps) == (6, 2)
+
+
+def _streamed_run(hold: bool = False):
+    """A scheduler whose step in flight is a 4-step run of request "a", with its worker result."""
+    prompt = [5, 6, 7, 8]
+    scheduler = _scheduler()
+    scheduler.add_request(_request("a", prompt, hold=hold))
+    step = scheduler.schedule()
+    seq_id = step.plan.seqs[0].seq_id
+    scheduler.process_result(step, _worker(step.plan, {seq_id: prompt}, None))
+    step = scheduler.schedule()
+    assert step.plan.num_steps == 4 and step.plan.streams_steps is not hold
+    return scheduler, step, _worker(step.plan, {seq_id: list(scheduler.group_of("a").seqs[0].token_ids)}, None)
+
+
+def test_streamed_steps_out_of_order_or_a_wrong_end_are_refused():
+    scheduler, step, result = _streamed_run()
+    first, second, third, fourth, end = _streamed(result, 1)
+    with pytest.raises(StepOrderError):
+        scheduler.process_run_step(step, second)  # before the first
+    scheduler, step, result = _streamed_run()
+    scheduler.process_run_step(step, first)
+    with pytest.raises(StepOrderError):
+        scheduler.process_run_step(step, first)  # the first again
+    scheduler, step, result = _streamed_run()
+    for streamed_step in (first, second):
+        scheduler.process_run_step(step, streamed_step)
+    with pytest.raises(StepOrderError):
+        scheduler.process_result(step, end)  # ends a run of 4 after 2 streamed steps
+    scheduler, step, result = _streamed_run(hold=True)
+    with pytest.raises(StepOrderError):
+        scheduler.process_run_step(step, first)  # the plan does not stream its steps
+
+
+def test_a_streamed_run_ended_early_counts_its_steps_and_a_run_answered_at_once_is_applied_too():
+    scheduler, step, result = _streamed_run()
+    first, second, *_ = _streamed(result, 1)
+    outputs = scheduler.process_run_step(step, first) + scheduler.process_run_step(step, second)
+    assert [output.deltas[0].token_ids for output in outputs] == [[sample.token_id] for sample in result.samples[:2]]
+    assert scheduler.process_result(step, StepResult(step.plan.step_id, [], epoch=step.plan.epoch, num_steps=2)) == []
+    assert step.num_decode_tokens == 2
+    scheduler.check_invariants()
+    assert scheduler.schedule().plan.seqs[0].start_position == 6
+    scheduler, step, result = _streamed_run()  # the worker may answer a streamed run's plan in one result
+    (output,) = scheduler.process_result(step, result)
+    assert output.deltas[0].token_ids == [sample.token_id for sample in result.samples]
+    scheduler.check_invariants()

@@ -2,7 +2,7 @@
 the same tokens and log probabilities, bit for bit, as running every plan when it arrives, with
 steps that match the computed one and steps that do not (a sequence that finished, whose block is
 then reused by a new one); a decode run (several steps of a continuable plan in a row) gives each
-step's samples bit for bit too; and the rules of next_plan and is_same_step."""
+step's samples bit for bit too, in one result or each step as it is computed; and the rules of next_plan and is_same_step."""
 
 from __future__ import annotations
 
@@ -131,6 +131,23 @@ message from the scheduler waiting (EndRun)."""
     result, last, _ = run_steps(first, plan, BLOCK_SIZE, runner.execute, lambda: checks.append(1) or len(checks) > 1)
     assert result.num_steps == 2 and last.seqs[0].start_position == 6
     assert result.samples == [sample for step in plain.results[-3:-1] for sample in step.samples]
+
+    # a run that streams its steps: each step's result goes out as it is computed, then the end
+    sent = []
+    streamed = dataclasses.replace(plan, streams_steps=True)
+    end, last, last_result = run_steps(first, streamed, BLOCK_SIZE, runner.execute, lambda: False, sent.append)
+    assert [step.run_step for step in sent] == [1, 2, 3] and all(step.step_id == plan.step_id for step in sent)
+    assert [step.samples for step in sent] == [step.samples for step in plain.results[-3:]]
+    assert (end.run_step, end.samples, end.num_steps, end.step_id) == (0, [], 3, plan.step_id)
+    assert end.forward_seconds == sum(step.forward_seconds for step in sent)
+    assert last.seqs[0].start_position == 7 and last_result.samples == plain.results[-1].samples
+    sent.clear()
+    calls.clear()
+    end, _, _ = run_steps(first, streamed, BLOCK_SIZE, failing_second, lambda: False, sent.append)
+    assert [step.run_step for step in sent] == [1, 2] and end.num_steps == 2 and not end.samples
+    sent.clear()  # the same plan without streams_steps answers in one result, whatever the caller passes
+    result, _, _ = run_steps(first, plan, BLOCK_SIZE, runner.execute, lambda: False, sent.append)
+    assert not sent and result.num_steps == 3
 
 
 def _decode_plan(**changes) -> StepPlan:
