@@ -215,27 +215,9 @@ def test_no_runs_with_several_ranks_and_a_result_that_does_not_fit_its_run_is_re
         scheduler.process_result(step, too_many)
 
 
-def test_a_shorter_run_than_planned_is_applied_as_far_as_it_went():
-    """The worker ends a run early when a step fails or cannot be derived: the steps it computed count."""
-    prompt = [5, 6, 7, 8]
-    scheduler = _scheduler()
-    scheduler.add_request(_request("a", prompt, hold=True))
-    step = scheduler.schedule()
-    seq_id = step.plan.seqs[0].seq_id
-    scheduler.process_result(step, _worker(step.plan, {seq_id: prompt}, None))
-    step = scheduler.schedule()
-    assert step.plan.num_steps == 4
-    group = scheduler.group_of("a")
-    (output,) = scheduler.process_result(step, _worker(dataclasses.replace(step.plan, num_steps=2),
-                                                       {seq_id: list(group.seqs[0].token_ids)}, None))
-    assert len(output.deltas) == 1 and len(output.deltas[0].token_ids) == 2 and step.num_decode_tokens == 2
-    scheduler.check_invariants()
-    following = scheduler.schedule().plan
-    assert (following.seqs[0].start_position, following.num_steps) == (6, 2)
-
-
-def _streamed_run(hold: bool = False):
-    """A scheduler whose step in flight is a 4-step run of request "a", with its worker result."""
+def _run_in_flight(hold: bool = False):
+    """A scheduler whose step in flight is a 4-step run of request "a" (streamed unless held), with its
+    worker result."""
     prompt = [5, 6, 7, 8]
     scheduler = _scheduler()
     scheduler.add_request(_request("a", prompt, hold=hold))
@@ -247,27 +229,37 @@ def _streamed_run(hold: bool = False):
     return scheduler, step, _worker(step.plan, {seq_id: list(scheduler.group_of("a").seqs[0].token_ids)}, None)
 
 
+def test_a_shorter_run_than_planned_is_applied_as_far_as_it_went():
+    """The worker ends a run early when a step fails or cannot be derived: the steps it computed count."""
+    scheduler, step, result = _run_in_flight(hold=True)
+    (output,) = scheduler.process_result(step, dataclasses.replace(result, samples=result.samples[:2], num_steps=2))
+    assert len(output.deltas) == 1 and len(output.deltas[0].token_ids) == 2 and step.num_decode_tokens == 2
+    scheduler.check_invariants()
+    following = scheduler.schedule().plan
+    assert (following.seqs[0].start_position, following.num_steps) == (6, 2)
+
+
 def test_streamed_steps_out_of_order_or_a_wrong_end_are_refused():
-    scheduler, step, result = _streamed_run()
+    scheduler, step, result = _run_in_flight()
     first, second, third, fourth, end = _streamed(result, 1)
     with pytest.raises(StepOrderError):
         scheduler.process_run_step(step, second)  # before the first
-    scheduler, step, result = _streamed_run()
+    scheduler, step, result = _run_in_flight()
     scheduler.process_run_step(step, first)
     with pytest.raises(StepOrderError):
         scheduler.process_run_step(step, first)  # the first again
-    scheduler, step, result = _streamed_run()
+    scheduler, step, result = _run_in_flight()
     for streamed_step in (first, second):
         scheduler.process_run_step(step, streamed_step)
     with pytest.raises(StepOrderError):
         scheduler.process_result(step, end)  # ends a run of 4 after 2 streamed steps
-    scheduler, step, result = _streamed_run(hold=True)
+    scheduler, step, result = _run_in_flight(hold=True)
     with pytest.raises(StepOrderError):
         scheduler.process_run_step(step, first)  # the plan does not stream its steps
 
 
 def test_a_streamed_run_ended_early_counts_its_steps_and_a_run_answered_at_once_is_applied_too():
-    scheduler, step, result = _streamed_run()
+    scheduler, step, result = _run_in_flight()
     first, second, *_ = _streamed(result, 1)
     outputs = scheduler.process_run_step(step, first) + scheduler.process_run_step(step, second)
     assert [output.deltas[0].token_ids for output in outputs] == [[sample.token_id] for sample in result.samples[:2]]
@@ -275,7 +267,7 @@ def test_a_streamed_run_ended_early_counts_its_steps_and_a_run_answered_at_once_
     assert step.num_decode_tokens == 2
     scheduler.check_invariants()
     assert scheduler.schedule().plan.seqs[0].start_position == 6
-    scheduler, step, result = _streamed_run()  # the worker may answer a streamed run's plan in one result
+    scheduler, step, result = _run_in_flight()  # the worker may answer a streamed run's plan in one result
     (output,) = scheduler.process_result(step, result)
     assert output.deltas[0].token_ids == [sample.token_id for sample in result.samples]
     scheduler.check_invariants()
