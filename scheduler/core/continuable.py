@@ -60,10 +60,11 @@ def is_predictable_decode(group: SequenceGroup, seq: Sequence, spec: SampleSpec,
 
 def run_length(group: SequenceGroup, seq: Sequence, position: int, block_size: int) -> int:
     """How many steps a decode run may give a predictable decode at position: to the end of its
-    block, and up to the token before the last one max_tokens leaves. The last token is planned alone, in a step that is not continuable (its
-    next would be past the answer): a run that took it would leave the worker computing, ahead,
-    a step past the end, which a new request's prefill would then wait for. The worker computes
-    that last step ahead instead, while the scheduler applies the run."""
+    block, and up to the token before the last one max_tokens leaves. The last token is planned
+    alone, in a step that is not continuable (its next would be past the answer): a run that took
+    it would leave the worker computing, ahead, a step past the end, which a new request's prefill
+    would then wait for. The worker computes that last step ahead instead, while the scheduler
+    applies the run."""
     return min(MAX_RUN_STEPS, block_size - position % block_size,
                group.max_output_tokens - (len(seq.token_ids) - seq.num_prompt_tokens) - 1)
 

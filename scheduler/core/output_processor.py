@@ -22,7 +22,6 @@ Stops, checked on the token just appended (it is part of the output, like HF's E
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from pagedserve.contracts.request_types import CompletionDelta, FinishReason, RequestOutput, TokenLogprob
@@ -122,12 +121,13 @@ class OutputProcessor:
         """One step of a run that streams its steps (StepResult.run_step), in the run's order: the
         first as a step of its own, a later one as the run's step it is (module doc)."""
         index = result.run_step - 1
-        if index != step.num_streamed_steps or index >= step.plan.num_steps or (index and result.failures):
+        if (index != step.num_streamed_steps or index >= step.plan.num_steps or result.num_steps != 1
+                or (index and result.failures)):
             raise StepOrderError(f"step {result.step_id}: step {index} of a run of {step.plan.num_steps} "
                                  f"given after {step.num_streamed_steps}")
         step.num_streamed_steps += 1
         if not index:
-            return self.process(step, replace(result, num_steps=1))
+            return self.process(step, result)
         if len(result.samples) != len(step.sampled):
             raise StepOrderError(f"step {result.step_id}: {len(result.samples)} samples for step {index} "
                                  f"of a run over {len(step.sampled)} sequences")

@@ -126,12 +126,10 @@ class StepBuilder(PriorityPasses):
         lora_loads = self.adapter_slots.take_loads()
         if not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or tier_ops or lora_loads):
             return None
-        num_steps = 1
         continuable = is_continuable_step(
             self.scheduler, len(self.scheduled), self.num_continuable, self.speculates,
             bool(self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy or tier_ops or lora_loads))
-        if continuable and self.scheduler.config.num_kv_ranks == 1:
-            num_steps = self.num_run_steps
+        num_steps = self.num_run_steps if continuable and self.scheduler.config.num_kv_ranks == 1 else 1
         plan = StepPlan(step_id=step_id, seqs=self.scheduled, blocks_to_swap_out=self.blocks_to_swap_out,
                         blocks_to_swap_in=self.blocks_to_swap_in, blocks_to_copy=self.blocks_to_copy,
                         epoch=epoch, drafts_from_worker=self.drafts_from_worker, tier_ops=tier_ops,
