@@ -4,7 +4,8 @@ streams the dense weight once (kernels/native/linear_rows.c); reference F.linear
 oneDNN (linear/onednn.py) is the better path for many rows, where AMX tiles pay off; with
 few rows a step is a pass over every weight and the question is only how fast it streams. Each
 thread reads one contiguous range of weight rows front to back, a single stream the hardware
-prefetchers follow (a software prefetch distance is measured per host: kernels/native/tuning.py).
+prefetchers follow (a software prefetch distance is measured per host: kernels/native/tuning.py),
+then takes what is left of another thread's range from its back (kernels/native/work_share.h).
 It is ahead of oneDNN at one and two rows and about even at three or four (bench/linear_rows.py
 times SmolLM2's projections of one decode step, whose weights are read once, from memory;
 docs/kernels.md has the figures), so layers called one by one take it up to MAX_ROWS rows (two)

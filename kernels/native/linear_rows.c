@@ -10,7 +10,8 @@
  * the limit is how fast the weights stream in. Each thread takes one contiguous range of output
  * rows and walks its weight rows in memory order: a single sequential stream per thread, which the
  * hardware prefetchers of both AMD Zen 4 and Intel cores follow at full bandwidth (four rows read
- * side by side, four streams per thread, reached 70 % of it on Zen 4). Each weight vector is
+ * side by side, four streams per thread, reached 70 % of it on Zen 4); a thread through with its
+ * range takes chunks from the back of another's (work_share.h). Each weight vector is
  * loaded once and multiplied into all M rows of x (two accumulators per row of x, even and odd
  * 32-element chunks of K, summed at the end). A software prefetch `linear_rows_prefetch` bytes
  * ahead of the stream is issued when that distance is not 0: pagedserve.kernels.linear.row_tuning
@@ -19,6 +20,7 @@
 
 #include "common.h"
 #include "pagedserve_cpu.h"
+#include "work_share.h"
 
 #define LINEAR_ROWS_MAX 8
 
@@ -28,22 +30,20 @@ void linear_rows_set_prefetch(int64_t bytes) { prefetch_bytes = bytes > 0 ? byte
 
 int64_t linear_rows_prefetch(void) { return prefetch_bytes; }
 
-/* the output rows over the threads in contiguous ranges (schedule static), M specialised */
-#define FOR_EACH_ROW(row_fn)                                                                   \
-    int64_t distance = prefetch_bytes;                                                         \
-    _Pragma("omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_ELEMENTS)")           \
-    for (int64_t n = 0; n < N; n++) {                                                          \
-        switch (M) {                                                                           \
-        case 1: row_fn(1, x, w, bias, y, n, N, K, distance); break;                            \
-        case 2: row_fn(2, x, w, bias, y, n, N, K, distance); break;                            \
-        case 3: row_fn(3, x, w, bias, y, n, N, K, distance); break;                            \
-        case 4: row_fn(4, x, w, bias, y, n, N, K, distance); break;                            \
-        case 5: row_fn(5, x, w, bias, y, n, N, K, distance); break;                            \
-        case 6: row_fn(6, x, w, bias, y, n, N, K, distance); break;                            \
-        case 7: row_fn(7, x, w, bias, y, n, N, K, distance); break;                            \
-        default: row_fn(8, x, w, bias, y, n, N, K, distance); break;                           \
-        }                                                                                      \
-    }
+/* the output rows over the threads (work_share.h: each its contiguous range first, in chunks of
+ * WORK_CHUNK_BYTES of weight, then what is left of the others'), M specialised */
+#define FOR_EACH_ROW(row_fn, elem_bytes)                                                                           \
+    int64_t distance = prefetch_bytes, chunk = WORK_CHUNK_BYTES / (K * (elem_bytes));                              \
+    FOR_EACH_SHARED_ITEM(n, N, chunk > 0 ? chunk : 1, N * K >= PARALLEL_MIN_ELEMENTS, switch (M) {                 \
+        case 1: row_fn(1, x, w, bias, y, n, N, K, distance); break;                                                \
+        case 2: row_fn(2, x, w, bias, y, n, N, K, distance); break;                                                \
+        case 3: row_fn(3, x, w, bias, y, n, N, K, distance); break;                                                \
+        case 4: row_fn(4, x, w, bias, y, n, N, K, distance); break;                                                \
+        case 5: row_fn(5, x, w, bias, y, n, N, K, distance); break;                                                \
+        case 6: row_fn(6, x, w, bias, y, n, N, K, distance); break;                                                \
+        case 7: row_fn(7, x, w, bias, y, n, N, K, distance); break;                                                \
+        default: row_fn(8, x, w, bias, y, n, N, K, distance); break;                                               \
+    })
 
 #if defined(__AVX512BF16__)
 /* output column n for the M rows of x: weight row n read once, front to back */
@@ -77,7 +77,7 @@ static inline __attribute__((always_inline)) void row_bf16(const int M, const ui
 
 void linear_rows_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t M, int64_t N,
                       int64_t K) {
-    FOR_EACH_ROW(row_bf16)
+    FOR_EACH_ROW(row_bf16, 2)
 }
 
 int32_t linear_rows_available(void) { return 1; }
@@ -110,7 +110,7 @@ static inline __attribute__((always_inline)) void row_f32(const int M, const flo
 }
 
 void linear_rows_f32(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K) {
-    FOR_EACH_ROW(row_f32)
+    FOR_EACH_ROW(row_f32, 4)
 }
 #else
 void linear_rows_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t M, int64_t N,
