@@ -193,8 +193,4 @@ void panel_linear_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t
 }
 
 int32_t panel_linear_available(void) { return 0; } /* no AVX-512 BF16: the callers keep oneDNN */
-
-void panel_linear_set_prefetch(int64_t rows, int64_t bytes) { (void)rows, (void)bytes; }
-
-int64_t panel_linear_prefetch(int64_t rows) { (void)rows; return 0; }
 #endif

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ast
 import ctypes
+import platform
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -80,6 +82,28 @@ def test_the_library_builds_against_the_header():
     """Every .c includes the header (the compiler then checks each definition against its prototype)."""
     for source in native_lib.sources():
         assert '#include "pagedserve_cpu.h"' in source.read_text(), source.name
+
+
+@pytest.mark.parametrize("march", ["x86-64-v2", "x86-64-v3"])
+def test_the_library_builds_for_a_cpu_without_avx512(tmp_path, march):
+    """The sources compile, with the library's flags, for an x86 CPU without AVX-512 (SSE4.2, then
+    AVX2): the kernels that need AVX-512 then report themselves unavailable and the rest still
+    serve. The library built for this host links the same sources, so a definition kept on both
+    sides of an #if would only fail on such a CPU."""
+    compiler = native_lib.compiler()
+    if compiler is None:
+        pytest.skip("needs a C compiler")
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("needs an x86-64 host")
+    flags = [flag if flag != "-march=native" else f"-march={march}" for flag in native_lib.CFLAGS]
+    target = tmp_path / "libpagedserve_cpu.so"
+    result = subprocess.run([compiler, *flags, "-Werror", "-I", str(native_lib.SOURCE_DIR),
+                             *map(str, native_lib.sources()), "-o", str(target), "-lm"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lib = ctypes.CDLL(str(target))
+    assert (lib.linear_rows_available(), lib.panel_linear_available(), lib.block_quant_rows_available(),
+            lib.block_quant_rows_bf16_available()) == (0, 0, 0, 0)
 
 
 # --- the checks reject wrong copies ---------------------------------------------------------------
