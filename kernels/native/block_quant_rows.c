@@ -482,6 +482,13 @@ static void decoded_rows_bf16(const uint16_t *x, const uint8_t *qs, const uint16
     }
 }
 
+/* the output rows over the threads (work_share.h), in chunks of about WORK_CHUNK_BYTES of codes */
+#define FOR_EACH_EXACT_ROW(call)                                                                                   \
+    {                                                                                                              \
+        const int64_t chunk = WORK_CHUNK_BYTES / (bits == 4 ? K / 2 : K);                                          \
+        FOR_EACH_SHARED_ITEM(n, N, chunk > 0 ? chunk : 1, N * K >= PARALLEL_MIN_ELEMENTS, call;)                   \
+    }
+
 /* block_quant_rows with x bfloat16 [M, K], the exact weights (above) */
 void block_quant_rows_bf16(const uint16_t *x, const uint8_t *qs, const uint16_t *d, const uint16_t *m, float *y,
                            int64_t M, int64_t N, int64_t K, int32_t bits) {
@@ -509,12 +516,9 @@ void block_quant_rows_bf16(const uint16_t *x, const uint8_t *qs, const uint16_t 
                 group_sums[r * num_groups + g] = s;
             }
         }
-        /* the output rows over the threads (work_share.h), in chunks of about WORK_CHUNK_BYTES of codes */
-        FOR_EACH_SHARED_ITEM(n, N, WORK_CHUNK_BYTES / (K / 2), N * K >= PARALLEL_MIN_ELEMENTS,
-                             exact_row(4, x_pairs, qs, d, m, group_sums, y, n, M, N, K);)
+        FOR_EACH_EXACT_ROW(exact_row(4, x_pairs, qs, d, m, group_sums, y, n, M, N, K))
     } else {
-        FOR_EACH_SHARED_ITEM(n, N, WORK_CHUNK_BYTES / K, N * K >= PARALLEL_MIN_ELEMENTS,
-                             exact_row(8, x, qs, d, m, NULL, y, n, M, N, K);)
+        FOR_EACH_EXACT_ROW(exact_row(8, x, qs, d, m, NULL, y, n, M, N, K))
     }
     free(x_pairs);
     free(group_sums);

@@ -113,17 +113,16 @@ static inline int64_t work_next(struct work_share *share, struct work_cursor *cu
 
 #define WORK_SHARE_PRAGMA(text) _Pragma(#text)
 
-/* for (int64_t n ...) over items 0 .. num_items - 1, shared out as above in chunks of `chunk` (at
- * least 1), in a parallel region where `condition` holds: { body } */
+/* for (int64_t n ...) over items 0 .. num_items - 1, shared out as above in chunks of `chunk`, in
+ * a parallel region where `condition` holds: { body } */
 #define FOR_EACH_SHARED_ITEM(n, num_items, chunk, condition, ...)                                                 \
     {                                                                                                              \
         struct work_share work_;                                                                                   \
-        const int64_t chunk_ = (chunk) > 0 ? (chunk) : 1;                                                          \
         work_share_init(&work_, num_items);                                                                        \
         WORK_SHARE_PRAGMA(omp parallel if (condition)) {                                                           \
             struct work_cursor cursor_ = work_cursor_start();                                                      \
             int64_t first_, count_;                                                                                \
-            while ((count_ = work_next(&work_, &cursor_, chunk_, &first_)) > 0)                                    \
+            while ((count_ = work_next(&work_, &cursor_, chunk, &first_)) > 0)                                     \
                 for (int64_t n = first_; n < first_ + count_; n++) {                                               \
                     __VA_ARGS__                                                                                    \
                 }                                                                                                  \
