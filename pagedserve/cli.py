@@ -27,6 +27,9 @@ class Command:
     help: str
     add_flags: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
+    # a long-running server: once `run` returns (its shutdown done and logged) the process ends
+    # with pagedserve.teardown.end_process, skipping the interpreter's finalization
+    ends_at_once: bool = False
 
 
 def _add_frontend_flags(parser: argparse.ArgumentParser) -> None:
@@ -108,9 +111,12 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {
-    "serve": Command("start scheduler, workers and frontend together", _add_serve_flags, _run_serve),
-    "frontend": Command("the public gRPC frontend alone", _add_frontend_flags, _run_frontend),
-    "scheduler": Command("the scheduler alone", _add_scheduler_flags, _run_scheduler),
+    "serve": Command("start scheduler, workers and frontend together", _add_serve_flags, _run_serve,
+                     ends_at_once=True),
+    "frontend": Command("the public gRPC frontend alone", _add_frontend_flags, _run_frontend,
+                        ends_at_once=True),
+    "scheduler": Command("the scheduler alone", _add_scheduler_flags, _run_scheduler,
+                         ends_at_once=True),
     "worker": Command("one worker rank alone", _add_worker_flags, _run_worker),
     "generate": Command("stream a completion to the terminal", _add_generate_flags, _run_generate),
 }
@@ -133,11 +139,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser([argv[0]] if argv and argv[0] in COMMANDS else None)
     args = parser.parse_args(argv)
+    command = COMMANDS[args.command]
     try:
-        return COMMANDS[args.command].run(args)
+        code = command.run(args)
     except (FileNotFoundError, ValueError) as exc:
         print(f"pagedserve {args.command}: {exc}", file=sys.stderr)
-        return 2
+        code = 2
+    if command.ends_at_once:
+        from pagedserve.teardown import end_process
+
+        end_process(code)
+    return code
 
 
 if __name__ == "__main__":

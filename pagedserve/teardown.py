@@ -1,4 +1,5 @@
-"""A process's exit, bounded once its own shutdown is done.
+"""A server process's exit, once its own shutdown is done: bounded, and without the interpreter's
+finalization.
 
 When the scheduler has logged `scheduler_stopped` (or the frontend `frontend_stopped`), everything
 the process owns is released: its requests are answered or cut, its workers told, its sockets
@@ -6,6 +7,17 @@ closed. What remains is the runtime's teardown: asyncio.run cancelling what is l
 its default executor, then the interpreter's exit (atexit hooks, gRPC's and ZeroMQ's threads,
 module finalization). That teardown has been seen, rarely, to hang after `scheduler_stopped`;
 `serve` then waited its whole drain timeout before killing the process, and so stopped late.
+
+Two steps keep that exit short:
+
+- `bound_teardown()`, called right after the stop is logged, covers asyncio's teardown (tasks
+  cancelled, the default executor joined).
+- `end_process(code)`, called by `pagedserve serve|scheduler|frontend` once the command has
+  returned, flushes stdout and stderr and ends the process with `os._exit`: no atexit hook, no
+  module finalization, no C-level exit handler runs. Those stages hold nothing the process still
+  owes anyone, and a hang there is past the watchdog's reach: the interpreter cancels faulthandler's
+  watchdog while it finalizes, so such a hang left `serve` waiting its whole drain timeout (the
+  scheduler's child_killed, 40 s after scheduler_stopped, with no stacks in the log).
 
 `bound_teardown()` arms faulthandler's watchdog. Its thread is native and needs no GIL, so it
 fires even while the interpreter finalizes. If the process is still alive TEARDOWN_TIMEOUT_S
@@ -16,6 +28,7 @@ and ends the process with exit code 1. A process that exits in time writes nothi
 from __future__ import annotations
 
 import faulthandler
+import os
 import sys
 
 TEARDOWN_TIMEOUT_S = 10.0
@@ -26,3 +39,14 @@ def bound_teardown(timeout: float = TEARDOWN_TIMEOUT_S) -> None:
     once the process's shutdown is complete; it replaces any earlier dump_traceback_later."""
     sys.stderr.flush()
     faulthandler.dump_traceback_later(timeout, exit=True, file=sys.stderr)
+
+
+def end_process(code: int) -> None:
+    """Ends the process now with `code`, after flushing stdout and stderr (the JSON logs): the
+    interpreter's finalization is skipped (see the module's docstring)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):  # closed or replaced: nothing left to write
+            pass
+    os._exit(code)

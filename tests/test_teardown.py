@@ -1,5 +1,6 @@
 """pagedserve/teardown.py: a process whose teardown hangs past the bound ends with exit code 1 and
-every thread's stack on stderr; one that exits in time is unaffected."""
+every thread's stack on stderr; one that exits in time is unaffected; end_process ends a process
+past a hanging finalization with its exit code and its output flushed."""
 
 from __future__ import annotations
 
@@ -42,3 +43,28 @@ def test_a_hanging_teardown_ends_with_the_stacks_and_exit_code_1():
 def test_a_clean_exit_is_unaffected():
     done = _run(CLEAN_EXIT, 5.0)
     assert (done.returncode, done.stdout, done.stderr) == (0, "done\n", "")
+
+
+# an atexit hook that never returns stands for a hang in the interpreter's finalization, which the
+# watchdog does not reach (the interpreter cancels it while finalizing)
+HANGING_FINALIZATION = """
+import atexit, sys, time
+from pagedserve.teardown import end_process
+
+atexit.register(lambda: time.sleep(3600))
+print("logged", end="")  # buffered: end_process flushes it
+sys.stderr.write("stopped")
+end_process({code})
+"""
+
+
+def test_end_process_skips_a_hanging_finalization_and_keeps_the_output_and_exit_code():
+    for code in (0, 3):
+        done = _run(HANGING_FINALIZATION.replace("{code}", str(code)), 0)
+        assert (done.returncode, done.stdout, done.stderr) == (code, "logged", "stopped")
+
+
+def test_the_server_commands_end_at_once_and_the_others_do_not():
+    from pagedserve.cli import COMMANDS
+
+    assert {name for name, command in COMMANDS.items() if command.ends_at_once} == {"serve", "scheduler", "frontend"}
