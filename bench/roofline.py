@@ -72,13 +72,13 @@ GEMM_SIZE = 2048
 
 class BandwidthProbe:
     """torch.sum over `gib` GiB of float32 (one read of every byte), torch's threads, on 2 MiB pages
-    where the host gives them, as the worker keeps its weights (worker/huge_pages.py; on AMD EPYC
+    where the host gives them, as the worker keeps its weights (pagedserve/huge_pages.py; on AMD EPYC
     35.2 GB/s against 33.3 on 4 KiB pages). The buffer is kept, so that a benchmark can also take
     short samples between its requests: on a shared host the bandwidth changes within seconds
     (docs/cpu-limits.md), and a limit measured once at the start need not be what a later run met."""
 
     def __init__(self, gib: float = 1.0) -> None:
-        from pagedserve.worker.huge_pages import huge_page_buffer
+        from pagedserve.huge_pages import huge_page_buffer
 
         self._data = huge_page_buffer(int(gib * (1 << 30))).view(torch.float32).fill_(1.0)
         self._data.sum()

@@ -5,9 +5,8 @@ the CPU's flags, so another CPU or an edited kernel measures anew).
 Five parameters. `linear_rows_prefetch`: how far ahead of its weight stream the few-rows linear
 kernel (linear_rows.c) issues a software prefetch, in bytes, 0 meaning none (the hardware
 prefetchers alone). Measured on SmolLM2-sized projections (rows of 576 bfloat16 values, 96 MiB, far beyond
-any last-level cache) at one row of x with every core of the process's CPU set: each candidate's
-fastest pass of those interleaved with the others'; a distance other than 0 is kept only when it
-beats no prefetch by more than NOISE. On AMD Zen 4 the hardware prefetchers already follow the kernel's one stream
+any last-level cache) at one row of x with every core of the process's CPU set: a distance other
+than 0 is kept only when it beats no prefetch by more than NOISE. On AMD Zen 4 the hardware prefetchers already follow the kernel's one stream
 per thread at the measured read bandwidth, and a prefetch only adds loads. The distance changes
 no result, only when the bytes arrive.
 
@@ -42,6 +41,16 @@ layers need them above two rows anyway, and without the row kernel they keep no 
 them. (The rule was the other way round, and on AMD Zen 4 a measurement that found the two equal
 chose the row kernel, whose one-sequence forward then took 1.13-1.19x the panels' time.)
 
+How every choice is timed: each candidate against the baseline (no prefetch; oneDNN for the
+layout, the panels for few rows), the two run back to back, in turns first, ROUNDS times; the
+median of those ratios decides (`_paired_times`). On 2 MiB pages where the host gives them
+(pagedserve.huge_pages), as the worker keeps its weights. Measured as before (each candidate's
+fastest pass, on torch's 4 KiB pages), on AMD EPYC (Zen 4) the row kernel's distance came out 512
+in 16 of 30 builds and 0, 4096 or another in the rest, run to run on one host; alternated on
+2 MiB pages, 512 read 64.5 % of torch.sum's bandwidth over SmolLM2's 120 projections where 0 read
+74 %. A file measured another way or on other pages than the worker's now ("method",
+"weight_pages") is measured anew.
+
     tuning.apply(lib, folder)       # reads folder/tuning.json, or measures and writes it
 
 PAGEDSERVE_ROW_PREFETCH=<bytes> and PAGEDSERVE_BLOCK_PREFETCH=<bytes> set the distances,
@@ -53,6 +62,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -70,8 +80,8 @@ PANEL_PREFETCH_ROWS = (1, 2, 4, 8)  # measured at these rows; a block of R rows 
 NOISE = 0.05  # a prefetch must be this much faster than none to be kept
 SIZE_IN = 576
 WEIGHT_BYTES = 96 << 20
-ROUNDS = 4  # interleaved, so a drift of the machine's bandwidth meets every candidate
-PASSES = 3  # per candidate and round
+ROUNDS = 15  # pairs of each candidate and the baseline (_paired_times)
+METHOD = "paired"  # a tuning file of another method (or none) is measured anew
 
 _log = logging.getLogger(__name__)
 
@@ -140,12 +150,18 @@ def measure(lib) -> dict:
     return params
 
 
-def _interleaved_times(candidates: dict) -> dict:
-    """{name: run()} -> {name: seconds of its fastest run()}: after one warm-up run each, ROUNDS
-    rounds in which every candidate runs PASSES times, so a drift of the machine meets them all;
-    on every core of the process's CPU set. The fastest pass, not the median: another process on
-    the cores only ever adds time, and a first start on a busy host would otherwise choose by
-    whose passes that process happened to slow down."""
+def _paired_times(baseline, candidates: dict) -> tuple[dict, dict]:
+    """{name: run()}, one of them the baseline -> ({name: the median over ROUNDS of its time over
+    the baseline's, the two run back to back}, {name: seconds of its fastest run}), on every core
+    of the process's CPU set.
+
+    Each round runs every other candidate once beside one run of the baseline, the two in turns
+    first, after one warm-up run each. A host's read bandwidth can change by half within seconds
+    (another job's traffic, the memory controller's state): a ratio of two neighbouring runs meets
+    the same state, where the fastest runs of each candidate came from whichever moment was
+    quickest when it ran, so a change of state in the middle of a measurement chose the candidates
+    that ran after it. The median drops the pairs that straddle such a change; a process that
+    takes the cores for a moment only spoils the pairs it meets."""
     import torch
 
     def timed(run) -> float:
@@ -159,19 +175,43 @@ def _interleaved_times(candidates: dict) -> dict:
         for run in candidates.values():
             run()
         times = {name: [] for name in candidates}
-        for _ in range(ROUNDS):
-            for name, run in candidates.items():
-                times[name].extend(timed(run) for _ in range(PASSES))
+        ratios = {name: [] for name in candidates if name != baseline}
+        for round_index in range(ROUNDS):
+            for name in ratios:
+                first, second = (baseline, name) if round_index % 2 == 0 else (name, baseline)
+                pair = {first: timed(candidates[first])}
+                pair[second] = timed(candidates[second])
+                times[baseline].append(pair[baseline])
+                times[name].append(pair[name])
+                ratios[name].append(pair[name] / pair[baseline])
     finally:
         torch.set_num_threads(threads)
-    return {name: min(values) for name, values in times.items()}
+    medians = {name: statistics.median(values) for name, values in ratios.items()}
+    return {baseline: 1.0, **medians}, {name: min(values) for name, values in times.items()}
+
+
+def _on_huge_pages(tensor):
+    """A copy of the tensor on 2 MiB pages where the host gives them (pagedserve.huge_pages), as the
+    worker keeps the weights it serves: the hardware prefetchers stop at every 4 KiB page's end and
+    run on across 2 MiB ones, so a software prefetch measured on the one can be wrong on the other."""
+    from pagedserve.huge_pages import huge_page_buffer
+
+    copy = huge_page_buffer(tensor.numel() * tensor.element_size()).view(tensor.dtype).view(tensor.shape)
+    return copy.copy_(tensor)
+
+
+def weight_pages() -> str:
+    """The pages the measurements' weights are on: "2 MiB" where the host gives them, else "4 KiB"."""
+    from pagedserve.huge_pages import available
+
+    return "2 MiB" if available() else "4 KiB"
 
 
 def _row_weight():
     """The prefetch measurement's weight [N, SIZE_IN] (WEIGHT_BYTES), one row of x and its output."""
     import torch
 
-    weight = torch.ones(WEIGHT_BYTES // (2 * SIZE_IN), SIZE_IN, dtype=torch.bfloat16)
+    weight = _on_huge_pages(torch.ones(WEIGHT_BYTES // (2 * SIZE_IN), SIZE_IN, dtype=torch.bfloat16))
     return weight, torch.ones(1, SIZE_IN, dtype=torch.bfloat16), torch.empty(1, weight.shape[0], dtype=torch.bfloat16)
 
 
@@ -184,9 +224,9 @@ def _projection_weights() -> list:
     from pagedserve.kernels.linear import panels
 
     layer_bytes = sum(2 * n * k for n, k in BLOCK_SHAPES)
-    dense = [torch.full((n, k), 0.5, dtype=torch.bfloat16)
+    dense = [_on_huge_pages(torch.full((n, k), 0.5, dtype=torch.bfloat16))
              for _ in range(max(1, WEIGHT_BYTES // layer_bytes)) for n, k in BLOCK_SHAPES]
-    return [(weight, panels.pack(weight).data) for weight in dense]
+    return [(weight, _on_huge_pages(panels.pack(weight).data)) for weight in dense]
 
 
 def _weights_pass(lib, weights: list, rows: int, kernel: str):
@@ -209,10 +249,11 @@ def _weights_pass(lib, weights: list, rows: int, kernel: str):
 def measure_few_rows(lib, weights: list | None = None) -> dict:
     """Times the row kernel against the panels at one row (module doc) over _projection_weights()."""
     weights = weights or _projection_weights()
-    times = _interleaved_times({kernel: _weights_pass(lib, weights, 1, kernel) for kernel in ("rows", "panels")})
-    choice = "rows" if times["rows"] < times["panels"] * (1 - NOISE) else "panels"
+    ratios, times = _paired_times("panels", {kernel: _weights_pass(lib, weights, 1, kernel)
+                                             for kernel in ("panels", "rows")})
+    choice = "rows" if ratios["rows"] < 1 - NOISE else "panels"
     num_bytes = sum(weight.numel() * 2 for weight, _ in weights)
-    return {"linear_bf16_few_rows": choice,
+    return {"linear_bf16_few_rows": choice, "few_rows_time_ratio": round(ratios["rows"], 3),
             "few_rows_gb_per_s": {kernel: round(num_bytes / t / 1e9, 2) for kernel, t in times.items()}}
 
 
@@ -231,17 +272,18 @@ def measure_panel_prefetch(lib, weights: list | None = None) -> dict:
                 run()
             return timed_run
 
-        times = _interleaved_times({distance: at(distance) for distance in PANEL_CANDIDATES})
-        distances[str(rows)] = _best_distance(times)
+        ratios, times = _paired_times(0, {distance: at(distance) for distance in PANEL_CANDIDATES})
+        distances[str(rows)] = _best_distance(ratios)
         gb_per_s[str(rows)] = {str(d): round(num_bytes / t / 1e9, 2) for d, t in times.items()}
     set_panel_prefetch(lib, distances)
     return {"panel_prefetch": distances, "panel_gb_per_s": gb_per_s}
 
 
-def _best_distance(times: dict) -> int:
-    """The fastest prefetch distance, or 0 unless it beats no prefetch by more than NOISE."""
-    best = min(times, key=times.get)
-    return best if best == 0 or times[best] <= times[0] * (1 - NOISE) else 0
+def _best_distance(ratios: dict) -> int:
+    """The distance of the lowest time over no prefetch's ({distance: ratio}, 0's being 1), or 0
+    unless that beats no prefetch by more than NOISE."""
+    best = min(ratios, key=ratios.get)
+    return best if ratios[best] <= 1 - NOISE else 0
 
 
 def measure_prefetch(lib) -> dict:
@@ -254,9 +296,9 @@ def measure_prefetch(lib) -> dict:
             lib.linear_rows_bf16(x.data_ptr(), weight.data_ptr(), None, y.data_ptr(), 1, weight.shape[0], SIZE_IN)
         return run
 
-    times = _interleaved_times({distance: at(distance) for distance in CANDIDATES})
-    best = _best_distance(times)
-    return {"linear_rows_prefetch": best, "source": "measured",
+    ratios, times = _paired_times(0, {distance: at(distance) for distance in CANDIDATES})
+    best = _best_distance(ratios)
+    return {"linear_rows_prefetch": best, "source": "measured", "method": METHOD, "weight_pages": weight_pages(),
             "gb_per_s": {str(d): round(WEIGHT_BYTES / t / 1e9, 2) for d, t in times.items()},
             "threads": len(os.sched_getaffinity(0))}
 
@@ -271,9 +313,9 @@ def measure_block_prefetch(lib) -> dict:
     if not lib.block_quant_rows_bf16_available():
         return {"block_quant_prefetch": 0, "block_gb_per_s": {}}
     layer_bytes = sum(n * k // 2 for n, k in BLOCK_SHAPES)
-    weights = [(torch.full((n, k // 2), 0x5A, dtype=torch.uint8),
-                torch.full((n, k // 32), 0x3C00, dtype=torch.int16),  # float16 1.0: scales and minimums
-                torch.full((n, k // 32), 0x3C00, dtype=torch.int16), n, k)
+    weights = [(_on_huge_pages(torch.full((n, k // 2), 0x5A, dtype=torch.uint8)),
+                _on_huge_pages(torch.full((n, k // 32), 0x3C00, dtype=torch.int16)),  # float16 1.0: scales
+                _on_huge_pages(torch.full((n, k // 32), 0x3C00, dtype=torch.int16)), n, k)  # and minimums
                for _ in range(max(1, WEIGHT_BYTES // layer_bytes)) for n, k in BLOCK_SHAPES]
     inputs = {k: torch.ones(1, k, dtype=torch.bfloat16) for _, k in BLOCK_SHAPES}
     y = torch.empty(1, max(n for n, _ in BLOCK_SHAPES), dtype=torch.float32)
@@ -286,8 +328,8 @@ def measure_block_prefetch(lib) -> dict:
                                           y.data_ptr(), 1, n, k, 4)
         return run
 
-    times = _interleaved_times({distance: at(distance) for distance in CANDIDATES})
-    best = _best_distance(times)
+    ratios, times = _paired_times(0, {distance: at(distance) for distance in CANDIDATES})
+    best = _best_distance(ratios)
     lib.block_quant_set_prefetch(best)
     num_bytes = len(weights) // len(BLOCK_SHAPES) * layer_bytes
     return {"block_quant_prefetch": best,
@@ -305,14 +347,14 @@ def measure_layout(lib) -> dict:
         return {"linear_bf16_layout": "onednn", "layout_ms": {}}
     panel_weights = [panels.pack(w) for w in weights]
     onednn_weights = [onednn.prepack_linear_weight(w) for w in weights]
-    times = {}
+    times, ratios = {}, {}
     for rows in LAYOUT_ROWS:
         inputs = [torch.randn(rows, k).to(torch.bfloat16) for _, k in LAYOUT_SHAPES]
-        times[rows] = _interleaved_times({
-            "panels": lambda: [panels.panel_linear(x, w, None, lib) for x, w in zip(inputs, panel_weights)],
-            "onednn": lambda: [onednn.prepacked_linear(x, w, None) for x, w in zip(inputs, onednn_weights)]})
-    wins = (all(pair["panels"] < pair["onednn"] * (1 + NOISE) for pair in times.values())
-            and any(pair["panels"] < pair["onednn"] * (1 - NOISE) for pair in times.values()))
+        by_layout, times[rows] = _paired_times("onednn", {
+            "onednn": lambda: [onednn.prepacked_linear(x, w, None) for x, w in zip(inputs, onednn_weights)],
+            "panels": lambda: [panels.panel_linear(x, w, None, lib) for x, w in zip(inputs, panel_weights)]})
+        ratios[rows] = by_layout["panels"]
+    wins = all(ratio < 1 + NOISE for ratio in ratios.values()) and any(ratio < 1 - NOISE for ratio in ratios.values())
     return {"linear_bf16_layout": "panels" if wins else "onednn",
             "layout_ms": {str(rows): {layout: round(t * 1e3, 3) for layout, t in pair.items()}
                           for rows, pair in times.items()}}
@@ -321,6 +363,8 @@ def measure_layout(lib) -> dict:
 def _read(path: Path) -> dict | None:
     try:
         params = json.loads(path.read_text())
+        if params.get("method") != METHOD or params.get("weight_pages") != weight_pages():
+            return None  # measured another way, or on other pages than the worker's now: anew
         int(params["linear_rows_prefetch"])
         int(params["block_quant_prefetch"])
         if params["linear_bf16_layout"] not in LAYOUTS or params["linear_bf16_few_rows"] not in ("rows", "panels"):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -118,6 +120,19 @@ def test_the_prefetch_distance_changes_no_result():
     assert all(torch.equal(result, results[0]) for result in results[1:])
 
 
+def _write_tuning(folder, text: str) -> None:
+    """A tuning file of these parameters, measured the current way on the current pages (text
+    that is not JSON as it is)."""
+    from pagedserve.kernels.native import tuning
+
+    try:
+        params = {**json.loads(text), "method": tuning.METHOD, "weight_pages": tuning.weight_pages()}
+    except ValueError:
+        (folder / tuning.FILE_NAME).write_text(text)
+    else:
+        (folder / tuning.FILE_NAME).write_text(json.dumps(params))
+
+
 def test_tuning_measures_once_then_reads_its_file(tmp_path, monkeypatch):
     from pagedserve.kernels.native import tuning
 
@@ -132,6 +147,7 @@ def test_tuning_measures_once_then_reads_its_file(tmp_path, monkeypatch):
     try:
         measured = tuning.apply(lib, tmp_path)
         assert measured["source"] == "measured" and measured["linear_rows_prefetch"] in tuning.CANDIDATES
+        assert (measured["method"], measured["weight_pages"]) == (tuning.METHOD, tuning.weight_pages())
         assert set(measured["gb_per_s"]) == {str(distance) for distance in tuning.CANDIDATES}
         assert lib.linear_rows_prefetch() == measured["linear_rows_prefetch"]
         assert measured["block_quant_prefetch"] in tuning.CANDIDATES
@@ -150,20 +166,26 @@ def test_tuning_measures_once_then_reads_its_file(tmp_path, monkeypatch):
             # a block of 3-4 rows takes the distance measured at 4, of 5-8 that measured at 8
             assert [lib.panel_linear_prefetch(rows) for rows in range(1, 9)] == [
                 distances[key] for key in ("1", "2", "4", "4", "8", "8", "8", "8")]
-        (tmp_path / tuning.FILE_NAME).write_text(
+        _write_tuning(tmp_path, 
             '{"linear_rows_prefetch": 0, "block_quant_prefetch": 0, "linear_bf16_layout": "panels",'
             ' "linear_bf16_few_rows": "panels", "panel_prefetch": {"1": 512, "2": 1024, "4": 2048, "8": 3072},'
             ' "source": "measured"}')
         assert tuning.apply(lib, tmp_path)["source"] == "measured"
         if lib.panel_linear_available():  # without the panel kernel its distances are not kept
             assert [lib.panel_linear_prefetch(rows) for rows in range(1, 9)] == [512, 1024, 2048, 2048] + [3072] * 4
-        (tmp_path / tuning.FILE_NAME).write_text(
+        _write_tuning(tmp_path, 
             '{"linear_rows_prefetch": 0, "block_quant_prefetch": 0, "linear_bf16_layout": "panels",'
             ' "linear_bf16_few_rows": "panels", "source": "measured"}')
         assert "layout_ms" in tuning.apply(lib, tmp_path)  # panels without their distances: measured anew
-        (tmp_path / tuning.FILE_NAME).write_text(
+        _write_tuning(tmp_path, 
             '{"linear_rows_prefetch": 2048, "block_quant_prefetch": 1024, "linear_bf16_layout": "onednn",'
             ' "linear_bf16_few_rows": "rows", "source": "measured"}')
+        assert tuning.apply(lib, tmp_path)["linear_rows_prefetch"] == 2048 and lib.linear_rows_prefetch() == 2048
+        kept = json.loads((tmp_path / tuning.FILE_NAME).read_text())
+        for stale in ({"method": "fastest passes"}, {"weight_pages": "1 GiB"}, {"method": None}):
+            (tmp_path / tuning.FILE_NAME).write_text(json.dumps({**kept, **stale}))
+            assert "gb_per_s" in tuning.apply(lib, tmp_path)  # measured another way or on other pages: anew
+        _write_tuning(tmp_path, json.dumps({key: kept[key] for key in kept if key not in ("method", "weight_pages")}))
         assert tuning.apply(lib, tmp_path)["linear_rows_prefetch"] == 2048 and lib.linear_rows_prefetch() == 2048
         assert lib.block_quant_prefetch() == 1024
         assert tuning.linear_bf16_layout(lib) == "onednn"
@@ -174,17 +196,17 @@ def test_tuning_measures_once_then_reads_its_file(tmp_path, monkeypatch):
         assert tuning.linear_bf16_layout(lib) == "panels"
         monkeypatch.setenv(tuning.BLOCK_PREFETCH_ENV, "512")
         assert tuning.apply(lib, tmp_path)["block_quant_prefetch"] == 512 and lib.block_quant_prefetch() == 512
-        (tmp_path / tuning.FILE_NAME).write_text(
+        _write_tuning(tmp_path, 
             '{"linear_rows_prefetch": 2048, "linear_bf16_layout": "onednn", "linear_bf16_few_rows": "rows",'
             ' "source": "measured"}')
         monkeypatch.delenv(tuning.BLOCK_PREFETCH_ENV)
         assert tuning.apply(lib, tmp_path)["source"] == f"{tuning.PREFETCH_ENV},{tuning.LAYOUT_ENV}"
         assert "block_gb_per_s" in lib._pagedserve_tuning  # a file without the block distance is measured anew
-        (tmp_path / tuning.FILE_NAME).write_text('{"linear_rows_prefetch": 2048, "source": "measured"}')
+        _write_tuning(tmp_path, '{"linear_rows_prefetch": 2048, "source": "measured"}')
         monkeypatch.delenv(tuning.PREFETCH_ENV)
         monkeypatch.delenv(tuning.LAYOUT_ENV)
         assert tuning.apply(lib, tmp_path)["source"] == "measured"  # a file without the layout is measured anew
-        (tmp_path / tuning.FILE_NAME).write_text("not json")
+        _write_tuning(tmp_path, "not json")
         assert tuning.apply(lib, tmp_path)["source"] == "measured"  # an unreadable file is measured anew
     finally:
         lib.linear_rows_set_prefetch(before)
@@ -218,3 +240,16 @@ def test_the_result_does_not_depend_on_the_thread_count(dtype):
             assert torch.allclose(results[0].float(), reference, rtol=2 ** -6, atol=1e-2 * size_in ** 0.5)
     finally:
         torch.set_num_threads(previous)
+
+
+def test_the_tunings_weights_are_on_the_pages_the_worker_serves_from():
+    """The measurements stream from memory marked MADV_HUGEPAGE where the host gives it (as the
+    worker moves its weights there), with the values the measurement wrote."""
+    from pagedserve import huge_pages
+    from pagedserve.kernels.native import tuning
+
+    weight = tuning._row_weight()[0]
+    dense, packed = tuning._projection_weights()[0]
+    assert torch.equal(weight, torch.ones_like(weight)) and torch.equal(dense, torch.full_like(dense, 0.5))
+    assert tuning.weight_pages() == ("2 MiB" if huge_pages.available() else "4 KiB")
+    assert all(huge_pages.is_marked(t) == huge_pages.available() for t in (weight, dense, packed))

@@ -1,4 +1,4 @@
-"""The weights on 2 MiB pages (worker/huge_pages.py): every tensor the loaded model
+"""The weights on 2 MiB pages (pagedserve/huge_pages.py): every tensor the loaded model
 holds (dense and prepacked bfloat16, GGUF blocks, int8/int4 codes, a tied LM head) is moved into
 memory marked MADV_HUGEPAGE with its values unchanged and its references kept, and the model then
 decodes exactly as it does on ordinary pages.
@@ -18,7 +18,7 @@ from tiny_models import make_prompts
 
 from pagedserve.kernels.linear.block_quant import BlockQuantWeight
 from pagedserve.kernels.linear.panels import PanelWeight
-from pagedserve.worker import huge_pages
+from pagedserve import huge_pages
 from pagedserve.worker.model_runner import ModelRunner
 
 NAME = "qwen2-bias-tied"
@@ -28,33 +28,9 @@ pytestmark = pytest.mark.skipif(not huge_pages.available(),
                                 reason="this host gives no transparent huge pages to programs")
 
 
-def _mapping(address: int) -> dict[str, str]:
-    """The /proc/self/smaps fields of the mapping of this process that holds `address`."""
-    fields: dict[str, str] | None = None
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head, _, rest = line.partition(" ")
-            if "-" in head and not head.endswith(":"):
-                if fields is not None:
-                    break
-                start, end = (int(value, 16) for value in head.split("-"))
-                if start <= address < end:
-                    fields = {}
-            elif fields is not None:
-                fields[head.rstrip(":")] = rest.strip()
-    if fields is None:
-        raise AssertionError(f"no mapping holds {address:#x}")
-    return fields
-
-
-def _on_huge_pages(tensor: torch.Tensor) -> bool:
-    """In a mapping marked MADV_HUGEPAGE (`hg`)."""
-    return "hg" in _mapping(tensor.data_ptr())["VmFlags"].split()
-
-
 def _huge_kib(tensor: torch.Tensor) -> int:
     """KiB of the tensor's mapping the kernel backs with huge pages (anonymous, private memory)."""
-    return int(_mapping(tensor.data_ptr())["AnonHugePages"].split()[0])
+    return int(huge_pages.mapping_fields(tensor.data_ptr())["AnonHugePages"].split()[0])
 
 
 def _snapshot(model) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -70,7 +46,7 @@ def _greedy(runner: ModelRunner) -> list[list[int]]:
 
 
 def _counted_mappings(monkeypatch) -> list[int]:
-    """The sizes of the mappings worker/huge_pages.py makes from now on (its `_mapping`, spied on):
+    """The sizes of the mappings pagedserve/huge_pages.py makes from now on (its `_mapping`, spied on):
     whether a plain tensor's memory lies in a mapping marked MADV_HUGEPAGE also depends on what
     this process's allocators did before, over a whole test session, so the tests count these."""
     requested: list[int] = []
@@ -102,7 +78,7 @@ def test_a_module_moves_with_its_values_and_references_kept():
     moved = huge_pages.move_to_huge_pages(model)
     assert num_bytes <= moved < num_bytes + 64 * len(before)
     for tensor, values in before.values():
-        assert torch.equal(tensor, values) and _on_huge_pages(tensor)
+        assert torch.equal(tensor, values) and huge_pages.is_marked(tensor)
     assert model.head_weight is model.embedding.weight and isinstance(model.linear.weight, torch.nn.Parameter)
     x = torch.randn(3, 576).bfloat16()
     assert torch.equal(model.linear(x), torch.nn.functional.linear(x, before[id(model.linear.weight)][1],
@@ -128,17 +104,17 @@ def test_off_by_the_environment_moves_nothing(monkeypatch):
 def test_a_loaded_model_is_all_on_huge_pages_and_decodes_the_same_tokens(checkpoint_dir, monkeypatch, dtype):
     moved = _runner(checkpoint_dir(NAME), monkeypatch, huge=True, dtype=dtype)
     tensors = huge_pages.model_tensors(moved.model)
-    assert tensors and all(_on_huge_pages(tensor) for tensor in tensors)
+    assert tensors and all(huge_pages.is_marked(tensor) for tensor in tensors)
     if dtype == "bfloat16" and any(isinstance(getattr(module, "prepacked_weight", None), PanelWeight)
                                    for module in moved.model.modules()):
         panels = [module.prepacked_weight.data for module in moved.model.modules()
                   if isinstance(getattr(module, "prepacked_weight", None), PanelWeight)]
-        assert all(_on_huge_pages(data) for data in panels)
+        assert all(huge_pages.is_marked(data) for data in panels)
     requested = _counted_mappings(monkeypatch)  # with the environment off the load asks for none
     plain = _runner(checkpoint_dir(NAME), monkeypatch, huge=False, dtype=dtype)
     assert requested == []
     moved_again = _runner(checkpoint_dir(NAME), monkeypatch, huge=True, dtype=dtype)
-    assert requested and all(_on_huge_pages(tensor) for tensor in huge_pages.model_tensors(moved_again.model))
+    assert requested and all(huge_pages.is_marked(tensor) for tensor in huge_pages.model_tensors(moved_again.model))
     for (name, a), (_, b) in zip(moved.model.state_dict().items(), plain.model.state_dict().items()):
         assert torch.equal(a, b), name
     assert _greedy(moved) == _greedy(plain)
@@ -150,7 +126,7 @@ def test_gguf_blocks_kept_quantized_move_too(tmp_path_factory, monkeypatch):
     moved = _runner(path, monkeypatch, huge=True, dtype="float32", quantization="auto")
     blocks = [module.packed for module in moved.model.modules() if isinstance(getattr(module, "packed", None),
                                                                               BlockQuantWeight)]
-    assert blocks and all(_on_huge_pages(tensor) for weight in blocks
+    assert blocks and all(huge_pages.is_marked(tensor) for weight in blocks
                           for tensor in (weight.qs, weight.scales, weight.mins) if tensor is not None)
     plain = _runner(path, monkeypatch, huge=False, dtype="float32", quantization="auto")
     assert _greedy(moved) == _greedy(plain)

@@ -5,7 +5,7 @@ for the served (target) model and for a draft model of draft-model speculation.
           ─> load_weights        checkpoint slices (safetensors or GGUF; GGUF's Q4/Q8 kept when asked)
           ─> quantize_model      --quantization int8|int4 (or the draft's own)
           ─> prepack_model       bfloat16 CPU weights prepacked once for oneDNN
-          ─> move_to_huge_pages  on the CPU, every weight moved onto 2 MiB pages (worker/huge_pages.py)
+          ─> move_to_huge_pages  on the CPU, every weight moved onto 2 MiB pages (pagedserve/huge_pages.py)
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from pagedserve.worker.loading.hf_checkpoint import load_weights
-from pagedserve.worker.huge_pages import move_to_huge_pages
+from pagedserve.huge_pages import move_to_huge_pages
 from pagedserve.worker.models.llama import LlamaForCausalLM
 from pagedserve.worker.models.llama_config import LlamaModelConfig
 from pagedserve.worker.loading.prepacked_weights import prepack_model

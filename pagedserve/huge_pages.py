@@ -16,6 +16,10 @@ to it, a tied LM head included, sees the new memory and the same values.
 
     move_to_huge_pages(model)               # -> bytes moved (0: no huge pages on this host)
     huge_page_buffer(num_bytes)             # an untouched uint8 tensor on 2 MiB pages
+    is_marked(tensor)                       # its memory is marked MADV_HUGEPAGE (/proc/self/smaps)
+
+The kernels' per-host tuning (kernels/native/tuning.py) measures on weights in such a buffer too,
+so that what it chooses holds for the pages the worker serves from.
 
 The KV caches stay on ordinary pages: a fault in memory marked MADV_HUGEPAGE may compact memory
 to find a free 2 MiB page (the host's `defrag` setting), and zeroing a 2 GiB pool that way took
@@ -74,6 +78,31 @@ def huge_page_buffer(num_bytes: int) -> torch.Tensor:
         return torch.empty(num_bytes, dtype=torch.uint8)
     mapping, start = _mapping(num_bytes)
     return torch.frombuffer(mapping, dtype=torch.uint8, count=num_bytes, offset=start)
+
+
+def mapping_fields(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of this process's mapping that holds `address` (KeyError if
+    none does)."""
+    fields: dict[str, str] | None = None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head, _, rest = line.partition(" ")
+            if "-" in head and not head.endswith(":"):
+                if fields is not None:
+                    break
+                start, end = (int(value, 16) for value in head.split("-"))
+                if start <= address < end:
+                    fields = {}
+            elif fields is not None:
+                fields[head.rstrip(":")] = rest.strip()
+    if fields is None:
+        raise KeyError(f"no mapping holds {address:#x}")
+    return fields
+
+
+def is_marked(tensor: torch.Tensor) -> bool:
+    """Whether the tensor's memory lies in a mapping marked MADV_HUGEPAGE (VmFlags `hg`)."""
+    return "hg" in mapping_fields(tensor.data_ptr())["VmFlags"].split()
 
 
 def _tensors(value, depth: int = 0):
