@@ -5,8 +5,8 @@ samples, in a block it owns alone with room for the next position, under a spec 
 change, and nothing waits to be scheduled) is most likely followed by the same decode one position
 on, each sequence feeding the token it just sampled. A single-rank worker computes that step right
 after sending the result, while the scheduler turns the result into the next plan; when the plan
-arrives and is that step (same sequences in the same order, tokens, positions, block tables,
-specs, nothing else to do), the result computed ahead is the answer, the same tokens and log
+arrives and is that step (same sequences in the same order, tokens, positions, block tables or
+tables that go on past them with a block taken ahead, specs, nothing else to do), the result computed ahead is the answer, the same tokens and log
 probabilities the plan would give (the same inputs through the same code). Otherwise it is dropped
 and the plan runs as usual.
 
@@ -15,8 +15,9 @@ in a block that sequence owned alone. A sequence that finished meanwhile frees t
 next owner writes every slot it reads; a sequence that goes on writes the same K/V there again.
 The cost of a miss is one forward that the next plan waits for (a finished request, a new one).
 
-A decode run (StepPlan.num_steps > 1: a continuable plan, scheduler/core/continuable.py) is
-computed the same way without waiting for the plans in between: each step is the one before one
+A decode run (StepPlan.num_steps > 1, scheduler/core/continuable.py: a continuable plan, or one
+of up to 32 sequences whose step after the run is not computed ahead) is computed the same way
+without waiting for the plans in between: each step is the one before one
 position on, and the result holds every step's samples; a run that streams its steps
 (StepPlan.streams_steps) sends each step's result as soon as it is computed, then a result that
 ends the run. A step that fails, or that next_plan cannot derive, ends the run before it; the
@@ -37,9 +38,10 @@ from dataclasses import replace
 from pagedserve.contracts.step_plan import ScheduledSeq, StepPlan, StepResult
 
 
-def next_plan(plan: StepPlan, result: StepResult, block_size: int) -> StepPlan | None:
-    """The step most likely to follow `plan` given its result, or None when it is not continuable."""
-    if not plan.continuable or result.failures or len(result.samples) != len(plan.seqs):
+def next_plan(plan: StepPlan, result: StepResult, block_size: int, in_run: bool = False) -> StepPlan | None:
+    """The step most likely to follow `plan` given its result, or None when it is not continuable
+    (in_run: a later step of a decode run, which any plan of the run may have, continuable or not)."""
+    if not (plan.continuable or in_run) or result.failures or len(result.samples) != len(plan.seqs):
         return None
     if any(sample.token_id in plan.end_token_ids for sample in result.samples):
         return None  # a sequence may have ended (EOS, a stop token): the scheduler decides what follows
@@ -51,7 +53,7 @@ def next_plan(plan: StepPlan, result: StepResult, block_size: int) -> StepPlan |
                 or seq.lora_slot >= 0 or seq.seq_id not in tokens or position // block_size >= len(seq.block_table)):
             return None
         seqs.append(ScheduledSeq(seq.seq_id, [tokens[seq.seq_id]], position, seq.block_table, seq.sample))
-    return StepPlan(step_id=plan.step_id + 1, seqs=seqs, epoch=plan.epoch, continuable=True,
+    return StepPlan(step_id=plan.step_id + 1, seqs=seqs, epoch=plan.epoch, continuable=plan.continuable,
                     end_token_ids=plan.end_token_ids)
 
 
@@ -72,7 +74,7 @@ def run_steps(result: StepResult, plan: StepPlan, block_size: int,
     last, last_result, num_steps = plan, result, 1
     samples, forward_seconds = result.samples, result.forward_seconds
     while num_steps < plan.num_steps and not should_end():
-        following = next_plan(last, last_result, block_size)
+        following = next_plan(last, last_result, block_size, in_run=True)
         if following is None:
             break
         following.step_id = plan.step_id
@@ -104,7 +106,10 @@ def is_same_step(ahead: StepPlan, plan: StepPlan) -> bool:
 
 
 def _same_seq(ahead: ScheduledSeq, seq: ScheduledSeq) -> bool:
+    """The same decode; the plan's table may go on past the one computed with (a block the
+    scheduler took ahead, scheduler/core/continuable.py), which that step neither read nor wrote."""
     return (seq.seq_id == ahead.seq_id and seq.token_ids == ahead.token_ids
-            and seq.start_position == ahead.start_position and seq.block_table == ahead.block_table
+            and seq.start_position == ahead.start_position
+            and seq.block_table[:len(ahead.block_table)] == ahead.block_table
             and seq.sample == ahead.sample and not seq.num_draft_tokens and not seq.num_mask_rows
             and seq.lora_slot == ahead.lora_slot)

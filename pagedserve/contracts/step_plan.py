@@ -104,12 +104,14 @@ class StepPlan:
     # under a spec its tokens do not change, and nothing waits: a single-rank worker may compute
     # the likely next plan ahead (worker/continuation.py)
     continuable: bool = False
-    # More than 1: a decode run of a continuable plan. A single-rank worker computes up to
+    # More than 1: a decode run (scheduler/core/continuable.py: every sequence decodes one token it
+    # samples with room in its blocks, under a spec its tokens do not change, and nothing waits;
+    # up to 32 sequences, continuable or not). A single-rank worker computes up to
     # num_steps steps in a row, each one position on with the tokens the step before sampled, and
     # answers them all in one StepResult, or each as it comes with streams_steps
     num_steps: int = 1
-    # Of a continuable plan: tokens that may end one of its sequences (EOS unless ignored, stop
-    # tokens); the worker computes nothing ahead after a step that sampled one
+    # Of a decode run or a continuable plan: tokens that may end one of its sequences (EOS unless
+    # ignored, stop tokens); the worker computes nothing more after a step that sampled one
     end_token_ids: list[int] = field(default_factory=list)
     # Of a decode run some of whose requests read tokens as they come: each step's StepResult is
     # sent as soon as it is computed (StepResult.run_step), then a result that ends the run

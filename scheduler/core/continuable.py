@@ -1,28 +1,41 @@
-"""When a step is continuable (StepPlan.continuable): the worker may compute the step after it
-before its plan arrives (worker/continuation.py), because that step is, unless a token ends a
-sequence, the same decodes one position on.
+"""When a step is a decode run or continuable: the worker computes the steps after it itself,
+because each is, unless a token ends a sequence, the same decodes one position on.
 
     a sequence   decodes one sampled token in a block it owns alone (StepBuilder._emit_decode), the
-                 next position stays in that block, its spec changes with neither tokens nor
-                 positions (no penalties, no min_tokens window, no beams; structured output is
+                 next position lies in the blocks it holds, its spec changes with neither tokens
+                 nor positions (no penalties, no min_tokens window, no beams; structured output is
                  ruled out by the builder), and it has more tokens to go after this one
-    the step     every sequence so, at most MAX_CONTINUABLE_SEQS of them, no speculation, nothing
-                 waiting or swapped out, and no block operations, KV tier operations or adapter loads
+    a run step   every sequence so, at most MAX_RUN_SEQS of them when every request takes its
+                 whole answer at the end, else MAX_CONTINUABLE_SEQS; no speculation, nothing
+                 waiting or swapped out, and no block operations, KV tier operations or adapter
+                 loads
+    continuable  a run step of at most MAX_CONTINUABLE_SEQS sequences
 
-A continuable step is a decode run (StepPlan.num_steps > 1) on a single-rank worker: the worker
-computes its steps in a row, each one position on, so the scheduler plans, sends and receives one
-plan for up to MAX_RUN_STEPS tokens of each sequence instead of one per token. When the run's
-requests all take their whole answer at the end (Request.hold_output: nobody reads their tokens
-one by one), the worker answers every step in one result, applied once. When some read tokens as
-they come (StepPlan.streams_steps), it sends each step's result as soon as it is computed and the
-scheduler applies it and hands its tokens out at once, then a result that ends the run: a token
-leaves the worker when it would without runs, and the scheduler and the worker skip the plan of
-every step but the first (the scheduler's step turned around on the same cores as the forward).
-A run stays inside the blocks the plan gives (each sequence's last one) and short of every
-sequence's last token (run_length). A continuable plan names the tokens that may end its
+A run step is a decode run (StepPlan.num_steps > 1) on a single-rank worker: the worker computes
+its steps in a row, each one position on, so the scheduler plans, sends and receives one plan for
+up to MAX_RUN_STEPS tokens of each sequence instead of one per token, and the worker does not wait
+for a plan between them. When the run's requests all take their whole answer at the end
+(Request.hold_output: nobody reads their tokens one by one), the worker answers every step in one
+result, applied once. When some read tokens as they come (StepPlan.streams_steps), it sends each
+step's result as soon as it is computed and the scheduler applies it and hands its tokens out at
+once, then a result that ends the run: a token leaves the worker when it would without runs, and
+the scheduler and the worker skip the plan of every step but the first (the scheduler's step
+turned around on the same cores as the forward). A run stays inside the blocks the plan gives and
+short of every sequence's last token (run_length). A run step names the tokens that may end its
 sequences (StepPlan.end_token_ids: EOS unless ignored, stop tokens); the worker ends a run after a
-step that sampled one and computes nothing ahead of it, and the scheduler plans whatever follows
-(a sequence the token did not end goes on in the next plan).
+step that sampled one, and the scheduler plans whatever follows (a sequence the token did not end
+goes on in the next plan).
+
+A continuable plan (StepPlan.continuable) also lets the worker compute, before the next plan
+arrives, the step after its last one (worker/continuation.py): used when the plan confirms it, a
+whole forward the next plan waits for when it does not.
+
+Blocks ahead: a predictable decode whose held blocks leave its run fewer than MAX_RUN_STEPS
+positions, and fewer than its answer has to go, gets its next block in the same plan
+(wants_block_ahead), when nothing waits and the pool keeps a free block for every running group
+besides. Runs then cross block boundaries instead of ending at each sequence's block end (with
+32 sequences one crosses nearly every step). The block is the sequence's alone and is used within
+MAX_RUN_STEPS steps, or freed with the sequence.
 """
 
 from __future__ import annotations
@@ -42,6 +55,16 @@ if TYPE_CHECKING:
 # at one stream of SmolLM2 the gain is about a fifth of the step, at eight the misses cost more.
 MAX_CONTINUABLE_SEQS = 4
 
+# At most this many sequences in a decode run whose requests all take their whole answer at the
+# end: the rows of the worker's native decode step (worker/decode_run.py). Such a run wastes
+# nothing when the batch changes (an arrival ends it after its current step, a stop token after
+# the step that sampled it), so it is not bound by the misses that bound a step computed ahead. A
+# run that streams its steps keeps to MAX_CONTINUABLE_SEQS: the scheduler and the frontend then
+# handle each step's tokens while the worker computes the next, on the same cores, and at 32
+# streams on a 2-core Zen 4 the forward slowed by more than the plans saved (streamed tokens/s
+# 0.93-1.01x in three pairs, bench/real_model.py).
+MAX_RUN_SEQS = 32
+
 # At most this many steps in a decode run: the scheduler's cost per token falls as 1 / steps. A
 # request that arrives (or is cancelled) during a run ends it after its current step (EndRun,
 # scheduler/worker_link.py), so its prefill waits for one step, as it would without runs; the cap
@@ -53,25 +76,50 @@ def is_predictable_decode(group: SequenceGroup, seq: Sequence, spec: SampleSpec,
                           block_size: int) -> bool:
     """Whether the step after this decode is, unless the token ends the sequence, the same decode
     one position on (module doc); the caller has checked that the sequence owns its block alone."""
-    return (next_position % block_size != 0 and group.is_sample_spec_static
-            and not spec.num_beam_candidates and not spec.suppress_token_ids and not spec.output_token_ids
+    return (next_position < len(seq.block_table) * block_size and has_static_decode_spec(group, spec)
             and len(seq.token_ids) + 1 - seq.num_prompt_tokens < group.max_output_tokens)
 
 
+def has_static_decode_spec(group: SequenceGroup, spec: SampleSpec) -> bool:
+    """Whether the sequence's spec changes with neither tokens nor positions (module doc)."""
+    return (group.is_sample_spec_static and not spec.num_beam_candidates and not spec.suppress_token_ids
+            and not spec.output_token_ids)
+
+
+def wants_block_ahead(group: SequenceGroup, seq: Sequence, position: int, block_size: int) -> bool:
+    """Whether a decode at `position` would make a longer run with its next block (module doc): it
+    holds none beyond the block of `position`, which leaves fewer than MAX_RUN_STEPS positions from
+    this one and fewer than the tokens its answer has to go before its last one."""
+    num_held = len(seq.block_table) * block_size - position
+    return (len(seq.block_table) == position // block_size + 1  # none held ahead yet
+            and num_held < MAX_RUN_STEPS and num_held < _num_run_tokens_left(group, seq))
+
+
+def _num_run_tokens_left(group: SequenceGroup, seq: Sequence) -> int:
+    """Steps a run may give the sequence before its answer's last token (run_length)."""
+    return group.max_output_tokens - (len(seq.token_ids) - seq.num_prompt_tokens) - 1
+
+
 def run_length(group: SequenceGroup, seq: Sequence, position: int, block_size: int) -> int:
-    """How many steps a decode run may give a predictable decode at position: to the end of its
-    block, and up to the token before the last one max_tokens leaves. The last token is planned
-    alone, in a step that is not continuable (its next would be past the answer): a run that took
+    """How many steps a decode run may give a predictable decode at position: to the end of the
+    blocks it holds, and up to the token before the last one max_tokens leaves. The last token is
+    planned alone, in a step that is not a run (its next would be past the answer): a run that took
     it would leave the worker computing, ahead, a step past the end, which a new request's prefill
     would then wait for. The worker computes that last step ahead instead, while the scheduler
     applies the run."""
-    return min(MAX_RUN_STEPS, block_size - position % block_size,
-               group.max_output_tokens - (len(seq.token_ids) - seq.num_prompt_tokens) - 1)
+    return min(MAX_RUN_STEPS, len(seq.block_table) * block_size - position, _num_run_tokens_left(group, seq))
 
 
-def is_continuable_step(scheduler: Scheduler, num_scheduled: int, num_predictable: int, speculates: bool,
-                        has_operations: bool) -> bool:
-    """Whether a step of num_scheduled sequences, num_predictable of them predictable decodes, is
-    continuable (module doc); has_operations: block copies or swaps, tier operations, adapter loads."""
-    return (0 < num_scheduled == num_predictable <= MAX_CONTINUABLE_SEQS and not speculates
+def is_run_step(scheduler: Scheduler, num_scheduled: int, num_predictable: int, speculates: bool,
+                has_operations: bool, streams: bool) -> bool:
+    """Whether a step of num_scheduled sequences, num_predictable of them predictable decodes, is a
+    decode run's first step (module doc); has_operations: block copies or swaps, tier operations,
+    adapter loads; streams: a request reads its tokens as they come."""
+    limit = MAX_CONTINUABLE_SEQS if streams else MAX_RUN_SEQS
+    return (0 < num_scheduled == num_predictable <= limit and not speculates
             and not scheduler.waiting and not scheduler.swapped and not has_operations)
+
+
+def is_continuable_step(num_scheduled: int, is_run: bool) -> bool:
+    """Whether a run step is also continuable: the worker may compute the step after it ahead."""
+    return is_run and num_scheduled <= MAX_CONTINUABLE_SEQS

@@ -81,9 +81,13 @@ def check_scheduler_invariants(scheduler: Scheduler) -> None:
                     raise InvariantError(f"sequence {seq.seq_id} is finished but still live")
                 if status is GroupStatus.WAITING and (seq.block_table or seq.num_computed_tokens):
                     raise InvariantError(f"waiting sequence {seq.seq_id} holds blocks")
-                if len(seq.block_table) != -(-seq.num_computed_tokens // size):
+                num_needed = -(-seq.num_computed_tokens // size)
+                num_ahead = len(seq.block_table) - num_needed  # a block held ahead (continuable.py)
+                if not 0 <= num_ahead <= 1 or (num_ahead and (len(group.seqs) > 1 or not seq.num_computed_tokens)):
                     raise InvariantError(f"sequence {seq.seq_id}: {len(seq.block_table)} blocks for "
                                          f"{seq.num_computed_tokens} computed tokens")
+                if num_ahead and status is GroupStatus.RUNNING and manager.gpu_pool.ref_counts[seq.block_table[-1]] != 1:
+                    raise InvariantError(f"sequence {seq.seq_id}: the block it holds ahead is shared")
                 if seq.num_computed_tokens > len(seq.token_ids) - (0 if is_in_flight else 1):
                     raise InvariantError(f"sequence {seq.seq_id}: {seq.num_computed_tokens} of "
                                          f"{len(seq.token_ids)} tokens computed")

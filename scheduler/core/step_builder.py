@@ -56,7 +56,10 @@ from bisect import insort
 from typing import TYPE_CHECKING
 
 from pagedserve.scheduler.core.priority_passes import PriorityPasses
-from pagedserve.scheduler.core.continuable import MAX_RUN_STEPS, is_continuable_step, is_predictable_decode, run_length
+from pagedserve.scheduler.core.continuable import (MAX_CONTINUABLE_SEQS, MAX_RUN_SEQS, MAX_RUN_STEPS,
+                                                   has_static_decode_spec, is_continuable_step,
+                                                   is_predictable_decode, is_run_step, run_length,
+                                                   wants_block_ahead)
 from pagedserve.scheduler.core.chunk_planning import Chunk, num_decode_tokens, plan_chunks
 from pagedserve.scheduler.core.preemption import choose_victim, preempt
 from pagedserve.scheduler.core.scheduled_step import ScheduledStep
@@ -96,8 +99,8 @@ class StepBuilder(PriorityPasses):
         self.num_preemptions = 0
         self.num_priority_preemptions = 0  # of num_preemptions, those made for a higher priority
         self.adapter_slots = StepAdapterSlots(scheduler.lora_slots)
-        self.num_continuable = 0  # scheduled decodes whose next step the worker may compute ahead
-        self.num_run_steps = MAX_RUN_STEPS  # the longest decode run every continuable decode allows
+        self.num_continuable = 0  # scheduled decodes whose next step the worker may compute itself
+        self.num_run_steps = MAX_RUN_STEPS  # the longest decode run every such decode allows
         self.streams_steps = False  # a continuable decode's request reads tokens as they come
         self.speculates = False  # proposals may come in any step: the next step is not predictable
 
@@ -126,17 +129,19 @@ class StepBuilder(PriorityPasses):
         lora_loads = self.adapter_slots.take_loads()
         if not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or tier_ops or lora_loads):
             return None
-        continuable = is_continuable_step(
+        is_run = is_run_step(
             self.scheduler, len(self.scheduled), self.num_continuable, self.speculates,
-            bool(self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy or tier_ops or lora_loads))
-        num_steps = self.num_run_steps if continuable and self.scheduler.config.num_kv_ranks == 1 else 1
+            bool(self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy or tier_ops or lora_loads),
+            self.streams_steps)
+        continuable = is_continuable_step(len(self.scheduled), is_run)
+        num_steps = self.num_run_steps if is_run and self.scheduler.config.num_kv_ranks == 1 else 1
         plan = StepPlan(step_id=step_id, seqs=self.scheduled, blocks_to_swap_out=self.blocks_to_swap_out,
                         blocks_to_swap_in=self.blocks_to_swap_in, blocks_to_copy=self.blocks_to_copy,
                         epoch=epoch, drafts_from_worker=self.drafts_from_worker, tier_ops=tier_ops,
                         masks_follow=bool(self.pending_masks), lora_loads=lora_loads, continuable=continuable,
                         num_steps=num_steps, streams_steps=num_steps > 1 and self.streams_steps,
                         end_token_ids=sorted(set().union(*(group.stop_token_ids for group in self.groups)))
-                        if continuable else [])
+                        if is_run else [])
         return ScheduledStep(plan=plan, sampled=self.sampled, groups=self.groups,
                              num_prefill_tokens=self.num_prefill_tokens,
                              num_decode_tokens=self.num_decode_tokens, num_preemptions=self.num_preemptions,
@@ -165,13 +170,13 @@ class StepBuilder(PriorityPasses):
                 seq = seqs[0]  # fast path: one sequence decoding in place, the common case
                 computed = seq.num_computed_tokens
                 if len(seq.token_ids) - computed == 1 and self.num_tokens_left > num_reserved:
-                    if computed % size == 0:
+                    if computed // size == len(seq.block_table):  # its slot starts a block not held yet
                         if gpu.num_available:
                             seq.block_table.append(gpu.allocate())
                             self._emit_decode(group, seq)
                             index += 1
                             continue
-                    elif gpu.ref_counts[seq.block_table[-1]] == 1:
+                    elif gpu.ref_counts[seq.block_table[computed // size]] == 1:  # or a block held ahead
                         self._emit_decode(group, seq)
                         index += 1
                         continue
@@ -204,22 +209,36 @@ class StepBuilder(PriorityPasses):
         if spec is None or not group.is_sample_spec_static:
             spec = sample_spec_for(group, seq)
         self.sampled.append((group, seq))
+        size = self.block_manager.block_size
+        if seq.matcher is None:
+            self._take_block_ahead(group, seq, spec, computed)
         scheduled = ScheduledSeq(seq.seq_id, seq.token_ids[-1:], computed, seq.block_table[:], spec,
                                  lora_slot=self.adapter_slots.slot_of(group))
         if seq.matcher is not None:
             self._masks(scheduled, seq)
-        elif is_predictable_decode(group, seq, spec, computed + 1, self.block_manager.block_size):
+        elif is_predictable_decode(group, seq, spec, computed + 1, size):
             self.num_continuable += 1
-            self.num_run_steps = min(self.num_run_steps, run_length(group, seq, computed,
-                                                                    self.block_manager.block_size))
+            self.num_run_steps = min(self.num_run_steps, run_length(group, seq, computed, size))
             self.streams_steps |= not group.request.hold_output
         self.scheduled.append(scheduled)
-        if (computed + 1) % self.block_manager.block_size == 0:
+        if (computed + 1) % size == 0:
             self.emitted.append((group, seq))  # its last block is full now: register it
         self.groups.append(group)
         self.num_decode_tokens += 1
         self.num_tokens_left -= 1
         self.num_seqs_left -= 1
+
+    def _take_block_ahead(self, group: SequenceGroup, seq: Sequence, spec, position: int) -> None:
+        """The sequence's next block in this plan, when a decode run would go further with it and
+        nothing waits for the pool (continuable.py: blocks ahead)."""
+        gpu = self.block_manager.gpu_pool
+        if (self.scheduler.config.num_kv_ranks == 1  # several ranks have no runs
+                and not self.speculates and not self.scheduler.waiting and not self.scheduler.swapped
+                and len(self.scheduler.running) <= (MAX_RUN_SEQS if group.request.hold_output else MAX_CONTINUABLE_SEQS)
+                and has_static_decode_spec(group, spec)
+                and wants_block_ahead(group, seq, position, self.block_manager.block_size)
+                and gpu.num_available > len(self.scheduler.running)):
+            seq.block_table.append(gpu.allocate())
 
     def _masks(self, scheduled: ScheduledSeq, seq: Sequence) -> None:
         """The bitmask rows of a constrained sampling sequence: now, or after the plan is sent."""

@@ -58,8 +58,8 @@ class BlockManager:
         for seq, num_new_tokens in chunks:
             table = seq.block_table
             computed = seq.num_computed_tokens
-            if computed % size and refs[table[-1]] > 1:
-                writers[table[-1]] = writers.get(table[-1], 0) + 1
+            if computed % size and refs[partial := table[computed // size]] > 1:
+                writers[partial] = writers.get(partial, 0) + 1
             num_needed += max(0, -(-(computed + num_new_tokens) // size) - len(table))
         for block, num_writers in writers.items():
             num_needed += num_writers if refs[block] > num_writers else num_writers - 1
@@ -67,18 +67,21 @@ class BlockManager:
 
     # -- GPU table operations ---------------------------------------------------------------
     def append_slots(self, seq: Sequence, num_new_tokens: int, blocks_to_copy: list[tuple[int, int]]) -> None:
-        """Makes seq's table cover num_computed_tokens + num_new_tokens slots on the GPU."""
+        """Makes seq's table cover num_computed_tokens + num_new_tokens slots on the GPU (the block
+        its next slot is in, when shared, copied first; a table may hold a block ahead of that one:
+        scheduler/core/continuable.py)."""
         pool = self.gpu_pool
         size = self.block_size
         table = seq.block_table
         computed = seq.num_computed_tokens
         if computed % size:
-            last = table[-1]
-            if pool.ref_counts[last] > 1:
+            index = computed // size
+            partial = table[index]
+            if pool.ref_counts[partial] > 1:
                 copy = pool.allocate()
-                blocks_to_copy.append((last, copy))
-                pool.release(last)
-                table[-1] = copy
+                blocks_to_copy.append((partial, copy))
+                pool.release(partial)
+                table[index] = copy
         num_missing = -(-(computed + num_new_tokens) // size) - len(table)
         for _ in range(num_missing):
             table.append(pool.allocate())

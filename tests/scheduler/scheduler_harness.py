@@ -34,11 +34,12 @@ class RequestSpec:
     finish_index: int = 0
     priority: int = 0  # lower first under scheduling_policy="priority"
     adapter: AdapterRef | None = None  # a LoRA adapter (None: the base model)
+    hold_output: bool = False  # the whole answer at the end (decode runs of up to 32 sequences)
 
     def request(self) -> Request:
         return Request(request_id=self.request_id, prompt_token_ids=list(self.prompt_token_ids),
                        sampling=self.sampling, eos_token_ids=[EOS_TOKEN_ID], priority=self.priority,
-                       adapter=self.adapter)
+                       adapter=self.adapter, hold_output=self.hold_output)
 
 
 @dataclass

@@ -1,9 +1,14 @@
-"""StepPlan.continuable: set exactly when the worker may compute the next step ahead
-(worker/continuation.py): every sequence decodes one sampled token in a block it owns alone with
-room for the next position, under a spec its tokens do not change, with more tokens to go, and
-nothing waits or is swapped out."""
+"""StepPlan.continuable and decode runs (scheduler/core/continuable.py): a plan is a run
+(num_steps > 1) exactly when every sequence, at most MAX_RUN_SEQS, decodes one sampled token in a
+block it owns alone with room for the next position in the blocks it holds, under a spec its
+tokens do not change, with more tokens to go, and nothing waits or is swapped out; continuable
+(the worker may compute the next step ahead, worker/continuation.py) when it is also at most
+MAX_CONTINUABLE_SEQS. A decode near its block's end takes its next block in the same plan (a
+block ahead) when nothing waits and the pool can spare it, so runs cross block boundaries."""
 
 from __future__ import annotations
+
+import dataclasses
 
 from pagedserve.contracts.request_types import Request
 from pagedserve.contracts.sampling_params import SamplingParams
@@ -14,8 +19,8 @@ from pagedserve.scheduler.core.scheduler import Scheduler
 BLOCK_SIZE = 4
 
 
-def _scheduler(max_num_seqs: int = 4, **config) -> Scheduler:
-    return Scheduler(SchedulerConfig(num_gpu_blocks=64, max_model_len=256, block_size=BLOCK_SIZE,
+def _scheduler(max_num_seqs: int = 4, num_gpu_blocks: int = 64, **config) -> Scheduler:
+    return Scheduler(SchedulerConfig(num_gpu_blocks=num_gpu_blocks, max_model_len=256, block_size=BLOCK_SIZE,
                                      max_num_seqs=max_num_seqs, max_num_batched_tokens=256, **config))
 
 
@@ -25,8 +30,10 @@ def _request(request_id: str, prompt_len: int = 6, **sampling) -> Request:
 
 
 def _run(scheduler: Scheduler, num_steps: int, add_at: dict[int, Request] | None = None,
-         distinct_tokens: bool = False) -> list[tuple[bool, list]]:
-    """(continuable, [(seq_id, position of its first new token, number of new tokens)]) per step."""
+         distinct_tokens: bool = False, plans: list | None = None) -> list[tuple[bool, list]]:
+    """(continuable, [(seq_id, position of its first new token, number of new tokens)]) per step;
+    each step answered as one step (a run's worker may stop after any of its steps); the plans
+    appended to `plans`."""
     steps = []
     for index in range(num_steps):
         if add_at and index in add_at:
@@ -35,6 +42,9 @@ def _run(scheduler: Scheduler, num_steps: int, add_at: dict[int, Request] | None
         if step is None:
             break
         plan = step.plan
+        if plans is not None:
+            plans.append(plan)
+        scheduler.check_invariants()
         steps.append((plan.continuable, [(seq.seq_id, seq.start_position, len(seq.token_ids)) for seq in plan.seqs]))
         scheduler.process_result(step, StepResult(step_id=plan.step_id, epoch=plan.epoch, samples=[
             SeqSample(seq.seq_id, 200 + index if distinct_tokens else 7, -0.1)
@@ -42,15 +52,42 @@ def _run(scheduler: Scheduler, num_steps: int, add_at: dict[int, Request] | None
     return steps
 
 
-def test_a_lone_decode_is_continuable_but_before_a_new_block_and_its_last_token():
+def test_a_lone_decode_is_continuable_to_its_last_token_with_its_next_block_ahead():
     scheduler = _scheduler()
     scheduler.add_request(_request("a", prompt_len=6))  # 10 outputs: decodes at positions 6 .. 14
-    steps = _run(scheduler, 20)
+    plans = []
+    steps = _run(scheduler, 20, plans=plans)
     assert steps[0] == (False, [(steps[0][1][0][0], 0, 6)])  # the prefill
     decodes = {seqs[0][1]: continuable for continuable, seqs in steps[1:]}
     assert sorted(decodes) == list(range(6, 15))
-    # the next position 8 or 12 starts a block; after position 14 the tenth output ends the request
-    assert [position for position, continuable in decodes.items() if not continuable] == [7, 11, 14]
+    # after position 14 the tenth output ends the request; before, the next position is always in
+    # a block the plan gives (positions 8 and 12 start blocks taken one plan or more ahead)
+    assert [position for position, continuable in decodes.items() if not continuable] == [14]
+    for plan in plans[1:-1]:
+        (seq,) = plan.seqs
+        assert len(seq.block_table) * BLOCK_SIZE > seq.start_position + 1
+        # a run to the end of its blocks, short of the answer's last token
+        assert plan.num_steps == min(len(seq.block_table) * BLOCK_SIZE - seq.start_position, 14 - seq.start_position)
+    assert plans[-1].num_steps == 1
+    assert len(set(plans[-1].seqs[0].block_table)) == 4  # positions 0 .. 14: no block beyond
+
+
+def test_no_block_ahead_while_a_request_waits_or_the_pool_is_short():
+    # b cannot run beside a (max_num_seqs=1): a's plans take no block ahead, and stop being runs
+    scheduler = _scheduler(max_num_seqs=1)
+    scheduler.add_request(_request("a", prompt_len=3, max_tokens=12))
+    plans = []
+    _run(scheduler, 3, add_at={1: _request("b", prompt_len=3)}, plans=plans)
+    assert [len(plan.seqs[0].block_table) for plan in plans] == [1, 1, 2]  # positions 0-2, 3, then 4 in a new block
+    assert [plan.num_steps for plan in plans] == [1, 1, 1]
+    # five blocks: a holds one, b another; a block ahead would leave no free block per running group
+    scheduler = _scheduler(num_gpu_blocks=4)
+    for name in ("a", "b"):
+        scheduler.add_request(_request(name, prompt_len=3, max_tokens=12))
+    plans = []
+    _run(scheduler, 2, plans=plans)
+    assert all(len(seq.block_table) == 1 for seq in plans[1].seqs)  # both at position 3: no block ahead
+    assert plans[1].num_steps == 1 and not plans[1].continuable  # the next position starts a block
 
 
 def test_not_continuable_while_a_request_waits():
@@ -68,24 +105,36 @@ def test_not_continuable_with_penalties_min_tokens_beams_or_several_completions(
         assert not any(continuable for continuable, _ in _run(scheduler, 6)), sampling
 
 
-def test_a_batch_is_continuable_only_when_every_sequence_is():
+def test_a_batch_is_a_run_only_when_every_sequence_is():
     scheduler = _scheduler()
     scheduler.add_request(_request("a", prompt_len=5))
-    scheduler.add_request(_request("b", prompt_len=7))
-    steps = _run(scheduler, 6)[1:]  # after the prefills, a decodes at 5, 6, 7, ... and b at 7, 8, 9, ...
-    flags = {seqs[1][1]: continuable for continuable, seqs in steps if len(seqs) == 2}
-    # b at 7 and a at 7 (the step where b is at 9) are followed by a new block
-    assert [flags[position] for position in (7, 8, 9, 10)] == [False, True, False, True]
+    scheduler.add_request(_request("b", prompt_len=7, presence_penalty=0.5))  # its spec changes with its tokens
+    plans = []
+    _run(scheduler, 6, plans=plans)
+    assert all(plan.num_steps == 1 and not plan.continuable for plan in plans if len(plan.seqs) == 2)
+    assert sum(len(plan.seqs) == 2 for plan in plans) >= 4
 
 
-def test_not_continuable_above_the_batch_limit():
-    from pagedserve.scheduler.core.continuable import MAX_CONTINUABLE_SEQS
+def test_runs_of_more_sequences_than_a_step_computed_ahead_only_for_whole_answers_and_not_above_the_limit():
+    from pagedserve.scheduler.core.continuable import MAX_CONTINUABLE_SEQS, MAX_RUN_SEQS
 
-    scheduler = _scheduler(max_num_seqs=8)
-    for index in range(MAX_CONTINUABLE_SEQS + 1):
-        scheduler.add_request(_request(f"r{index}", prompt_len=5))
-    steps = _run(scheduler, 3)
-    assert len(steps[1][1]) == MAX_CONTINUABLE_SEQS + 1 and not any(continuable for continuable, _ in steps)
+    cases = ((MAX_CONTINUABLE_SEQS + 1, True, True), (MAX_RUN_SEQS, True, True), (MAX_RUN_SEQS + 1, True, False),
+             (MAX_CONTINUABLE_SEQS, False, True), (MAX_CONTINUABLE_SEQS + 1, False, False))
+    for num_requests, hold, is_run in cases:  # hold: every request takes its whole answer at the end
+        scheduler = _scheduler(max_num_seqs=MAX_RUN_SEQS + 1, num_gpu_blocks=4 * (MAX_RUN_SEQS + 1) + 8)
+        for index in range(num_requests):
+            scheduler.add_request(dataclasses.replace(_request(f"r{index}", prompt_len=5), hold_output=hold))
+        plans = []
+        steps = _run(scheduler, 4, plans=plans)
+        decodes = [plan for plan in plans if len(plan.seqs) == num_requests and all(
+            len(seq.token_ids) == 1 for seq in plan.seqs)]
+        assert len(decodes) == 3, num_requests
+        assert all(continuable == (is_run and num_requests <= MAX_CONTINUABLE_SEQS) for continuable, _ in steps[1:])
+        assert all((plan.num_steps > 1) == is_run for plan in decodes), (num_requests, hold)
+        # at positions 5, 6, 7 each sequence of a run holds a block ahead: runs to position 11
+        assert [plan.num_steps for plan in decodes] == ([7, 6, 5] if is_run else [1, 1, 1])
+        assert all(len(seq.block_table) == (3 if is_run else 2) for plan in decodes for seq in plan.seqs)
+        assert all(plan.end_token_ids == [] for plan in decodes)  # EOS ignored
 
 
 def test_not_continuable_while_speculating():

@@ -1,5 +1,6 @@
-"""Decode runs (StepPlan.num_steps > 1, scheduler/core/continuable.py): a continuable plan asks a
-single-rank worker for several steps at once, within each sequence's last block and max_tokens,
+"""Decode runs (StepPlan.num_steps > 1, scheduler/core/continuable.py): a run plan asks a
+single-rank worker for several steps at once, within the blocks each sequence holds (its next one
+taken ahead near a block's end) and max_tokens,
 answered in one result when every request takes its whole answer at the end, else each step as it
 comes (StepPlan.streams_steps) and then a result that ends the run. Applied, a run gives the same
 tokens, finish reasons, log probabilities and cached blocks as the same steps planned one by one
@@ -112,23 +113,25 @@ def _joined(outputs) -> tuple:
             deltas[-1].cumulative_logprob, deltas[-1].finish_reason, outputs[-1].is_finished)
 
 
-def test_a_request_runs_to_its_block_end_and_the_token_before_its_last_with_the_same_tokens():
+def test_a_request_runs_across_its_block_ends_to_the_token_before_its_last_with_the_same_tokens():
     prompt = [5, 6, 7, 8, 9, 11]  # decodes at positions 6 .. 14 for 10 outputs
     held, plans, held_cached = _serve([_request("a", prompt, hold=True)])
     streamed, streamed_plans, streamed_cached = _serve([_request("a", prompt, hold=False)])
     plain, plain_plans, plain_cached = _one_by_one([_request("a", prompt, hold=False)])
     assert _joined(held["a"]) == _joined(streamed["a"]) == _joined(plain["a"])
     assert _joined(held["a"])[3] is FinishReason.LENGTH and len(_joined(held["a"])[0]) == 10
-    # the prefill, then runs to each block's end (positions 6-7, 8-11) and to the token before the
-    # last (12-13); the last token alone, in a plan whose next step the worker must not compute
-    shapes = [(0, 1), (6, 2), (8, 4), (12, 2), (14, 1)]
+    # the prefill, then a run over positions 6-11 (the block of 8-11 taken ahead with the plan at
+    # 6) and one to the token before the last (12-13); the last token alone, in a plan whose next
+    # step the worker must not compute
+    shapes = [(0, 1), (6, 6), (12, 2), (14, 1)]
     assert [(plan.seqs[0].start_position, plan.num_steps) for plan in plans] == shapes
     assert [(plan.seqs[0].start_position, plan.num_steps) for plan in streamed_plans] == shapes
-    assert [plan.continuable for plan in plans[1:]] == [True, True, True, False]
+    assert [len(plan.seqs[0].block_table) for plan in plans] == [2, 3, 4, 4]
+    assert [plan.continuable for plan in plans[1:]] == [True, True, False]
     assert not any(plan.streams_steps for plan in plans)
-    assert [plan.streams_steps for plan in streamed_plans] == [False, True, True, True, False]
+    assert [plan.streams_steps for plan in streamed_plans] == [False, True, True, False]
     # held: one output per run; streamed: one per token, as each step comes
-    assert [len(output.deltas[0].token_ids) for output in held["a"]] == [1, 2, 4, 2, 1]
+    assert [len(output.deltas[0].token_ids) for output in held["a"]] == [1, 6, 2, 1]
     assert [len(output.deltas[0].token_ids) for output in streamed["a"]] == [1] * 10
     assert len(plain_plans) == 10 and all(plan.num_steps == 1 for plan in plain_plans)
     assert held_cached == streamed_cached == plain_cached == 3  # blocks filled in runs are registered
@@ -141,20 +144,21 @@ def test_a_continuable_plan_names_the_tokens_that_may_end_its_sequences(ignore_e
     a plan that is not continuable (the prefill) names none."""
     _, plans, _ = _serve([_request("a", [5, 6, 7, 8, 9, 11], hold=True, ignore_eos=ignore_eos,
                                    stop_token_ids=stop_token_ids)])
-    assert [plan.end_token_ids for plan in plans if plan.continuable] == [expected] * 3
+    assert [plan.end_token_ids for plan in plans if plan.continuable] == [expected] * 2
     assert plans[0].end_token_ids == [] and not plans[0].continuable
 
 
 def test_a_run_ends_after_a_step_that_sampled_an_end_token_and_the_answer_is_the_same():
-    """The run from position 8 is asked for 4 steps; EOS at 9 ends it after 2 (worker side), and
-    the answer equals the one planned step by step."""
+    """The run from position 6 is asked for 6 steps; EOS sampled at 8 (the token at 9) ends it after
+    3 (worker side), and the answer equals the one planned step by step."""
     prompt = [5, 6, 7, 8, 9, 11]
     held, plans, _ = _serve([_request("a", prompt, hold=True, ignore_eos=False)], eos_at=9)
     streamed, streamed_plans, _ = _serve([_request("a", prompt, hold=False, ignore_eos=False)], eos_at=9)
     plain, _, _ = _one_by_one([_request("a", prompt, hold=False, ignore_eos=False)], eos_at=9)
     assert _joined(held["a"]) == _joined(streamed["a"]) == _joined(plain["a"])
-    assert [(plan.seqs[0].start_position, plan.num_steps) for plan in plans] == [(0, 1), (6, 2), (8, 4)]
-    assert [(plan.seqs[0].start_position, plan.num_steps) for plan in streamed_plans] == [(0, 1), (6, 2), (8, 4)]
+    assert [(plan.seqs[0].start_position, plan.num_steps) for plan in plans] == [(0, 1), (6, 6)]
+    assert [(plan.seqs[0].start_position, plan.num_steps) for plan in streamed_plans] == [(0, 1), (6, 6)]
+    assert len(_joined(held["a"])[0]) == 4
 
 
 def test_a_run_never_exceeds_the_step_limit():
@@ -208,16 +212,16 @@ def test_no_runs_with_several_ranks_and_a_result_that_does_not_fit_its_run_is_re
     tokens = {step.plan.seqs[0].seq_id: [5, 6, 7, 8]}
     scheduler.process_result(step, _worker(step.plan, tokens, None))
     step = scheduler.schedule()
-    assert step.plan.num_steps == 4
+    assert step.plan.num_steps == 8  # positions 4-11: the block of 8-11 taken ahead
     result = _worker(step.plan, {step.plan.seqs[0].seq_id: [5, 6, 7, 8, 10]}, None)
-    too_many = dataclasses.replace(result, samples=result.samples + result.samples[-1:], num_steps=5)
+    too_many = dataclasses.replace(result, samples=result.samples + result.samples[-1:], num_steps=9)
     with pytest.raises(StepOrderError):
         scheduler.process_result(step, too_many)
 
 
 def _run_in_flight(hold: bool = False):
-    """A scheduler whose step in flight is a 4-step run of request "a" (streamed unless held), with its
-    worker result."""
+    """A scheduler whose step in flight is an 8-step run of request "a" (positions 4-11, streamed
+    unless held), with its worker result."""
     prompt = [5, 6, 7, 8]
     scheduler = _scheduler()
     scheduler.add_request(_request("a", prompt, hold=hold))
@@ -225,7 +229,7 @@ def _run_in_flight(hold: bool = False):
     seq_id = step.plan.seqs[0].seq_id
     scheduler.process_result(step, _worker(step.plan, {seq_id: prompt}, None))
     step = scheduler.schedule()
-    assert step.plan.num_steps == 4 and step.plan.streams_steps is not hold
+    assert step.plan.num_steps == 8 and step.plan.streams_steps is not hold
     return scheduler, step, _worker(step.plan, {seq_id: list(scheduler.group_of("a").seqs[0].token_ids)}, None)
 
 
@@ -236,12 +240,12 @@ def test_a_shorter_run_than_planned_is_applied_as_far_as_it_went():
     assert len(output.deltas) == 1 and len(output.deltas[0].token_ids) == 2 and step.num_decode_tokens == 2
     scheduler.check_invariants()
     following = scheduler.schedule().plan
-    assert (following.seqs[0].start_position, following.num_steps) == (6, 2)
+    assert (following.seqs[0].start_position, following.num_steps) == (6, 6)  # to the block held ahead's end
 
 
 def test_streamed_steps_out_of_order_or_a_wrong_end_are_refused():
     scheduler, step, result = _run_in_flight()
-    first, second, third, fourth, end = _streamed(result, 1)
+    first, second, *_, end = _streamed(result, 1)
     with pytest.raises(StepOrderError):
         scheduler.process_run_step(step, second)  # before the first
     scheduler, step, result = _run_in_flight()
@@ -252,7 +256,7 @@ def test_streamed_steps_out_of_order_or_a_wrong_end_are_refused():
     for streamed_step in (first, second):
         scheduler.process_run_step(step, streamed_step)
     with pytest.raises(StepOrderError):
-        scheduler.process_result(step, end)  # ends a run of 4 after 2 streamed steps
+        scheduler.process_result(step, end)  # ends a run of 8 after 2 streamed steps
     scheduler, step, result = _run_in_flight(hold=True)
     with pytest.raises(StepOrderError):
         scheduler.process_run_step(step, first)  # the plan does not stream its steps

@@ -1,6 +1,7 @@
 """Randomized workloads: invariants after every step, no leaks, every request ends, and under
 memory pressure (tiny pools, every preemption mode, chunking, prefix caching on and off, aborts,
-stop strings, worker restarts) the tokens equal those of a run with a huge pool, a huge budget and another block
+stop strings, worker restarts, requests streamed or held to the end, so blocks taken ahead for
+decode runs) the tokens equal those of a run with a huge pool, a huge budget and another block
 size: the fake worker's tokens depend only on the KV it reads, so they are an oracle."""
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def _workload(draw, is_crowded: bool = False) -> tuple[SchedulerConfig, list[Req
             prompt_token_ids=prefix + draw(st.lists(_TOKENS, min_size=1, max_size=20)),
             sampling=sampling,
             arrival_step=draw(st.integers(0, 2 if is_crowded else 5)),
+            hold_output=draw(st.booleans()),  # runs (blocks ahead) of more sequences when every one holds
         )
         if draw(st.integers(0, 5)) == 0:
             spec.abort_step = spec.arrival_step + draw(st.integers(0, 12))

@@ -200,6 +200,23 @@ def test_nothing_is_derived_after_a_token_that_may_end_a_sequence():
     assert (result.num_steps, steps) == (3, [6, 7])
 
 
+def test_a_run_that_is_not_continuable_derives_its_steps_and_nothing_ahead_after_them():
+    """A run of more sequences than a step computed ahead takes (continuable False, num_steps > 1):
+    its later steps are derived inside the run, into the blocks its plan gives (sequence 1's block
+    8 taken ahead), and the last one is not continuable, so the worker computes nothing ahead."""
+    run = _decode_plan(continuable=False, num_steps=3)
+    assert next_plan(run, _result(run), 4) is None  # no step ahead of a plan that is not continuable
+    steps = []
+
+    def execute(step: StepPlan) -> StepResult:
+        steps.append([seq.start_position for seq in step.seqs])
+        return _result(step)
+
+    result, last, last_result = run_steps(_result(run), run, 4, execute, lambda: False)
+    assert (result.num_steps, steps) == (3, [[6, 10], [7, 11]])
+    assert not last.continuable and next_plan(last, last_result, 4) is None
+
+
 @pytest.mark.parametrize("change", [
     dict(step_id=9), dict(epoch=3), dict(blocks_to_copy=[(1, 2)]), dict(masks_follow=True),
     dict(seqs="token"), dict(seqs="position"), dict(seqs="blocks"), dict(seqs="spec"), dict(seqs="order"),
@@ -217,3 +234,15 @@ def test_a_plan_that_differs_in_anything_is_not_the_step_computed_ahead(change):
         edits[change.pop("seqs")]()
     arrived = dataclasses.replace(ahead, seqs=seqs, **change)
     assert not is_same_step(ahead, arrived)
+
+
+def test_a_plan_whose_table_goes_on_with_a_block_taken_ahead_is_the_step_computed_ahead():
+    """The scheduler may append a sequence's next block to its table (a block ahead) in the plan
+    after the one the worker computed ahead from: that step read and wrote none of it."""
+    plan = _decode_plan()
+    ahead = next_plan(plan, _result(plan), 4)
+    seqs = [dataclasses.replace(seq) for seq in ahead.seqs]
+    seqs[0].block_table = [*seqs[0].block_table, 11]
+    assert is_same_step(ahead, dataclasses.replace(ahead, seqs=seqs))
+    seqs[0].block_table = [3, 12]  # not the table it computed with, extended or not
+    assert not is_same_step(ahead, dataclasses.replace(ahead, seqs=seqs))
