@@ -46,7 +46,7 @@ layout, the panels for few rows), the two run back to back, in turns first, ROUN
 median of those ratios decides (`_paired_times`). On 2 MiB pages where the host gives them
 (pagedserve.huge_pages), as the worker keeps its weights. Measured as before (each candidate's
 fastest pass, on torch's 4 KiB pages), on AMD EPYC (Zen 4) the row kernel's distance came out 512
-in 16 of 30 builds and 0, 4096 or another in the rest, run to run on one host; alternated on
+in 16 of 30 builds, 0 in 12 and 1024 or 2048 in the other two, run to run on one host; alternated on
 2 MiB pages, 512 read 64.5 % of torch.sum's bandwidth over SmolLM2's 120 projections where 0 read
 74 %. A file measured another way or on other pages than the worker's now ("method",
 "weight_pages") is measured anew.
