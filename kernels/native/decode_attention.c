@@ -30,6 +30,7 @@
 
 #include "common.h"
 #include "pagedserve_cpu.h"
+#include "layer_team.h"
 
 #define MAX_GROUP_WIDTH 8192 /* query heads per kv head x head size held on the stack */
 #define MAX_GROUP 64          /* kernels/attention/native.py MAX_GROUP */
@@ -268,73 +269,112 @@ static void attend_run(const void *query, int64_t q_stride, void *out, int64_t o
     finish_run(group, hs, acc, maxes, denom, partial, out, row * out_stride + kv_head * group * hs, v_scale, dtype);
 }
 
+/* the tasks of a call (a->tasks, a->task_start, partials); 0 where an allocation failed (nothing to do) */
+int attention_prepare(struct attention_call *a) {
+    const int64_t num_seqs = a->num_seqs, num_kv_heads = a->num_kv_heads;
+    const int64_t group = a->num_heads / num_kv_heads, stride = group * a->head_size + 2 * group;
+    /* tasks: sequence i's are task_start[i] .. task_start[i + 1] - 1, run-major over its kv heads;
+     * the partials of a context of several runs from partial_start[i] runs on, per kv head */
+    a->task_start = malloc((size_t)(2 * num_seqs + 2) * sizeof(int64_t));
+    a->partials = NULL;
+    a->tasks = a->merges = a->positions = 0;
+    if (!a->task_start) return 0;
+    int64_t *task_start = a->task_start, *partial_start = task_start + num_seqs + 1;
+    a->partial_start = partial_start;
+    task_start[0] = partial_start[0] = 0;
+    for (int64_t i = 0; i < num_seqs; i++) {
+        int64_t len = a->seq_lens[a->seqs[i]];
+        int64_t first = a->sliding_window > 0 && len > a->sliding_window ? len - a->sliding_window : 0;
+        int64_t runs = num_runs(len - first);
+        task_start[i + 1] = task_start[i] + runs * num_kv_heads;
+        partial_start[i + 1] = partial_start[i] + (runs > 1 ? runs * num_kv_heads : 0);
+        a->positions += len - first;
+    }
+    a->tasks = task_start[num_seqs];
+    if (partial_start[num_seqs]) {
+        a->partials = malloc((size_t)(partial_start[num_seqs] * stride) * sizeof(float));
+        if (!a->partials) {
+            free(a->task_start);
+            a->task_start = NULL, a->tasks = 0;
+            return 0;
+        }
+        for (int64_t i = 0; i < num_seqs; i++) a->merges += partial_start[i + 1] > partial_start[i] ? num_kv_heads : 0;
+    }
+    return 1;
+}
+
+int attention_is_parallel(const struct attention_call *a) {
+    return a->tasks >= 2 && a->positions * a->num_kv_heads >= 4 * CHUNK;
+}
+
+int paged_decode_attention_is_serial(const int32_t *seq_lens, const int64_t *seqs, int64_t num_seqs,
+                                     int64_t num_kv_heads, int32_t sliding_window) {
+    struct attention_call a = {.num_kv_heads = num_kv_heads};
+    for (int64_t i = 0; i < num_seqs; i++) { /* attention_prepare's counts, without its tables */
+        int64_t len = seq_lens[seqs[i]], first = sliding_window > 0 && len > sliding_window ? len - sliding_window : 0;
+        a.tasks += num_runs(len - first) * num_kv_heads;
+        a.positions += len - first;
+    }
+    return !attention_is_parallel(&a);
+}
+
+/* the tasks, then the merges, shared by the threads of the current team (each must call it) */
+void attention_team(const struct attention_call *a) {
+    const int64_t num_seqs = a->num_seqs, num_kv_heads = a->num_kv_heads, hs = a->head_size;
+    const int64_t group = a->num_heads / num_kv_heads, kv_width = num_kv_heads * hs, stride = group * hs + 2 * group;
+    const int64_t *task_start = a->task_start, *partial_start = a->partial_start;
+    const int32_t sliding_window = a->sliding_window;
+    float *scores = malloc((size_t)(group * CHUNK) * sizeof(float));
+#pragma omp for schedule(dynamic)
+    for (int64_t task = 0; task < a->tasks; task++) {
+        if (!scores) continue;
+        int64_t lo = 0, hi = num_seqs - 1; /* the sequence whose tasks hold this one */
+        while (lo < hi) {
+            int64_t mid = (lo + hi + 1) / 2;
+            if (task_start[mid] <= task) lo = mid; else hi = mid - 1;
+        }
+        int64_t s = a->seqs[lo], local = task - task_start[lo];
+        int64_t run = local / num_kv_heads, kv_head = local % num_kv_heads;
+        int64_t len = a->seq_lens[s], first = sliding_window > 0 && len > sliding_window ? len - sliding_window : 0;
+        int64_t from = first + run * CHUNK, to = from + CHUNK < len ? from + CHUNK : len;
+        float *partial = partial_start[lo + 1] > partial_start[lo]
+                             ? a->partials + (partial_start[lo] + kv_head * num_runs(len - first) + run) * stride
+                             : NULL;
+        attend_run(a->query, a->q_stride, a->out, a->out_stride, a->key_cache, a->value_cache,
+                   a->block_tables + s * a->max_blocks, a->query_start_loc[s], from, to, group, kv_head, hs, kv_width,
+                   a->block_size, a->scale, a->v_scale, a->dtype, a->cache_dtype, scores, partial);
+    }
+    free(scores);
+    if (a->merges) {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < num_seqs; i++) {
+            int64_t count = partial_start[i + 1] - partial_start[i];
+            if (!count) continue;
+            int64_t s = a->seqs[i], runs = count / num_kv_heads;
+            for (int64_t kv_head = 0; kv_head < num_kv_heads; kv_head++)
+                merge_runs(a->partials + (partial_start[i] + kv_head * runs) * stride, runs, stride, group, hs, a->out,
+                           a->query_start_loc[s] * a->out_stride + kv_head * group * hs, a->v_scale, a->dtype);
+        }
+    }
+}
+
+void attention_release(struct attention_call *a) {
+    free(a->partials);
+    free(a->task_start);
+    a->partials = NULL, a->task_start = NULL;
+}
+
 void paged_decode_attention(const void *query, int64_t q_stride, void *out, int64_t out_stride, const void *key_cache,
                             const void *value_cache, const int32_t *block_tables, int64_t max_blocks,
                             const int32_t *seq_lens, const int32_t *query_start_loc, const int64_t *seqs,
                             int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
                             int64_t block_size, float scale, int32_t sliding_window, float v_scale, int32_t dtype,
                             int32_t cache_dtype) {
-    int64_t group = num_heads / num_kv_heads, hs = head_size, kv_width = num_kv_heads * hs;
-    int64_t stride = group * hs + 2 * group; /* one run's partial (finish_run) */
-    /* tasks: sequence i's are task_start[i] .. task_start[i + 1] - 1, run-major over its kv heads;
-     * the partials of a context of several runs from partial_start[i] runs on, per kv head */
-    int64_t *task_start = malloc((size_t)(2 * num_seqs + 2) * sizeof(int64_t));
-    if (!task_start) return;
-    int64_t *partial_start = task_start + num_seqs + 1;
-    task_start[0] = partial_start[0] = 0;
-    int64_t positions = 0;
-    for (int64_t i = 0; i < num_seqs; i++) {
-        int64_t len = seq_lens[seqs[i]], first = sliding_window > 0 && len > sliding_window ? len - sliding_window : 0;
-        int64_t runs = num_runs(len - first);
-        task_start[i + 1] = task_start[i] + runs * num_kv_heads;
-        partial_start[i + 1] = partial_start[i] + (runs > 1 ? runs * num_kv_heads : 0);
-        positions += len - first;
-    }
-    int64_t tasks = task_start[num_seqs], merges = 0;
-    float *partials = NULL;
-    if (partial_start[num_seqs]) {
-        partials = malloc((size_t)(partial_start[num_seqs] * stride) * sizeof(float));
-        if (!partials) {
-            free(task_start);
-            return;
-        }
-        for (int64_t i = 0; i < num_seqs; i++) merges += partial_start[i + 1] > partial_start[i] ? num_kv_heads : 0;
-    }
-#pragma omp parallel if (tasks >= 2 && positions * num_kv_heads >= 4 * CHUNK)
-    {
-        float *scores = malloc((size_t)(group * CHUNK) * sizeof(float));
-#pragma omp for schedule(dynamic)
-        for (int64_t task = 0; task < tasks; task++) {
-            if (!scores) continue;
-            int64_t lo = 0, hi = num_seqs - 1; /* the sequence whose tasks hold this one */
-            while (lo < hi) {
-                int64_t mid = (lo + hi + 1) / 2;
-                if (task_start[mid] <= task) lo = mid; else hi = mid - 1;
-            }
-            int64_t s = seqs[lo], local = task - task_start[lo];
-            int64_t run = local / num_kv_heads, kv_head = local % num_kv_heads;
-            int64_t len = seq_lens[s], first = sliding_window > 0 && len > sliding_window ? len - sliding_window : 0;
-            int64_t from = first + run * CHUNK, to = from + CHUNK < len ? from + CHUNK : len;
-            float *partial = partial_start[lo + 1] > partial_start[lo]
-                                 ? partials + (partial_start[lo] + kv_head * num_runs(len - first) + run) * stride
-                                 : NULL;
-            attend_run(query, q_stride, out, out_stride, key_cache, value_cache, block_tables + s * max_blocks,
-                       query_start_loc[s], from, to, group, kv_head, hs, kv_width, block_size, scale, v_scale, dtype,
-                       cache_dtype, scores, partial);
-        }
-        free(scores);
-        if (merges) {
-#pragma omp for schedule(static)
-            for (int64_t i = 0; i < num_seqs; i++) {
-                int64_t count = partial_start[i + 1] - partial_start[i];
-                if (!count) continue;
-                int64_t s = seqs[i], runs = count / num_kv_heads;
-                for (int64_t kv_head = 0; kv_head < num_kv_heads; kv_head++)
-                    merge_runs(partials + (partial_start[i] + kv_head * runs) * stride, runs, stride, group, hs, out,
-                               query_start_loc[s] * out_stride + kv_head * group * hs, v_scale, dtype);
-            }
-        }
-    }
-    free(partials);
-    free(task_start);
+    struct attention_call a = {query, q_stride, out, out_stride, key_cache, value_cache, block_tables, max_blocks,
+                               seq_lens, query_start_loc, seqs, num_seqs, num_heads, num_kv_heads, head_size,
+                               block_size, scale, sliding_window, v_scale, dtype, cache_dtype};
+    if (!attention_prepare(&a)) return;
+#pragma omp parallel if (attention_is_parallel(&a))
+    attention_team(&a);
+    attention_release(&a);
 }

@@ -100,6 +100,7 @@ void decode_layer(const struct layer_weights *lw, const struct step_rows *st, vo
                   int32_t has_residual, void *out, void *scratch);
 void decode_layers(const struct layer_weights **layers, int64_t num_layers, const struct step_rows *st, void *x,
                    void *out, void *spare, void *scratch);
+int64_t decode_layers_overlapped(void); /* the calls of decode_layers that ran its layers in one region */
 int32_t decode_step(const struct layer_weights **layers, int64_t num_layers, const struct step_rows *st,
                     const int64_t *token_ids, const void *embedding, int64_t vocab, const void *final_norm,
                     float eps, void *residual, void *out, void *spare, void *scratch);

@@ -52,6 +52,7 @@
 #include "common.h"
 #include "pagedserve_cpu.h"
 #include "work_share.h"
+#include "layer_team.h"
 
 #define PANEL 16
 #define ROWS 8
@@ -138,17 +139,19 @@ static inline __attribute__((always_inline)) void block(const int R, const int P
     default: block(8, P, x, m, panels, bias, y, j, N, K, 0, NULL, NULL, ahead); break;                            \
     }
 
-void panel_linear_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y, int64_t M,
-                       int64_t N, int64_t K) {
+int64_t panel_linear_tasks(int64_t M, int64_t N) {
     const int64_t num_panels = (N + PANEL - 1) / PANEL, column_blocks = (num_panels + WIDTH - 1) / WIDTH;
-    const int64_t row_tasks = (M + TASK_ROWS - 1) / TASK_ROWS, tasks = column_blocks * row_tasks;
-    struct work_share work;
-    work_share_init(&work, tasks);
-#pragma omp parallel if (tasks > 1 && M * N * K >= 16 * PARALLEL_MIN_ELEMENTS)
+    return column_blocks * ((M + TASK_ROWS - 1) / TASK_ROWS);
+}
+
+void panel_linear_team(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y, int64_t M,
+                       int64_t N, int64_t K, struct work_share *work) {
+    const int64_t num_panels = (N + PANEL - 1) / PANEL;
+    const int64_t row_tasks = (M + TASK_ROWS - 1) / TASK_ROWS;
     {
         struct work_cursor cursor = work_cursor_start();
         int64_t task;
-        while (work_next(&work, &cursor, 1, &task)) {
+        while (work_next(work, &cursor, 1, &task)) {
             const int64_t j = task / row_tasks * WIDTH, P = num_panels - j < WIDTH ? num_panels - j : WIDTH;
             const int64_t first = task % row_tasks * TASK_ROWS, last = first + TASK_ROWS < M ? first + TASK_ROWS : M;
             /* the next column block's panels, prefetched by the last row task of this one: the block after
@@ -185,7 +188,27 @@ void panel_linear_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t
     }
 }
 
+void panel_linear_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y, int64_t M,
+                       int64_t N, int64_t K) {
+    const int64_t tasks = panel_linear_tasks(M, N);
+    struct work_share work;
+    work_share_init(&work, tasks);
+#pragma omp parallel if (tasks > 1 && M * N * K >= 16 * PARALLEL_MIN_ELEMENTS)
+    panel_linear_team(x, panels, bias, y, M, N, K, &work);
+}
+
 int32_t panel_linear_available(void) { return 1; }
+
+void panel_linear_first_bytes(int64_t M, int64_t N, int64_t K, int part, int parts, int64_t *offset, int64_t *bytes) {
+    const int64_t num_panels = (N + PANEL - 1) / PANEL;
+    int64_t begin, end;
+    work_share_part(panel_linear_tasks(M, N), part, parts, &begin, &end);
+    *offset = *bytes = 0;
+    if (M > TASK_ROWS || end <= begin) return; /* one row task per column block: task j is block j */
+    const int64_t last_panel = end * WIDTH < num_panels ? end * WIDTH : num_panels;
+    *offset = begin * WIDTH * K * PANEL * (int64_t)sizeof(uint16_t);
+    *bytes = (last_panel - begin * WIDTH) * K * PANEL * (int64_t)sizeof(uint16_t);
+}
 #else
 void panel_linear_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y, int64_t M,
                        int64_t N, int64_t K) {
@@ -193,4 +216,17 @@ void panel_linear_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t
 }
 
 int32_t panel_linear_available(void) { return 0; } /* no AVX-512 BF16: the callers keep oneDNN */
+
+/* never called without panels, which this host cannot have */
+int64_t panel_linear_tasks(int64_t M, int64_t N) { return (void)M, (void)N, 0; }
+
+void panel_linear_team(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y, int64_t M,
+                       int64_t N, int64_t K, struct work_share *work) {
+    (void)x, (void)panels, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)work;
+}
+
+void panel_linear_first_bytes(int64_t M, int64_t N, int64_t K, int part, int parts, int64_t *offset, int64_t *bytes) {
+    (void)M, (void)N, (void)K, (void)part, (void)parts;
+    *offset = *bytes = 0;
+}
 #endif

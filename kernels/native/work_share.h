@@ -55,10 +55,8 @@ struct work_cursor {
     int backwards; /* the last chunk came from the back of another thread's range */
 };
 
-/* items 0 .. num_items - 1 (< 2^31) split as schedule(static) splits them over the threads a
- * parallel region started now would have */
-static inline void work_share_init(struct work_share *share, int64_t num_items) {
-    int parts = omp_get_max_threads();
+/* items 0 .. num_items - 1 (< 2^31) split as schedule(static) splits them over `parts` threads */
+static inline void work_share_init_parts(struct work_share *share, int64_t num_items, int parts) {
     parts = parts < 1 ? 1 : parts > WORK_MAX_PARTS ? WORK_MAX_PARTS : parts;
     const int64_t quotient = num_items / parts, remainder = num_items % parts;
     int64_t begin = 0;
@@ -68,6 +66,18 @@ static inline void work_share_init(struct work_share *share, int64_t num_items) 
         begin = end;
     }
     share->num_parts = parts;
+}
+
+/* thread `part`'s range of that split: its first item in *begin, its end in *end */
+static inline void work_share_part(int64_t num_items, int part, int parts, int64_t *begin, int64_t *end) {
+    const int64_t quotient = num_items / parts, remainder = num_items % parts;
+    *begin = part * quotient + (part < remainder ? part : remainder);
+    *end = *begin + quotient + (part < remainder);
+}
+
+/* the split over the threads a parallel region started now would have */
+static inline void work_share_init(struct work_share *share, int64_t num_items) {
+    work_share_init_parts(share, num_items, omp_get_max_threads());
 }
 
 /* inside the parallel region, once per thread */

@@ -130,7 +130,8 @@ def test_a_wrong_signature_is_named(header):
                                                                 "block_quant_rows_available": I32,
                                                                 "block_quant_dequantize": I32,
                                                                 "block_quant_prefetch": I64,
-                                                                "decode_step": I32}) == [
+                                                                "decode_step": I32,
+                                                                "decode_layers_overlapped": I64}) == [
         "block_quant_rows_bf16_available: returns int32_t in the header, void in RESTYPES"]
 
 

@@ -243,3 +243,34 @@ def test_a_whole_native_step_gives_the_bits_of_the_layers_between_torch_embeddin
         float32 = _runner(checkpoint_dir("qwen2-bias-tied"), "float32")
         step32 = llama_native.NativeDecodeStep.for_step(float32.model, inputs.metadata, float32.cache.gpu_cache)
         assert step32 is not None and step32.final_hidden(inputs.token_ids) is None  # float32 keeps torch's norm
+
+
+@pytest.mark.parametrize("name", ["qwen2-bias-tied", "mistral-window-48"])
+@pytest.mark.parametrize("lengths", [(70,), (5, 17, 40, 81), (300,), (5, 17, 40, 400)])
+def test_layers_in_one_parallel_region_give_the_chains_bits(checkpoint_dir, monkeypatch, name, lengths):
+    """With every projection in panels and a few rows (decode_layer.c, "Layers in one parallel
+    region"), two threads run the layers in one region, thread 0 the one-thread ops while the other
+    reads ahead in the next projection: the logits equal, bit for bit, those of one thread, which
+    runs the per-layer chain. Contexts long enough for attention to share its tasks between the
+    threads (300 positions x 2 KV heads and more; not under mistral's window of 48) share them
+    inside the region, over runs of several chunks merged."""
+    lib = native_lib.load()
+    if lib is None or not lib.panel_linear_available():
+        pytest.skip("needs the native panel kernel (AVX-512 BF16)")
+    _tuned(monkeypatch, "panels", "panels")
+    runner = _runner(checkpoint_dir(name), "bfloat16", num_blocks=96)
+    prompts = make_prompts(seed=len(lengths), lengths=lengths)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        before = lib.decode_layers_overlapped()
+        two = _decode_logits(runner, prompts, True, monkeypatch)
+        took = lib.decode_layers_overlapped() - before
+        torch.set_num_threads(1)
+        before = lib.decode_layers_overlapped()
+        one = _decode_logits(runner, prompts, True, monkeypatch)
+        assert lib.decode_layers_overlapped() == before
+    finally:
+        torch.set_num_threads(threads)
+    assert took == 1
+    assert torch.equal(two, one)
