@@ -6,8 +6,12 @@ rotated by one, so round-robin does not pin a prompt to a replica by parity), ea
 pool holding half of the system prompts beside the running requests. Routed
 by prefix, each system prompt stays on one replica and keeps hitting its cache; routed
 round-robin, every replica sees every prompt in turn and its LRU cache thrashes. The hit rate (cached prompt tokens over
-prompt tokens, from the responses' usage) must be at least twice round-robin's, with neither
-replica taking more than 70 % of the requests (the frontend logs each request's replica).
+prompt tokens, from the responses' usage) must be the most the workload allows (every request but
+each system prompt's first finds its whole system prompt cached), with neither replica taking more
+than 70 % of the requests (the frontend logs each request's replica), and round-robin's at least
+0.2 below it. How much round-robin keeps depends on the order in which the four client threads'
+requests arrive (3-43 % over runs on one 2-vCPU host), so it is bounded, not compared as a
+ratio.
 
 Failover: one replica's scheduler is killed while requests stream; every request still ends
 well, on the other replica or on the restarted scheduler."""
@@ -29,6 +33,7 @@ from tests.e2e.harness import PAUSE_ARGS, token_request, wait_for
 NUM_SYSTEM_PROMPTS = 8
 NUM_REQUESTS = 64
 SYSTEM_PROMPT_LEN = 128  # 8 blocks of 16
+SUFFIX_LEN = 8  # each request's own tokens after its system prompt
 NUM_KV_BLOCKS = 36  # per replica: 4 system prompts (32 blocks) and the running requests' own blocks
 CONCURRENCY = 4
 
@@ -54,7 +59,7 @@ def _workload() -> list[list[int]]:
     for index in range(NUM_REQUESTS):
         round_index, position = divmod(index, NUM_SYSTEM_PROMPTS)
         system = systems[(round_index + position) % NUM_SYSTEM_PROMPTS]
-        prompts.append(system + [5 + index, 9, 11, 13, 17, 19, 23, 29])
+        prompts.append(system + [5 + index, 9, 11, 13, 17, 19, 23, 29][:SUFFIX_LEN])
     return prompts
 
 
@@ -90,7 +95,9 @@ def test_prefix_routing_doubles_the_hit_rate_of_round_robin_and_stays_balanced(l
     print(f"hit rate: prefix {prefix_rate:.3f} {dict(prefix_split)}, round-robin {rr_rate:.3f} {dict(rr_split)}")
     assert len(prefix_split) == 2 and None not in prefix_split
     assert max(prefix_split.values()) <= 0.7 * NUM_REQUESTS
-    assert prefix_rate >= 2 * rr_rate, (prefix_rate, rr_rate)
+    most = (NUM_REQUESTS - NUM_SYSTEM_PROMPTS) * SYSTEM_PROMPT_LEN / (NUM_REQUESTS * (SYSTEM_PROMPT_LEN + SUFFIX_LEN))
+    assert prefix_rate == pytest.approx(most), (prefix_rate, most)
+    assert rr_rate <= prefix_rate - 0.2, (prefix_rate, rr_rate)
 
 
 @pytest.fixture
