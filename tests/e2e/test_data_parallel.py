@@ -83,7 +83,7 @@ def _stop(server) -> None:
     assert code == 0, f"serve exited with {code}:\n{server.logs()[-3000:]}"
 
 
-def test_prefix_routing_doubles_the_hit_rate_of_round_robin_and_stays_balanced(llama_checkpoint, tmp_path_factory):
+def test_prefix_routing_keeps_every_system_prompt_cached_and_stays_balanced(llama_checkpoint, tmp_path_factory):
     results = {}
     for routing in ("round-robin", "prefix"):
         server = _start(llama_checkpoint, tmp_path_factory, routing)
