@@ -67,3 +67,27 @@ def test_a_port_in_use_is_not_handed_out(monkeypatch):
         monkeypatch.setattr(serve_config.random, "randrange", draw)  # every candidate is the taken port
         port = free_port()
         assert drawn == [taken] * 3 and port != taken  # then the system picks one
+
+
+def test_serve_never_gives_its_children_a_port_its_caller_named(tmp_path, monkeypatch):
+    """A caller (a test harness, an operator's script) picks free ports for serve's frontend,
+    scheduler and metrics, which stay unbound until those processes start; serve's own picks for
+    its ZeroMQ sockets, made meanwhile in another process, must not land on them (the scheduler
+    then failed to bind its port)."""
+    from pagedserve.cli import build_parser
+    from pagedserve.launch.serve_config import ServeConfig
+
+    (tmp_path / "config.json").write_text("{}")
+    named = [20001, 20002, 20003, 20004, 20005, 20006]  # frontend, http, metrics (+1), scheduler x 2
+    candidates = iter([*named, 20101, 20102, 20103, 20104, 20105])
+    monkeypatch.setattr(serve_config, "_handed_out_ports", set())
+    monkeypatch.setattr(serve_config, "ephemeral_port_range", lambda: (32768, 60999))
+    monkeypatch.setattr(serve_config.random, "randrange", lambda low, high: next(candidates))
+    monkeypatch.setattr(serve_config, "resolve_model", str)
+    args = build_parser(["serve"]).parse_args(
+        ["serve", "--model", str(tmp_path), "--port", "20001", "--http-port", "20002", "--metrics-port", "20003",
+         "--scheduler-port", "20005", "--data-parallel-size", "2"])
+    serve = ServeConfig.from_args(args)
+    picked = {int(address.rsplit(":", 1)[1]) for address in
+              (serve.scheduler.plan_address, serve.scheduler.result_address, serve.workers[0].dist_init_address)}
+    assert picked.isdisjoint(named) and len(picked) == 3

@@ -64,6 +64,13 @@ def ephemeral_port_range() -> tuple[int, int] | None:
     return low, high
 
 
+def reserve_ports(*ports: int | None) -> None:
+    """Ports a deployment names itself, which free_port never hands out in this process: `serve`
+    picks its children's ZeroMQ ports while the ports its caller chose (a test harness, an
+    operator's script: free ports then, not yet bound) wait for their processes to bind them."""
+    _handed_out_ports.update(port for port in ports if port)
+
+
 def free_port(host: str = DEFAULT_HOST) -> int:
     """A port free now, never one this process handed out before: the system may give a port
     that was just probed and closed again, and two addresses of one deployment (plan and result
@@ -185,6 +192,10 @@ class ServeConfig:
         model = str(resolve_model(args.model))
         draft_model = str(resolve_model(args.speculative_model)) if args.speculative_model else None
         num_replicas = options.data_parallel_size
+        metrics_base = options.scheduler_metrics_port or (args.metrics_port + 1 if args.metrics_port else None)
+        reserve_ports(args.port, args.http_port, args.metrics_port,
+                      *(base + index for base in (options.scheduler_port, metrics_base) if base
+                        for index in range(num_replicas)))
         replica_ports: list[int] = []
         if num_replicas > 1 and options.replica_index is None:
             base = options.scheduler_port
