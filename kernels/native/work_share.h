@@ -55,24 +55,23 @@ struct work_cursor {
     int backwards; /* the last chunk came from the back of another thread's range */
 };
 
-/* items 0 .. num_items - 1 (< 2^31) split as schedule(static) splits them over `parts` threads */
-static inline void work_share_init_parts(struct work_share *share, int64_t num_items, int parts) {
-    parts = parts < 1 ? 1 : parts > WORK_MAX_PARTS ? WORK_MAX_PARTS : parts;
-    const int64_t quotient = num_items / parts, remainder = num_items % parts;
-    int64_t begin = 0;
-    for (int p = 0; p < parts; p++) {
-        const int64_t end = begin + quotient + (p < remainder);
-        share->parts[p].range = begin | (end << 32);
-        begin = end;
-    }
-    share->num_parts = parts;
-}
-
-/* thread `part`'s range of that split: its first item in *begin, its end in *end */
+/* thread `part`'s range when items 0 .. num_items - 1 are split as schedule(static) splits them
+ * over `parts` threads: its first item in *begin, its end in *end */
 static inline void work_share_part(int64_t num_items, int part, int parts, int64_t *begin, int64_t *end) {
     const int64_t quotient = num_items / parts, remainder = num_items % parts;
     *begin = part * quotient + (part < remainder ? part : remainder);
     *end = *begin + quotient + (part < remainder);
+}
+
+/* items 0 .. num_items - 1 (< 2^31) split that way over `parts` threads */
+static inline void work_share_init_parts(struct work_share *share, int64_t num_items, int parts) {
+    parts = parts < 1 ? 1 : parts > WORK_MAX_PARTS ? WORK_MAX_PARTS : parts;
+    for (int p = 0; p < parts; p++) {
+        int64_t begin, end;
+        work_share_part(num_items, p, parts, &begin, &end);
+        share->parts[p].range = begin | (end << 32);
+    }
+    share->num_parts = parts;
 }
 
 /* the split over the threads a parallel region started now would have */
