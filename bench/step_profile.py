@@ -6,8 +6,11 @@ op class under torch.profiler.
 For each dtype and batch: SmolLM2-135M-Instruct (`--model smollm2`, the GGUF dequantized at load)
 in a ModelRunner, N sequences decoding after 64-token prompts, run the way the processes run a
 step (bench/lib/decode_steps.py serving_step_row: schedule -> plan codec -> execute (inputs, forward,
-sampling) -> result codec -> process_result), medians over --steps steps. Then --steps more
-forwards under torch.profiler, the ops' self CPU time grouped into classes:
+sampling) -> result codec -> process_result), medians over --steps steps. Then the later steps of a decode run as the
+worker computes them without their plans (serve's whole answers, and steps computed ahead:
+serving_step_row's execute through the kept decode run after worker/continuation.py's next_plan),
+10 x --steps of them: per step the time outside the forward, the Python and the greedy kernel that
+run with the caches just flushed by the weights. Then --steps more forwards under torch.profiler, the ops' self CPU time grouped into classes:
 
     matmul        aten::mm / addmm / bmm, mkldnn::_linear_pointwise (the projections and the LM head)
     attention     scaled_dot_product_attention's kernels
@@ -34,7 +37,7 @@ import time
 import torch
 
 from lib.output import print_table, save_report, timestamp
-from lib.decode_steps import decode_scheduler, serving_step_row
+from lib.decode_steps import decode_scheduler, run_step_row, serving_step_row
 
 CLASSES = {
     "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "aten::_weight_int8pack_mm",
@@ -112,16 +115,20 @@ def main() -> None:
     from pagedserve.checkpoints.smollm2 import ensure_smollm2
 
     model_path = ensure_smollm2()
-    loop_rows, forward_rows = [], []
+    loop_rows, run_rows, forward_rows = [], [], []
     for dtype in args.dtypes.split(","):
         for num_seqs in (int(value) for value in args.seqs.split(",")):
             loop_rows.append({"dtype": dtype, **serving_step_row(num_seqs, args.steps, model_path, dtype=dtype)})
+            run_rows.append({"dtype": dtype, **run_step_row(num_seqs, 10 * args.steps, model_path, dtype=dtype)})
             forward_rows.append(forward_profile(model_path, dtype, num_seqs, args.steps))
             print(f"  {dtype} {num_seqs} seqs done", flush=True)
     print_table(loop_rows, ["dtype", "num_seqs", "step_ms", "forward_ms", "schedule_ms", "plan_codec_ms",
                             "build_inputs_ms", "sample_ms", "execute_other_ms", "result_codec_ms",
                             "process_result_ms", "outside_forward_ms"],
                 title=f"one decode step in-process, ms (medians; {args.threads} threads)", float_format=",.2f")
+    print_table(run_rows, ["dtype", "num_seqs", "run_step_outside_us", "run_step_forward_ms", "in_decode_run"],
+                title=f"a decode run's later steps in-process: per step outside the forward, us (medians of "
+                      f"{10 * args.steps})", float_format=",.1f")
     print_table([{key: value for key, value in row.items() if key != "top_ops"} for row in forward_rows],
                 title="the forward by op class, ms per step (self CPU time, scaled to the unprofiled wall)",
                 float_format=",.2f")
@@ -130,7 +137,7 @@ def main() -> None:
               + ", ".join(f"{op['op'].removeprefix('aten::')} {op['self_ms']:.2f} ms x{op['calls']}"
                           for op in row["top_ops"][:8]))
     paths = save_report(f"step_profile-{timestamp()}", {"threads": args.threads, "loop": loop_rows,
-                                                         "forward": forward_rows})
+                                                         "decode_run": run_rows, "forward": forward_rows})
     print(f"wrote {paths[0]}")
 
 

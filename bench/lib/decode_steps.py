@@ -117,6 +117,38 @@ def serving_step_row(num_seqs: int, num_steps: int, model_path: Path, *, dtype: 
     return {"num_seqs": num_seqs, **{f"{name}_ms": median_ms(samples) for name, samples in parts.items()}}
 
 
+def run_step_row(num_seqs: int, num_steps: int, model_path: Path, *, dtype: str = "float32") -> dict:
+    """The later steps of a decode run in-process, as the worker computes them (worker/continuation.py
+    next_plan, then ModelRunner.execute through its kept decode run): per step, the time outside the
+    forward (the plan derived, the rows written, the greedy kernel and its lists, the result), in
+    microseconds, medians over num_steps steps. Each step follows a forward whose weights went
+    through the CPU caches, as in serving; the forward's own time comes from its result."""
+    from pagedserve.worker.continuation import next_plan
+    from pagedserve.worker.model_runner import ModelRunner
+
+    runner = ModelRunner(model_path, device="cpu", dtype=dtype, block_size=16)
+    runner.load()
+    scheduler = decode_scheduler(num_seqs)
+    runner.init_cache(scheduler.config.num_gpu_blocks, 0)
+    message = step_pb2.SchedulerMessage()
+    message.ParseFromString(encode_plan(scheduler.schedule().plan))
+    first = plan_from_proto(message.step_plan)
+    outside, forward = [], []
+    while len(outside) < num_steps + 3:
+        plan, result = first, runner.execute(first)  # back to the first step where the blocks end
+        while len(outside) < num_steps + 3:
+            started = time.perf_counter()
+            following = next_plan(plan, result, runner.block_size, in_run=True)
+            if following is None:
+                break
+            result = runner.execute(following)
+            outside.append(time.perf_counter() - started - result.forward_seconds)
+            forward.append(result.forward_seconds)
+            plan = following
+    return {"num_seqs": num_seqs, "run_step_outside_us": statistics.median(outside[3:]) * 1e6,
+            "run_step_forward_ms": median_ms(forward[3:]), "in_decode_run": runner._decode_run is not None}
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a live process so far (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()

@@ -186,9 +186,13 @@ class NativeDecodeRun:
         self.model = model
         self.step_layers = step.layers
         self.token_ids = token_ids
-        self._tokens, self._positions, self._slots, self._seq_lens = token_ids.numpy(), positions, slots, seq_lens
+        # set_rows writes each step's values through memoryviews of these arrays: an item set through
+        # numpy's scalar path costs twice as much with the CPU caches cold after a step's weights
+        self._tokens, self._positions, self._slots, self._seq_lens = (
+            memoryview(array) for array in (token_ids.numpy(), positions, slots, seq_lens))
         self._block_tables = block_tables  # [rows, max_blocks]: what DecodeLayers reads the tables from
         self.tables, self.block_size = tables, block_size
+        self._limit = model.max_positions  # the rotary table's length, fixed with the model
         self.max_blocks = block_tables.shape[1]
         weight = model.embed_tokens.weight
         self.hidden = torch.empty(token_ids.shape[0], weight.shape[1], dtype=weight.dtype)
@@ -243,7 +247,7 @@ class NativeDecodeRun:
         """The next step's token and position of each row; False, having changed nothing the step
         reads, when a position is outside the row's blocks or the rotary table (forward then
         computes the step, and raises what it raises)."""
-        block_size, limit = self.block_size, self.model.max_positions
+        block_size, limit = self.block_size, self._limit
         for table, position in zip(self.tables, positions):
             if not 0 <= position < min(limit, len(table) * block_size):
                 return False
