@@ -136,6 +136,7 @@ def run_step_row(num_seqs: int, num_steps: int, model_path: Path, *, dtype: str 
     outside, forward = [], []
     while len(outside) < num_steps + 3:
         plan, result = first, runner.execute(first)  # back to the first step where the blocks end
+        before = len(outside)
         while len(outside) < num_steps + 3:
             started = time.perf_counter()
             following = next_plan(plan, result, runner.block_size, in_run=True)
@@ -145,6 +146,8 @@ def run_step_row(num_seqs: int, num_steps: int, model_path: Path, *, dtype: str 
             outside.append(time.perf_counter() - started - result.forward_seconds)
             forward.append(result.forward_seconds)
             plan = following
+        if len(outside) == before:
+            raise RuntimeError("the first plan has no later step (not a decode run of plain greedy decodes)")
     return {"num_seqs": num_seqs, "run_step_outside_us": statistics.median(outside[3:]) * 1e6,
             "run_step_forward_ms": median_ms(forward[3:]), "in_decode_run": runner._decode_run is not None}
 
