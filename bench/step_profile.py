@@ -6,11 +6,12 @@ op class under torch.profiler.
 For each dtype and batch: SmolLM2-135M-Instruct (`--model smollm2`, the GGUF dequantized at load)
 in a ModelRunner, N sequences decoding after 64-token prompts, run the way the processes run a
 step (bench/lib/decode_steps.py serving_step_row: schedule -> plan codec -> execute (inputs, forward,
-sampling) -> result codec -> process_result), medians over --steps steps. Then the later steps of a decode run as the
-worker computes them without their plans (serve's whole answers, and steps computed ahead:
-serving_step_row's execute through the kept decode run after worker/continuation.py's next_plan),
-10 x --steps of them: per step the time outside the forward, the Python and the greedy kernel that
-run with the caches just flushed by the weights. Then --steps more forwards under torch.profiler, the ops' self CPU time grouped into classes:
+sampling) -> result codec -> process_result), medians over --steps steps. Then 10 x --steps later
+steps of a decode run, derived and executed as the worker computes them without their plans
+(run_step_row: worker/continuation.py's next_plan, then execute through the kept decode run): per
+step the time outside the forward, the Python and the greedy kernel that run with the caches just
+flushed by the weights. Then --steps more forwards under torch.profiler, the ops' self CPU time
+grouped into classes:
 
     matmul        aten::mm / addmm / bmm, mkldnn::_linear_pointwise (the projections and the LM head)
     attention     scaled_dot_product_attention's kernels

@@ -192,9 +192,12 @@ class ServeConfig:
         model = str(resolve_model(args.model))
         draft_model = str(resolve_model(args.speculative_model)) if args.speculative_model else None
         num_replicas = options.data_parallel_size
-        metrics_base = options.scheduler_metrics_port or (args.metrics_port + 1 if args.metrics_port else None)
-        reserve_ports(args.port, args.http_port, args.metrics_port,
-                      *(base + index for base in (options.scheduler_port, metrics_base) if base
+        metrics_port = args.metrics_port or None
+        scheduler_metrics_port = options.scheduler_metrics_port
+        if scheduler_metrics_port is None and metrics_port:
+            scheduler_metrics_port = metrics_port + 1
+        reserve_ports(args.port, args.http_port, metrics_port,
+                      *(base + index for base in (options.scheduler_port, scheduler_metrics_port) if base
                         for index in range(num_replicas)))
         replica_ports: list[int] = []
         if num_replicas > 1 and options.replica_index is None:
@@ -202,10 +205,6 @@ class ServeConfig:
             replica_ports = [base + index if base else free_port() for index in range(num_replicas)]
         scheduler_port = (replica_ports[0] if replica_ports else None) or options.scheduler_port or free_port()
         plan, result, dist = (f"tcp://127.0.0.1:{free_port()}" for _ in range(3))
-        metrics_port = args.metrics_port or None
-        scheduler_metrics_port = options.scheduler_metrics_port
-        if scheduler_metrics_port is None and metrics_port:
-            scheduler_metrics_port = metrics_port + 1
         recovery_timeout = WORKER_RECOVERY_SECONDS if options.max_worker_restarts > 0 else 0.0
         scheduler = from_args(
             SchedulerServerConfig, args, serve_only=True, model_path=model, port=scheduler_port,
