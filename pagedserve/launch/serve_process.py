@@ -34,6 +34,11 @@ from pagedserve.launch.serve_config import free_port
 from pagedserve.v1 import generation_pb2_grpc
 
 READY_SERVICE = "pagedserve.v1.Generation"
+# gRPC's default reconnect backoff (1 s, growing by 1.6x) would leave a channel made before the
+# tree listens failing for seconds after it does: wait_ready, and the calls after a restart, retry
+# every few hundred milliseconds instead.
+CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 500))
 
 
 class ServeProcess:
@@ -79,13 +84,13 @@ class ServeProcess:
         self.proc = subprocess.Popen(self.command, stdout=self._log_file, stderr=subprocess.STDOUT,
                                      start_new_session=True, env=full_env)
         if credentials is None:
-            self.channel = grpc.insecure_channel(self.address)
+            self.channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
         else:
-            self.channel = grpc.secure_channel(self.address, credentials)
+            self.channel = grpc.secure_channel(self.address, credentials, options=CHANNEL_OPTIONS)
         if api_key is not None:
             self.channel = with_bearer(self.channel, api_key)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
-        self.scheduler_channel = with_bearer(grpc.insecure_channel(f"127.0.0.1:{self.scheduler_port}"),
+        self.scheduler_channel = with_bearer(grpc.insecure_channel(f"127.0.0.1:{self.scheduler_port}", options=CHANNEL_OPTIONS),
                                              self.internal_token)
         self.scheduler = scheduler_pb2_grpc.SchedulerStub(self.scheduler_channel)
 
@@ -112,7 +117,7 @@ class ServeProcess:
         return f"http://127.0.0.1:{self.http_port}"
 
     def aio_channel(self) -> grpc.aio.Channel:
-        return grpc.aio.insecure_channel(self.address)
+        return grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
 
     def logs(self) -> str:
         return self.log_path.read_text(errors="replace")
