@@ -2,8 +2,10 @@
 
 Health service `""` is SERVING while the process is up; `pagedserve.v1.Generation` is SERVING only
 while the scheduler answers GetInfo with is_ready (every worker registered and loaded), and
-NOT_SERVING otherwise. The latest SchedulerInfo also gives the model limits requests are validated
-against.
+NOT_SERVING otherwise. The scheduler is asked every poll interval (1 s) while it is ready and every
+RECOVERY_POLL_INTERVAL_S while it is not (workers loading, a restart), so that the frontend turns
+SERVING within a fraction of a second of the scheduler. The latest SchedulerInfo also gives the
+model limits requests are validated against.
 
 It also serves the requests whose Submit stream broke (generation/recovery.py): `answer_after()` asks
 whether the scheduler that ran them is still there (same instance_id: it ended them itself), and
@@ -26,7 +28,7 @@ from pagedserve.frontend.upstream.scheduler_client import SchedulerClient, Sched
 
 GENERATION_SERVICE = "pagedserve.v1.Generation"
 DEFAULT_POLL_INTERVAL_S = 1.0
-RECOVERY_POLL_INTERVAL_S = 0.2  # while a request waits for a restarted scheduler
+RECOVERY_POLL_INTERVAL_S = 0.2  # while the scheduler is not ready, or a request waits for a restarted one
 GET_INFO_TIMEOUT_S = 2.0
 
 log = structlog.get_logger()
@@ -163,7 +165,9 @@ class ReadinessMonitor:
     def _poll(self) -> None:
         while not self._stop.is_set():
             with self._lock:
-                interval = RECOVERY_POLL_INTERVAL_S if self._num_waiting else self._poll_interval_s
+                is_ready = self._info is not None and self._info.is_ready
+                interval = self._poll_interval_s if is_ready and not self._num_waiting else RECOVERY_POLL_INTERVAL_S
+                interval = min(interval, self._poll_interval_s)
             self._wake.wait(interval)
             self._wake.clear()
             if not self._stop.is_set():
