@@ -199,13 +199,9 @@ def thread_changes(log_path: Path) -> list[dict]:
 def hf_folder(gguf: Path) -> Path:
     """A plain float32 Hugging Face folder of the GGUF's weights (transformers keeps a GGUF's
     weights packed and dequantizes them in every matmul); built once into the cache."""
-    from pagedserve.cache_root import cache_dir
-    from pagedserve.testing.hf_from_gguf import build_hf_folder
+    from pagedserve.testing.hf_from_gguf import cached_hf_folder
 
-    folder = cache_dir() / f"{gguf.stem}-hf-float32"
-    if not (folder / "model.safetensors").is_file():
-        build_hf_folder(gguf, folder)
-    return folder
+    return cached_hf_folder(gguf)
 
 
 def run_hf(gguf: Path, dtype: str, workloads: dict[int, tuple[list[BenchRequest], bool]]) -> dict:

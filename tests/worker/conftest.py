@@ -49,11 +49,11 @@ def hf_greedy(checkpoint_dir):
 
 
 @pytest.fixture(scope="session")
-def smollm2_hf_folder(tmp_path_factory) -> Path:
+def smollm2_hf_folder() -> Path:
     """The real model's GGUF (resolve_model("smollm2")) as a plain float32 Hugging Face folder of the
-    weights transformers' GGUF loader reads from it, built once per session
+    weights transformers' GGUF loader reads from it, built once into the cache
     (pagedserve.testing.hf_from_gguf): the reference of the real-model tests."""
     from pagedserve.checkpoints.resolve import resolve_model
-    from pagedserve.testing.hf_from_gguf import build_hf_folder
+    from pagedserve.testing.hf_from_gguf import cached_hf_folder
 
-    return build_hf_folder(resolve_model("smollm2"), tmp_path_factory.mktemp("smollm2-hf"))
+    return cached_hf_folder(resolve_model("smollm2"))
