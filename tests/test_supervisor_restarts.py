@@ -209,3 +209,34 @@ def test_with_no_frontend_restart_left_serve_ends_with_1():
 def test_a_frontend_exit_before_the_replica_served_ends_serve():
     running = Running(FakeConfig(frontend_args=["frontend", "--exit", "3", "--after", "0.5"]))
     assert running.wait_code() == 1
+
+
+class CountingProbe(FakeProbe):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def is_ready(self) -> bool:
+        self.calls += 1
+        return self.ready
+
+
+def test_the_scheduler_is_asked_often_until_the_replica_first_serves():
+    """A frontend polling the scheduler may see it ready first: serve asks every
+    STARTUP_POLL_SECONDS until then (so that a rank dying soon after counts as a crash of a
+    serving replica), then every PROBE_SECONDS."""
+    from pagedserve.launch import supervisor
+
+    running = Running(FakeConfig())
+    probe = running.probe = running.supervisor._probe = CountingProbe()
+    try:
+        time.sleep(1.0)
+        starting = probe.calls
+        assert starting >= 0.5 / supervisor.STARTUP_POLL_SECONDS
+        probe.ready = True
+        _wait_served(running)
+        before = probe.calls
+        time.sleep(1.0)
+        assert probe.calls - before <= 1.0 / supervisor.PROBE_SECONDS + 1
+    finally:
+        assert running.stop() == 0

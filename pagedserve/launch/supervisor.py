@@ -64,6 +64,10 @@ CONFIG_ERROR_EXIT = 2  # what `pagedserve` exits with on a usage or configuratio
 CONFIG_ERROR_GRACE_S = 2.0  # how long an early crash waits for another child's configuration error
 POLL_SECONDS = 0.2
 PROBE_SECONDS = 0.5
+# Until the replica first serves, the scheduler is asked every STARTUP_POLL_SECONDS: a frontend
+# polling it too may turn SERVING first, and a rank that dies after that must count as a crash of a
+# serving replica (restarted), not as a replica that never became ready (serve stops).
+STARTUP_POLL_SECONDS = 0.05
 RESTART_GROUPS = ("workers", "scheduler", "frontend")  # each with its own RestartBudget
 
 
@@ -177,7 +181,7 @@ class Supervisor:
                     break
             if code is None:
                 self._start_due(time.monotonic())
-                time.sleep(POLL_SECONDS)
+                time.sleep(POLL_SECONDS if self._has_served else STARTUP_POLL_SECONDS)
         self.stop()  # also stops a child started while a signal was being handled
         self._probe.close()
         if code is not None:
@@ -187,7 +191,7 @@ class Supervisor:
     def _observe_readiness(self, now: float) -> None:
         if now < self._next_probe:
             return
-        self._next_probe = now + PROBE_SECONDS
+        self._next_probe = now + (PROBE_SECONDS if self._has_served else STARTUP_POLL_SECONDS)
         if not self._probe.is_ready():
             for budget in self._budgets.values():
                 budget.note_not_ready()
