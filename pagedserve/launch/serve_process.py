@@ -10,7 +10,8 @@ programs that embed a server.
 
 The constructor starts the tree; `wait_ready` (called by `with`) waits for readiness; `stop`
 (called at the end of `with`) sends SIGTERM and returns serve's exit code, killing the whole
-process group when it does not exit in time.
+process group when it does not exit in time. A tree started on the main thread also stops when this
+process exits without stopping it (pagedserve.launch.parent_death).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -30,6 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve.security.bearer_auth import with_bearer
 from pagedserve.security.internal_token import INTERNAL_TOKEN_ENV
 from pagedserve.internal import scheduler_pb2, scheduler_pb2_grpc
+from pagedserve.launch.parent_death import child_env
 from pagedserve.launch.serve_config import free_port
 from pagedserve.v1 import generation_pb2_grpc
 
@@ -79,6 +82,11 @@ class ServeProcess:
         self.internal_token = full_env.setdefault(INTERNAL_TOKEN_ENV, secrets.token_urlsafe(32))
         if num_threads is not None:
             full_env["OMP_NUM_THREADS"] = str(num_threads)
+        if threading.current_thread() is threading.main_thread():
+            # the tree stops when this process exits, even by SIGKILL (serve asks the kernel for
+            # SIGTERM then, as serve's own children do); the signal follows the starting thread,
+            # so a tree started on another thread, which may end first, is left to stop()
+            full_env = child_env(full_env)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self.log_path, "wb")
         self.proc = subprocess.Popen(self.command, stdout=self._log_file, stderr=subprocess.STDOUT,
