@@ -2,14 +2,13 @@
 in one process.
 
     python bench/forward_ab.py --base REV [--tree REV] [--seqs 1,32] [--dtypes bfloat16,float32] [--rounds 7]
-                               [--iters 10] [--quantization none|auto]
+                               [--iters 10]
 
 The revision's `pagedserve` package (pagedserve/, worker/, kernels/, scheduler/, frontend/ from
 `git archive REV`) is imported under the same module names, its objects kept, and the working
 tree's modules put back, so both models live side by side; `--tree REV` takes the B side from a revision too (one
 change at a time: --base C~1 --tree C). For each dtype and batch size both
-load SmolLM2-135M-Instruct (`--model smollm2`; `--quantization auto` keeps its GGUF blocks, as `serve`
-does by default), get N sequences decoding after 64-token prompts
+load SmolLM2-135M-Instruct (`--model smollm2`), get N sequences decoding after 64-token prompts
 (bench/lib/decode_steps.py decode_scheduler), and run the forward plus the LM head in alternating
 rounds (A then B, then B then A, ...), `--iters` forwards per round. Medians per forward over all
 rounds; the ratio is base / tree (above 1: the tree is faster). Each side first prefills the
@@ -77,8 +76,8 @@ def import_revision(rev: str, root: Path):
         sys.modules.update(saved)
 
 
-def setup(runner_class, build_input, model_path, dtype: str, num_seqs: int, quantization: str = "none"):
-    runner = runner_class(model_path, device="cpu", dtype=dtype, block_size=16, quantization=quantization)
+def setup(runner_class, build_input, model_path, dtype: str, num_seqs: int):
+    runner = runner_class(model_path, device="cpu", dtype=dtype, block_size=16)
     runner.load()
     scheduler = decode_scheduler(num_seqs)
     runner.init_cache(scheduler.config.num_gpu_blocks, 0)
@@ -109,8 +108,6 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--quantization", default="none",
-                        help="none: the GGUF dequantized; auto: its Q4_1/Q8_0 weights kept (serve's default)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from pagedserve.checkpoints.smollm2 import ensure_smollm2
@@ -127,8 +124,8 @@ def main() -> None:
             tree_runner, tree_input = import_revision(args.tree, Path(tmp) / "tree")
         for dtype in args.dtypes.split(","):
             for num_seqs in (int(value) for value in args.seqs.split(",")):
-                sides = {"base": setup(base_runner, base_input, model_path, dtype, num_seqs, args.quantization),
-                         "tree": setup(tree_runner, tree_input, model_path, dtype, num_seqs, args.quantization)}
+                sides = {"base": setup(base_runner, base_input, model_path, dtype, num_seqs),
+                         "tree": setup(tree_runner, tree_input, model_path, dtype, num_seqs)}
                 times: dict[str, list[float]] = {"base": [], "tree": []}
                 logits = {}
                 with torch.inference_mode():
@@ -151,8 +148,7 @@ def main() -> None:
                 print(f"  {dtype} {num_seqs} seqs: {base_ms:.2f} -> {tree_ms:.2f} ms", flush=True)
                 del sides
     print_table(rows, ["dtype", "num_seqs", "base_ms", "tree_ms", "speedup", "max_logit_diff", "same_argmax"],
-                title=f"decode forward + LM head, ms (medians of {args.rounds} x {args.iters}; quantization "
-                      f"{args.quantization}; base {args.base}, "
+                title=f"decode forward + LM head, ms (medians of {args.rounds} x {args.iters}; base {args.base}, "
                       f"tree {args.tree or 'working tree'}, {args.threads} threads)", float_format=",.3f")
     print(f"load average at end: {os.getloadavg()}")
 
