@@ -124,6 +124,39 @@ def test_bfloat16_rows_match_their_weights_product_before_rounding(tensor_type, 
 
 
 @pytest.mark.parametrize("tensor_type", TYPES)
+@pytest.mark.parametrize("num_rows", [9, 17, 32])
+# one panel, a block of three panels and a partial one, 1.5 blocks, three blocks and one column
+@pytest.mark.parametrize("out_features", [16, 37, 70, 145])
+def test_decoded_panels_cover_every_output_column(tensor_type, num_rows, out_features):
+    """Above EXACT_ROWS the weights are decoded in column blocks of up to three panels of 16 rows:
+    every output column, the last partial panel's included, is the product with the weights decoded
+    to bfloat16 up to the order of float32 sums, and nothing is written past the last column."""
+    weight, _ = _gguf_weight(tensor_type, out_features, 352, seed=40 + out_features)
+    lib = _bf16_lib(weight, num_rows)
+    x = torch.randn(num_rows, 352, generator=torch.Generator().manual_seed(out_features)).bfloat16()
+    y = torch.full((num_rows + 1, out_features), 7.0)  # a row past the output, to see no stray write
+    lib.block_quant_rows_bf16(x.data_ptr(), weight.qs.data_ptr(), weight.scales.data_ptr(),
+                              weight.mins.data_ptr() if weight.mins is not None else None, y.data_ptr(), num_rows,
+                              out_features, 352, weight.bits)
+    expected = F.linear(x.double(), weight.dequantize(torch.bfloat16).double())
+    assert float((y[:num_rows].double() - expected).abs().max() / expected.abs().max()) < 1e-6
+    assert torch.equal(y[num_rows], torch.full((out_features,), 7.0))
+
+
+@pytest.mark.parametrize("tensor_type", TYPES)
+@pytest.mark.parametrize("num_rows", [9, 20, 32])
+def test_decoded_rows_do_not_depend_on_the_other_rows_of_the_batch(tensor_type, num_rows):
+    """Above EXACT_ROWS each activation row's sums are taken in the same order whatever rows come
+    with it (its block of eight, or alone at 9 rows): a sequence's tokens do not depend on the batch."""
+    weight, _ = _gguf_weight(tensor_type, 70, 352, seed=60 + num_rows)
+    lib = _bf16_lib(weight, num_rows)
+    x = torch.randn(num_rows, 352, generator=torch.Generator().manual_seed(num_rows)).bfloat16()
+    y = _bf16_rows(lib, weight, x)
+    shuffled = torch.roll(x, 3, dims=0)
+    assert torch.equal(_bf16_rows(lib, weight, shuffled), torch.roll(y, 3, dims=0))
+
+
+@pytest.mark.parametrize("tensor_type", TYPES)
 @pytest.mark.parametrize("num_rows", [2, 5, 8])
 def test_exact_rows_do_not_depend_on_the_other_rows_of_the_batch(tensor_type, num_rows):
     """Up to EXACT_ROWS rows each activation row's sums are taken in the same order whatever rows
