@@ -98,8 +98,8 @@ class ServeProcess:
         if api_key is not None:
             self.channel = with_bearer(self.channel, api_key)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
-        self.scheduler_channel = with_bearer(grpc.insecure_channel(f"127.0.0.1:{self.scheduler_port}", options=CHANNEL_OPTIONS),
-                                             self.internal_token)
+        self.scheduler_channel = with_bearer(
+            grpc.insecure_channel(f"127.0.0.1:{self.scheduler_port}", options=CHANNEL_OPTIONS), self.internal_token)
         self.scheduler = scheduler_pb2_grpc.SchedulerStub(self.scheduler_channel)
 
     def __enter__(self) -> "ServeProcess":
