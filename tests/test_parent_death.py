@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+from tests.e2e.harness import is_running
+
 PARENT = """
 import subprocess, sys, time
 from pagedserve.launch.parent_death import child_env
@@ -18,18 +20,12 @@ time.sleep(600)
 """
 CHILD = """
 import time
+
+from tests.e2e.harness import is_running
 from pagedserve.launch.parent_death import die_with_parent
 die_with_parent()
 time.sleep(600)
 """
-
-
-def _is_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_a_child_gets_sigterm_when_its_parent_is_killed():
@@ -37,13 +33,13 @@ def test_a_child_gets_sigterm_when_its_parent_is_killed():
     try:
         child_pid = int(parent.stdout.readline())
         time.sleep(1.0)  # the child has made its request
-        assert _is_alive(child_pid)
+        assert is_running(child_pid)
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait(10)
         deadline = time.monotonic() + 10
-        while _is_alive(child_pid) and time.monotonic() < deadline:
+        while is_running(child_pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not _is_alive(child_pid)
+        assert not is_running(child_pid)
     finally:
         if parent.poll() is None:
             parent.kill()

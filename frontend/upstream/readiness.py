@@ -166,8 +166,9 @@ class ReadinessMonitor:
         while not self._stop.is_set():
             with self._lock:
                 is_ready = self._info is not None and self._info.is_ready
-                interval = self._poll_interval_s if is_ready and not self._num_waiting else RECOVERY_POLL_INTERVAL_S
-                interval = min(interval, self._poll_interval_s)
+                interval = self._poll_interval_s
+                if self._num_waiting or not is_ready:
+                    interval = min(interval, RECOVERY_POLL_INTERVAL_S)
             self._wake.wait(interval)
             self._wake.clear()
             if not self._stop.is_set():

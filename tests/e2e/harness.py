@@ -122,6 +122,15 @@ def parse_log_events(text: str) -> list[dict]:
     return events
 
 
+def is_running(pid: int) -> bool:
+    """False once pid has exited (a zombie awaiting its parent counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def wait_for(predicate, timeout: float = 30.0, interval: float = 0.05) -> bool:
     """Polls predicate until it is true (True) or timeout passes (False)."""
     deadline = time.monotonic() + timeout

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.e2e.harness import wait_for
+from tests.e2e.harness import is_running, parse_log_events, wait_for
 
 STARTER = """
 import json, os, signal, sys
@@ -21,14 +21,6 @@ os.kill(os.getpid(), signal.SIGKILL)  # no stop(), no atexit
 """
 
 
-def _is_running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_a_tree_stops_when_its_starter_is_killed_without_stopping_it(llama_checkpoint, tmp_path):
     starter = subprocess.run([sys.executable, "-c", STARTER, str(llama_checkpoint), str(tmp_path / "serve.log")],
                              capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2])
@@ -36,12 +28,11 @@ def test_a_tree_stops_when_its_starter_is_killed_without_stopping_it(llama_check
     pids = json.loads(starter.stdout.strip().splitlines()[-1])
     assert set(pids) >= {"serve", "scheduler", "worker-0", "frontend"}
     try:
-        assert wait_for(lambda: not any(_is_running(pid) for pid in pids.values()), timeout=60), \
+        assert wait_for(lambda: not any(is_running(pid) for pid in pids.values()), timeout=60), \
             (tmp_path / "serve.log").read_text()[-3000:]
-        events = [json.loads(line) for line in (tmp_path / "serve.log").read_text().splitlines()
-                  if line.startswith("{")]
+        events = parse_log_events((tmp_path / "serve.log").read_text())
         assert any(e.get("event") == "stopping" and e.get("signal") == "SIGTERM" for e in events)
     finally:
         for pid in pids.values():
-            if _is_running(pid):
+            if is_running(pid):
                 os.kill(pid, 9)

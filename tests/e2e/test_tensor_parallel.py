@@ -31,7 +31,7 @@ from pagedserve.launch.serve_config import free_port
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc
 from pagedserve.security.zmq_curve import curve_env_for, new_curve_env
 from tests.e2e.conftest import VOCAB_SIZE, build_checkpoint, start_server
-from tests.e2e.harness import READY_SERVICE, token_request, wait_for
+from tests.e2e.harness import READY_SERVICE, is_running, token_request, wait_for
 
 PROMPT_LENGTHS = [1, 17, 40, 130]
 MAX_NEW_TOKENS = 16
@@ -174,7 +174,7 @@ def test_killed_rank_gives_unavailable_and_not_ready(checkpoints, tmp_path_facto
             server.stub.Generate(token_request([5, 6, 7], max_tokens=2), timeout=30)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         # The surviving rank cannot run alone: it is stopped, not left blocked in a collective.
-        assert wait_for(lambda: not _is_running(pids["worker-0"]), timeout=UNAVAILABLE_WITHIN_S)
+        assert wait_for(lambda: not is_running(pids["worker-0"]), timeout=UNAVAILABLE_WITHIN_S)
         # serve logs an exit when its watch loop next reaps the child, not when the rank dies
         assert wait_for(lambda: any(e.get("event") == "child_exited" and e.get("child") == "worker-1"
                                     and e.get("exit_code") == -signal.SIGKILL for e in server.log_events()),
@@ -185,15 +185,6 @@ def test_killed_rank_gives_unavailable_and_not_ready(checkpoints, tmp_path_facto
         exit_code = server.stop()
     assert exit_code == 1, server.logs()[-3000:]  # serve reports that a worker had died
     assert time.monotonic() - started < 30
-
-
-def _is_running(pid: int) -> bool:
-    """False once pid has exited (a zombie awaiting its parent counts as exited)."""
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 class _Processes:
