@@ -20,8 +20,9 @@ result, applied once. When some read tokens as they come (StepPlan.streams_steps
 step's result as soon as it is computed and the scheduler applies it and hands its tokens out at
 once, then a result that ends the run: a token leaves the worker when it would without runs, and
 the scheduler and the worker skip the plan of every step but the first (the scheduler's step
-turned around on the same cores as the forward). A run stays inside the blocks the plan gives and
-short of every sequence's last token (run_length). A run step names the tokens that may end its
+turned around on the same cores as the forward). A run stays inside the blocks the plan gives;
+a continuable one also stops short of every sequence's last token, a run that is not continuable
+may end with one (run_length). A run step names the tokens that may end its
 sequences (StepPlan.end_token_ids: EOS unless ignored, stop tokens); the worker ends a run after a
 step that sampled one, and the scheduler plans whatever follows (a sequence the token did not end
 goes on in the next plan).
@@ -92,22 +93,28 @@ def wants_block_ahead(group: SequenceGroup, seq: Sequence, position: int, block_
     this one and fewer than the tokens its answer has to go before its last one."""
     num_held = len(seq.block_table) * block_size - position
     return (len(seq.block_table) == position // block_size + 1  # none held ahead yet
-            and num_held < MAX_RUN_STEPS and num_held < _num_run_tokens_left(group, seq))
+            and num_held < MAX_RUN_STEPS and num_held < _num_run_tokens_left(group, seq, through_last=True))
 
 
-def _num_run_tokens_left(group: SequenceGroup, seq: Sequence) -> int:
-    """Steps a run may give the sequence before its answer's last token (run_length)."""
-    return group.max_output_tokens - (len(seq.token_ids) - seq.num_prompt_tokens) - 1
+def _num_run_tokens_left(group: SequenceGroup, seq: Sequence, through_last: bool) -> int:
+    """Steps a run may give the sequence: up to its answer's last token, or before it (run_length)."""
+    return group.max_output_tokens - (len(seq.token_ids) - seq.num_prompt_tokens) - (0 if through_last else 1)
 
 
-def run_length(group: SequenceGroup, seq: Sequence, position: int, block_size: int) -> int:
+def run_length(group: SequenceGroup, seq: Sequence, position: int, block_size: int, through_last: bool) -> int:
     """How many steps a decode run may give a predictable decode at position: to the end of the
-    blocks it holds, and up to the token before the last one max_tokens leaves. The last token is
-    planned alone, in a step that is not a run (its next would be past the answer): a run that took
-    it would leave the worker computing, ahead, a step past the end, which a new request's prefill
-    would then wait for. The worker computes that last step ahead instead, while the scheduler
-    applies the run."""
-    return min(MAX_RUN_STEPS, len(seq.block_table) * block_size - position, _num_run_tokens_left(group, seq))
+    blocks it holds, and up to the last token max_tokens leaves (through_last) or the token before
+    it.
+
+    A continuable run stops before the last token, which is planned alone, in a step that is not a
+    run: a run that took it would leave the worker computing, ahead, a step past the end, which a
+    new request's prefill would then wait for. The worker computes that last step ahead instead,
+    while the scheduler applies the run. A run that is not continuable (more than
+    MAX_CONTINUABLE_SEQS sequences) has nothing computed after it, so it takes the last token too:
+    when the answers of a batch end at different lengths, each end then costs one plan, not two
+    (the run up to it and the step of its last token)."""
+    return min(MAX_RUN_STEPS, len(seq.block_table) * block_size - position,
+               _num_run_tokens_left(group, seq, through_last))
 
 
 def is_run_step(scheduler: Scheduler, num_scheduled: int, num_predictable: int, speculates: bool,

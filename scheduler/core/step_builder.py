@@ -100,7 +100,8 @@ class StepBuilder(PriorityPasses):
         self.num_priority_preemptions = 0  # of num_preemptions, those made for a higher priority
         self.adapter_slots = StepAdapterSlots(scheduler.lora_slots)
         self.num_continuable = 0  # scheduled decodes whose next step the worker may compute itself
-        self.num_run_steps = MAX_RUN_STEPS  # the longest decode run every such decode allows
+        self.num_run_steps = MAX_RUN_STEPS  # the longest continuable decode run every such decode allows
+        self.num_run_steps_through_last = MAX_RUN_STEPS  # the same, up to the last tokens (run_length)
         self.streams_steps = False  # a continuable decode's request reads tokens as they come
         self.speculates = False  # proposals may come in any step: the next step is not predictable
 
@@ -134,7 +135,9 @@ class StepBuilder(PriorityPasses):
             bool(self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy or tier_ops or lora_loads),
             self.streams_steps)
         continuable = is_continuable_step(len(self.scheduled), is_run)
-        num_steps = self.num_run_steps if is_run and self.scheduler.config.num_kv_ranks == 1 else 1
+        num_steps = 1
+        if is_run and self.scheduler.config.num_kv_ranks == 1:
+            num_steps = self.num_run_steps if continuable else self.num_run_steps_through_last
         plan = StepPlan(step_id=step_id, seqs=self.scheduled, blocks_to_swap_out=self.blocks_to_swap_out,
                         blocks_to_swap_in=self.blocks_to_swap_in, blocks_to_copy=self.blocks_to_copy,
                         epoch=epoch, drafts_from_worker=self.drafts_from_worker, tier_ops=tier_ops,
@@ -218,7 +221,9 @@ class StepBuilder(PriorityPasses):
             self._masks(scheduled, seq)
         elif is_predictable_decode(group, seq, spec, computed + 1, size):
             self.num_continuable += 1
-            self.num_run_steps = min(self.num_run_steps, run_length(group, seq, computed, size))
+            self.num_run_steps = min(self.num_run_steps, run_length(group, seq, computed, size, False))
+            self.num_run_steps_through_last = min(self.num_run_steps_through_last,
+                                                  run_length(group, seq, computed, size, True))
             self.streams_steps |= not group.request.hold_output
         self.scheduled.append(scheduled)
         if (computed + 1) % size == 0:

@@ -27,8 +27,8 @@ EOS = 2
 
 
 def _scheduler(**config) -> Scheduler:
-    config = {"block_size": BLOCK_SIZE, **config}
-    return Scheduler(SchedulerConfig(num_gpu_blocks=64, max_model_len=256, max_num_seqs=4,
+    config = {"block_size": BLOCK_SIZE, "max_num_seqs": 4, **config}
+    return Scheduler(SchedulerConfig(num_gpu_blocks=64, max_model_len=256,
                                      max_num_batched_tokens=256, **config))
 
 
@@ -101,9 +101,9 @@ def _serve(requests: list[Request], eos_at: int | None = None, max_steps: int = 
     return outputs, plans, scheduler.block_manager.gpu_pool.num_cached
 
 
-def _one_by_one(requests: list[Request], eos_at: int | None = None):
+def _one_by_one(requests: list[Request], eos_at: int | None = None, **config):
     """The same requests planned one step at a time (a two-rank replica has no runs)."""
-    return _serve(requests, eos_at, num_kv_ranks=2)
+    return _serve(requests, eos_at, num_kv_ranks=2, **config)
 
 
 def _joined(outputs) -> tuple:
@@ -197,6 +197,32 @@ def test_a_batch_runs_streamed_when_any_request_streams_and_each_gets_its_own_to
     for name in prompts:
         assert _joined(mixed[name]) == _joined(plain[name])
     assert all(len(output.deltas[0].token_ids) == 1 for output in mixed["b"])
+
+
+def test_a_run_of_more_sequences_than_a_step_computed_ahead_ends_with_the_first_answer_to_end():
+    """Whole answers of different lengths in a batch too large for a step computed ahead: a run
+    goes up to the earliest answer's last token (no plan of that token alone), and every answer is
+    the one planned step by step, with the same cached blocks."""
+    from pagedserve.scheduler.core.continuable import MAX_CONTINUABLE_SEQS
+
+    lengths = [6, 9, 10, 13, 15, 16]
+    assert len(lengths) > MAX_CONTINUABLE_SEQS
+    requests = [_request(f"r{index}", [5 + index, 6, 7, 8, 9], hold=True, max_tokens=max_tokens)
+                for index, max_tokens in enumerate(lengths)]
+    held, plans, held_cached = _serve(requests, max_num_seqs=8)
+    plain, plain_plans, plain_cached = _one_by_one(requests, max_num_seqs=8)
+    for request in requests:
+        assert _joined(held[request.request_id]) == _joined(plain[request.request_id])
+    assert held_cached == plain_cached
+    decodes = [plan for plan in plans if all(len(seq.token_ids) == 1 for seq in plan.seqs)]
+    large = [plan for plan in decodes if len(plan.seqs) > MAX_CONTINUABLE_SEQS]
+    assert large and not any(plan.continuable for plan in large)
+    # each large batch's run ends with its first answer's last token: after the prefill (1 token),
+    # the run of 5 ends r0 (6 tokens) and the next one of 3 ends r1 (9); no last token alone
+    assert [(len(plan.seqs), plan.num_steps) for plan in large] == [(6, 5), (5, 3)]
+    finished_in_runs = [output for outputs in held.values() for output in outputs
+                        if output.is_finished and len(output.deltas[0].token_ids) > 1]
+    assert {output.request_id for output in finished_in_runs} >= {"r0", "r1"}
 
 
 def test_no_runs_with_several_ranks_and_a_result_that_does_not_fit_its_run_is_refused():
