@@ -5,9 +5,11 @@
  * logits [rows, stride] float32 or bfloat16 (dtype), the first `vocab` values of each row read;
  * ids [rows] int64, logprobs [rows] float32. A row holding a NaN gives its first NaN's index and a
  * NaN log probability, as torch's max does (so does a row whose largest value is infinite). exp is
- * common.h's polynomial (within 2 units in the last place of expf) and the sum is taken in
- * vectorised float32 lanes, so the log probability differs from torch's in the last bits; the
- * index never does. Rows are split over the threads. */
+ * common.h's polynomial (within 2 units in the last place of expf; with AVX-512 the same steps with
+ * fused multiply-adds) and the sum is taken in vectorised float32 lanes, so the log probability
+ * differs from torch's in the last bits; the index never does. With AVX-512 the largest value and
+ * its first index come from one pass, the sum of exponentials from a second over the row, now in
+ * L2, four vectors at a time. Rows are split over the threads. */
 #include <math.h>
 
 #include "common.h"
@@ -24,52 +26,95 @@ static inline __m512 load16(const void *row, int64_t i, int32_t dtype) {
     return _mm512_loadu_ps((const float *)row + i);
 }
 
+/* exp(x) of 16 values x <= 0: exp_poly's steps and coefficients with fused multiply-adds, the
+ * power of two applied by vscalefps */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* The first `count` (1..16) values from i on, widened to float32; the others -inf */
+static inline __m512 load_tail(const void *row, int64_t i, int64_t count, int32_t dtype) {
+    const __mmask16 k = (__mmask16)((1u << count) - 1u);
+    if (dtype == DTYPE_BF16)
+        return _mm512_mask_blend_ps(k, _mm512_set1_ps(-INFINITY), _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, (const uint16_t *)row + i)), 16)));
+    return _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), k, (const float *)row + i);
+}
+
+#define GREEDY_LANES 4 /* independent accumulators: one value's add or max waits for none of the others */
+
 static void greedy_row(const void *row, int64_t vocab, int32_t dtype, int64_t *id, float *logprob) {
-    const int64_t full = vocab / 16 * 16;
-    __m512 m16 = _mm512_set1_ps(-INFINITY);
+    const int64_t step = 16 * GREEDY_LANES;
+    const int64_t blocks = vocab / step * step;
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    /* pass 1: each accumulator lane's largest value and the first index holding it */
+    __m512 m16[GREEDY_LANES];
+    __m512i at16[GREEDY_LANES];
     __mmask16 nan = 0;
-    for (int64_t i = 0; i < full; i += 16) {
-        __m512 v = load16(row, i, dtype);
+    for (int a = 0; a < GREEDY_LANES; a++) m16[a] = _mm512_set1_ps(-INFINITY), at16[a] = _mm512_set1_epi32(INT32_MAX);
+    int64_t i = 0;
+    for (; i < blocks; i += step)
+        for (int a = 0; a < GREEDY_LANES; a++) {
+            const __m512 v = load16(row, i + 16 * a, dtype);
+            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            const __mmask16 up = _mm512_cmp_ps_mask(v, m16[a], _CMP_GT_OQ);
+            m16[a] = _mm512_mask_mov_ps(m16[a], up, v);
+            at16[a] = _mm512_mask_mov_epi32(at16[a], up, _mm512_add_epi32(lane, _mm512_set1_epi32((int32_t)(i + 16 * a))));
+        }
+    for (; i < vocab; i += 16) { /* the rest, 16 at a time, the last part masked, into accumulator 0 */
+        const int64_t count = vocab - i < 16 ? vocab - i : 16;
+        const __m512 v = count == 16 ? load16(row, i, dtype) : load_tail(row, i, count, dtype);
         nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        m16 = _mm512_max_ps(m16, v);
-    }
-    float m = _mm512_reduce_max_ps(m16);
-    for (int64_t i = full; i < vocab; i++) {
-        float v = load_elem(row, i, dtype);
-        nan |= v != v;
-        m = v > m ? v : m;
+        const __mmask16 up = _mm512_cmp_ps_mask(v, m16[0], _CMP_GT_OQ);
+        m16[0] = _mm512_mask_mov_ps(m16[0], up, v);
+        at16[0] = _mm512_mask_mov_epi32(at16[0], up, _mm512_add_epi32(lane, _mm512_set1_epi32((int32_t)i)));
     }
     if (nan) { /* the first NaN, and a NaN log probability, as torch's max and its x - max */
-        int64_t i = 0;
-        while (i < vocab && load_elem(row, i, dtype) == load_elem(row, i, dtype)) i++;
-        *id = i;
+        int64_t j = 0;
+        while (j < vocab && load_elem(row, j, dtype) == load_elem(row, j, dtype)) j++;
+        *id = j;
         *logprob = NAN;
         return;
     }
-    int64_t at = vocab;
+    __m512 mx = m16[0];
+    for (int a = 1; a < GREEDY_LANES; a++) mx = _mm512_max_ps(mx, m16[a]);
+    const float m = _mm512_reduce_max_ps(mx);
     const __m512 target = _mm512_set1_ps(m);
-    for (int64_t i = 0; i < full && at == vocab; i += 16) {
-        __mmask16 hit = _mm512_cmp_ps_mask(load16(row, i, dtype), target, _CMP_EQ_OQ);
-        if (hit) at = i + __builtin_ctz(hit);
-    }
-    for (int64_t i = full; i < vocab && at == vocab; i++)
-        if (load_elem(row, i, dtype) == m) at = i;
-    *id = at == vocab ? 0 : at;
+    __m512i first = _mm512_set1_epi32(INT32_MAX);
+    for (int a = 0; a < GREEDY_LANES; a++) /* the lowest index holding the largest value */
+        first = _mm512_mask_min_epi32(first, _mm512_cmp_ps_mask(m16[a], target, _CMP_EQ_OQ), first, at16[a]);
+    const int32_t at = _mm512_reduce_min_epi32(first);
+    *id = at == INT32_MAX ? 0 : at; /* every value -inf: index 0, as torch's max */
     if (isinf(m)) { /* every value -inf, or one +inf: torch's x - max has NaNs */
         *logprob = NAN;
         return;
     }
-    float s = 0.0f;
-    if (dtype == DTYPE_BF16) {
-        const uint16_t *x = row;
-#pragma omp simd reduction(+ : s)
-        for (int64_t i = 0; i < vocab; i++) s += exp_poly(bf16_to_f32(x[i]) - m);
-    } else {
-        const float *x = row;
-#pragma omp simd reduction(+ : s)
-        for (int64_t i = 0; i < vocab; i++) s += exp_poly(x[i] - m);
+    /* pass 3: sum(exp(x - m)), the values from L2 now */
+    __m512 s16[GREEDY_LANES];
+    for (int a = 0; a < GREEDY_LANES; a++) s16[a] = _mm512_setzero_ps();
+    for (i = 0; i < blocks; i += step)
+        for (int a = 0; a < GREEDY_LANES; a++)
+            s16[a] = _mm512_add_ps(s16[a], exp16(_mm512_sub_ps(load16(row, i + 16 * a, dtype), target)));
+    for (; i < vocab; i += 16) {
+        const int64_t count = vocab - i < 16 ? vocab - i : 16;
+        const __mmask16 k = (__mmask16)((1u << count) - 1u);
+        const __m512 v = count == 16 ? load16(row, i, dtype) : load_tail(row, i, count, dtype);
+        s16[0] = _mm512_mask_add_ps(s16[0], k, s16[0], exp16(_mm512_sub_ps(v, target)));
     }
-    *logprob = -logf(s);
+    for (int a = 1; a < GREEDY_LANES; a++) s16[0] = _mm512_add_ps(s16[0], s16[a]);
+    *logprob = -logf(_mm512_reduce_add_ps(s16[0]));
 }
 #else
 static void greedy_row(const void *row, int64_t vocab, int32_t dtype, int64_t *id, float *logprob) {
