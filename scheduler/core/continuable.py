@@ -5,8 +5,7 @@ because each is, unless a token ends a sequence, the same decodes one position o
                  next position lies in the blocks it holds, its spec changes with neither tokens
                  nor positions (no penalties, no min_tokens window, no beams; structured output is
                  ruled out by the builder), and it has more tokens to go after this one
-    a run step   every sequence so, at most MAX_RUN_SEQS of them when every request takes its
-                 whole answer at the end, else MAX_CONTINUABLE_SEQS; no speculation, nothing
+    a run step   every sequence so, at most MAX_RUN_SEQS of them; no speculation, nothing
                  waiting or swapped out, and no block operations, KV tier operations or adapter
                  loads
     continuable  a run step of at most MAX_CONTINUABLE_SEQS sequences
@@ -56,14 +55,13 @@ if TYPE_CHECKING:
 # at one stream of SmolLM2 the gain is about a fifth of the step, at eight the misses cost more.
 MAX_CONTINUABLE_SEQS = 4
 
-# At most this many sequences in a decode run whose requests all take their whole answer at the
-# end: the rows of the worker's native decode step (worker/decode_run.py). Such a run wastes
-# nothing when the batch changes (an arrival ends it after its current step, a stop token after
-# the step that sampled it), so it is not bound by the misses that bound a step computed ahead. A
-# run that streams its steps keeps to MAX_CONTINUABLE_SEQS: the scheduler and the frontend then
-# handle each step's tokens while the worker computes the next, on the same cores, and at 32
-# streams on a 2-core Zen 4 the forward slowed by more than the plans saved (streamed tokens/s
-# 0.93-1.01x in three pairs, bench/real_model.py).
+# At most this many sequences in a decode run: the rows of the worker's native decode step
+# (worker/decode_run.py). A run wastes nothing when the batch changes (an arrival ends it after its
+# current step, a stop token after the step that sampled it), so it is not bound by the misses
+# that bound a step computed ahead. In a run that streams its steps the scheduler and the frontend
+# handle each step's tokens while the worker computes the next, on the same cores: at 32 streamed
+# requests on a 2-core Zen 4 that gave the same tokens/s as a plan per step (0.93-1.03x in seven
+# pairs, bench/real_model.py) with a third of the plans and less of the step at its edges.
 MAX_RUN_SEQS = 32
 
 # At most this many steps in a decode run: the scheduler's cost per token falls as 1 / steps. A
@@ -118,12 +116,11 @@ def run_length(group: SequenceGroup, seq: Sequence, position: int, block_size: i
 
 
 def is_run_step(scheduler: Scheduler, num_scheduled: int, num_predictable: int, speculates: bool,
-                has_operations: bool, streams: bool) -> bool:
+                has_operations: bool) -> bool:
     """Whether a step of num_scheduled sequences, num_predictable of them predictable decodes, is a
     decode run's first step (module doc); has_operations: block copies or swaps, tier operations,
-    adapter loads; streams: a request reads its tokens as they come."""
-    limit = MAX_CONTINUABLE_SEQS if streams else MAX_RUN_SEQS
-    return (0 < num_scheduled == num_predictable <= limit and not speculates
+    adapter loads."""
+    return (0 < num_scheduled == num_predictable <= MAX_RUN_SEQS and not speculates
             and not scheduler.waiting and not scheduler.swapped and not has_operations)
 
 

@@ -56,7 +56,7 @@ from bisect import insort
 from typing import TYPE_CHECKING
 
 from pagedserve.scheduler.core.priority_passes import PriorityPasses
-from pagedserve.scheduler.core.continuable import (MAX_CONTINUABLE_SEQS, MAX_RUN_SEQS, MAX_RUN_STEPS,
+from pagedserve.scheduler.core.continuable import (MAX_RUN_SEQS, MAX_RUN_STEPS,
                                                    has_static_decode_spec, is_continuable_step,
                                                    is_predictable_decode, is_run_step, run_length,
                                                    wants_block_ahead)
@@ -132,8 +132,7 @@ class StepBuilder(PriorityPasses):
             return None
         is_run = is_run_step(
             self.scheduler, len(self.scheduled), self.num_continuable, self.speculates,
-            bool(self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy or tier_ops or lora_loads),
-            self.streams_steps)
+            bool(self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy or tier_ops or lora_loads))
         continuable = is_continuable_step(len(self.scheduled), is_run)
         num_steps = 1
         if is_run and self.scheduler.config.num_kv_ranks == 1:
@@ -239,7 +238,7 @@ class StepBuilder(PriorityPasses):
         gpu = self.block_manager.gpu_pool
         if (self.scheduler.config.num_kv_ranks == 1  # several ranks have no runs
                 and not self.speculates and not self.scheduler.waiting and not self.scheduler.swapped
-                and len(self.scheduler.running) <= (MAX_RUN_SEQS if group.request.hold_output else MAX_CONTINUABLE_SEQS)
+                and len(self.scheduler.running) <= MAX_RUN_SEQS
                 and has_static_decode_spec(group, spec)
                 and wants_block_ahead(group, seq, position, self.block_manager.block_size)
                 and gpu.num_available > len(self.scheduler.running)):

@@ -115,11 +115,12 @@ def test_a_batch_is_a_run_only_when_every_sequence_is():
     assert sum(len(plan.seqs) == 2 for plan in plans) >= 4
 
 
-def test_runs_of_more_sequences_than_a_step_computed_ahead_only_for_whole_answers_and_not_above_the_limit():
+def test_runs_of_more_sequences_than_a_step_computed_ahead_streamed_or_not_and_not_above_the_limit():
     from pagedserve.scheduler.core.continuable import MAX_CONTINUABLE_SEQS, MAX_RUN_SEQS
 
     cases = ((MAX_CONTINUABLE_SEQS + 1, True, True), (MAX_RUN_SEQS, True, True), (MAX_RUN_SEQS + 1, True, False),
-             (MAX_CONTINUABLE_SEQS, False, True), (MAX_CONTINUABLE_SEQS + 1, False, False))
+             (MAX_CONTINUABLE_SEQS, False, True), (MAX_CONTINUABLE_SEQS + 1, False, True),
+             (MAX_RUN_SEQS, False, True), (MAX_RUN_SEQS + 1, False, False))
     for num_requests, hold, is_run in cases:  # hold: every request takes its whole answer at the end
         scheduler = _scheduler(max_num_seqs=MAX_RUN_SEQS + 1, num_gpu_blocks=4 * (MAX_RUN_SEQS + 1) + 8)
         for index in range(num_requests):
@@ -135,6 +136,7 @@ def test_runs_of_more_sequences_than_a_step_computed_ahead_only_for_whole_answer
         assert [plan.num_steps for plan in decodes] == ([7, 6, 5] if is_run else [1, 1, 1])
         assert all(len(seq.block_table) == (3 if is_run else 2) for plan in decodes for seq in plan.seqs)
         assert all(plan.end_token_ids == [] for plan in decodes)  # EOS ignored
+        assert all(plan.streams_steps == (is_run and not hold) for plan in decodes)
 
 
 def test_not_continuable_while_speculating():
