@@ -95,7 +95,8 @@ class Engine:
         self._unreported: StepRecord | None = None  # the last step's record, not yet given to on_step
         self._on_idle = on_idle
         self._next_idle_report = 0.0
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()  # change the requests: end a decode run
+        self._reads: queue.SimpleQueue = queue.SimpleQueue()  # Engine.call: run after the commands, end no run
         self._wakeup = threading.Event()
         self._stopping = threading.Event()
         self._sinks: dict[str, Sink] = {}
@@ -133,7 +134,9 @@ class Engine:
                    and self.scheduler.finish_completion(request_id, index))
 
     def call(self, fn: Callable[[], object], timeout: float = 10.0) -> object:
-        """Runs fn on the loop thread between steps and returns its result."""
+        """Runs fn on the loop thread between steps and returns its result: after the commands posted
+        before it, and without ending a decode run in flight (a read of the state, such as GetStats,
+        waits for the run's end instead; a run is at most MAX_RUN_STEPS steps)."""
         done = threading.Event()
         box: list = []
 
@@ -144,7 +147,8 @@ class Engine:
                 box.append(exc)
             done.set()
 
-        self._post(run)
+        self._reads.put(run)
+        self._wakeup.set()
         if not done.wait(timeout):
             raise EngineUnavailable("the step loop did not answer in time")
         if isinstance(box[0], Exception):
@@ -182,12 +186,13 @@ class Engine:
             self.scheduler.abort_request(request_id)
 
     def _apply_commands(self) -> None:
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            command()
+        for commands in (self._commands, self._reads):
+            while True:
+                try:
+                    command = commands.get_nowait()
+                except queue.Empty:
+                    break
+                command()
 
     def _run(self) -> None:
         while not self._stopping.is_set():

@@ -17,9 +17,8 @@ class StepRecorder:
     `records` holds every step of the block seen, by step id.
 
     interval=None: no polling, the records are read by `collect()` (between requests sent one
-    after another) and at the block's end. A GetStats read runs on the scheduler's step loop and
-    ends a decode run in flight after its current step (scheduler/core/continuable.py), which a
-    poll every half second would do to a single stream's runs."""
+    after another) and at the block's end. A GetStats read runs on the scheduler's step loop
+    between steps, after the end of a decode run in flight (scheduler/engine.py Engine.call)."""
 
     def __init__(self, server: ServeProcess, interval: float | None = 0.5) -> None:
         self._channel = grpc.insecure_channel(f"127.0.0.1:{server.scheduler_port}")

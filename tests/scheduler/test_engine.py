@@ -271,3 +271,44 @@ def test_idle_reports_follow_an_abort_without_another_step():
         assert reports[applied:] and reports[-1] == (0, 0), reports[-3:]
     finally:
         engine.stop()
+
+
+class GatedLink(FakeLink):
+    """A FakeLink whose decode runs wait for `gate` before their result (a run in flight)."""
+
+    def __init__(self, events: list) -> None:
+        super().__init__(events)
+        self.gate = threading.Event()
+        self.in_run = threading.Event()
+
+    def wait_result(self, plan, poll_seconds: float = 0.5):
+        if plan.num_steps > 1:
+            self.in_run.set()
+            assert self.gate.wait(5), "the test did not open the gate"
+        return super().wait_result(plan, poll_seconds)
+
+
+def test_a_read_of_the_state_waits_for_a_decode_run_and_does_not_end_it():
+    """Engine.call (GetStats) runs after the run in flight, without interrupting it (a request that
+    arrives or leaves does: worker_link.py EndRun)."""
+    events: list = []
+    link = GatedLink(events)
+    config = SchedulerConfig(block_size=BLOCK_SIZE, max_model_len=256, max_num_seqs=8, num_gpu_blocks=NUM_BLOCKS)
+    engine = Engine(config, link)
+    engine.start()
+    try:
+        request = _request("a", prompt_len=5, max_tokens=30)
+        request.hold_output = True
+        engine.submit(request, Collector())
+        assert link.in_run.wait(5), "no decode run was planned"
+        answers: list = []
+        reader = threading.Thread(target=lambda: answers.append(engine.call(lambda: "read")))
+        reader.start()
+        time.sleep(0.2)
+        assert ("interrupt",) not in events and not answers  # the read waits for the run
+        link.gate.set()
+        reader.join(5)
+        assert answers == ["read"] and ("interrupt",) not in events
+    finally:
+        link.gate.set()
+        engine.stop()
