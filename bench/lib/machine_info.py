@@ -22,7 +22,8 @@ def cpu_name() -> str:
 
 
 def code_version() -> str | None:
-    """The checkout's commit, with "+changes" when tracked files differ from it; None outside git."""
+    """The checkout's commit, with "+changes" when tracked files other than documentation (docs/,
+    Markdown files) differ from it; None outside git."""
     try:
         commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True, timeout=10)
@@ -32,7 +33,9 @@ def code_version() -> str | None:
         return None
     if commit.returncode != 0:
         return None
-    return commit.stdout.strip() + ("+changes" if changes.stdout.strip() else "")
+    changed = [line[3:] for line in changes.stdout.splitlines() if line.strip()]
+    is_code_changed = any(not (path.startswith("docs/") or path.endswith(".md")) for path in changed)
+    return commit.stdout.strip() + ("+changes" if is_code_changed else "")
 
 
 def machine(*packages: str) -> dict:
