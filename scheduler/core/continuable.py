@@ -88,7 +88,9 @@ def has_static_decode_spec(group: SequenceGroup, spec: SampleSpec) -> bool:
 def wants_block_ahead(group: SequenceGroup, seq: Sequence, position: int, block_size: int) -> bool:
     """Whether a decode at `position` would make a longer run with its next block (module doc): it
     holds none beyond the block of `position`, which leaves fewer than MAX_RUN_STEPS positions from
-    this one and fewer than the tokens its answer has to go before its last one."""
+    this one and fewer than the tokens its answer has to go, its last one included (a run that is
+    not continuable takes it; a continuable one stops before it, and the step of the last token
+    then uses the block)."""
     num_held = len(seq.block_table) * block_size - position
     return (len(seq.block_table) == position // block_size + 1  # none held ahead yet
             and num_held < MAX_RUN_STEPS and num_held < _num_run_tokens_left(group, seq, through_last=True))
