@@ -1,6 +1,6 @@
 """The scheduler process's step loop: one thread owns the Scheduler and the worker link.
 
-    gRPC threads --commands (submit, abort, finish)--> queue --> step loop thread
+    gRPC threads --commands (submit, abort, finish), reads--> loop_commands.py --> step loop thread
     step loop:  apply commands -> schedule() -> publish plan N
                 -> hand step N-1's outputs to the dispatcher (while the workers run step N)
                 -> rank 0's result N -> process_result() -> outputs held for the next step
@@ -29,7 +29,6 @@ Nothing but the loop thread touches the Scheduler, so it needs no locks.
 from __future__ import annotations
 
 import collections
-import queue
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -40,6 +39,7 @@ from pagedserve.contracts.request_types import Request, RequestOutput
 from pagedserve.scheduler.core.admission import Admission
 from pagedserve.scheduler.core.errors import RequestFailed, SchedulerConfigError
 from pagedserve.scheduler.core.config import SchedulerConfig
+from pagedserve.scheduler.loop_commands import LoopCommands
 from pagedserve.scheduler.worker_link import PoolSize, WorkerLink, WorkerLost
 from pagedserve.scheduler.structured_output.compiler import GrammarCompiler
 
@@ -95,9 +95,7 @@ class Engine:
         self._unreported: StepRecord | None = None  # the last step's record, not yet given to on_step
         self._on_idle = on_idle
         self._next_idle_report = 0.0
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()  # change the requests: end a decode run
-        self._reads: queue.SimpleQueue = queue.SimpleQueue()  # Engine.call: run after the commands, end no run
-        self._wakeup = threading.Event()
+        self._commands = LoopCommands(on_command=self._end_run_in_flight)
         self._stopping = threading.Event()
         self._sinks: dict[str, Sink] = {}
         self._dispatch: Dispatch = dispatch or _call_each
@@ -117,48 +115,33 @@ class Engine:
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stopping.set()
-        self._wakeup.set()
+        self._commands.wakeup.set()
         self._thread.join(timeout)
 
     def submit(self, request: Request, sink: Sink) -> None:
         if not self.state.is_ready:
             raise EngineUnavailable("workers are not ready")
         self.admission.admit(request.request_id, len(request.prompt_token_ids))
-        self._post(lambda: self._add(request, sink))
+        self._commands.post(lambda: self._add(request, sink))
 
     def abort(self, request_id: str) -> None:
-        self._post(lambda: self._abort(request_id))
+        self._commands.post(lambda: self._abort(request_id))
 
     def finish_completion(self, request_id: str, index: int) -> None:
-        self._post(lambda: self.scheduler is not None
+        self._commands.post(lambda: self.scheduler is not None
                    and self.scheduler.finish_completion(request_id, index))
 
     def call(self, fn: Callable[[], object], timeout: float = 10.0) -> object:
-        """Runs fn on the loop thread between steps and returns its result: after the commands posted
-        before it, and without ending a decode run in flight (a read of the state, such as GetStats,
-        waits for the run's end instead; a run is at most MAX_RUN_STEPS steps)."""
-        done = threading.Event()
-        box: list = []
+        """Runs fn on the loop thread between steps and returns its result: a read of the state
+        (loop_commands.py), which waits for a decode run in flight to end instead of ending it."""
+        try:
+            return self._commands.read(fn, timeout)
+        except TimeoutError as exc:
+            raise EngineUnavailable(str(exc)) from exc
 
-        def run() -> None:
-            try:
-                box.append(fn())
-            except Exception as exc:  # handed back to the caller's thread
-                box.append(exc)
-            done.set()
-
-        self._reads.put(run)
-        self._wakeup.set()
-        if not done.wait(timeout):
-            raise EngineUnavailable("the step loop did not answer in time")
-        if isinstance(box[0], Exception):
-            raise box[0]
-        return box[0]
-
-    def _post(self, command: Callable[[], object]) -> None:
-        self._commands.put(command)
-        self._wakeup.set()
-        if self._run_in_flight:  # a decode run ends after its current step (worker_link.py)
+    def _end_run_in_flight(self) -> None:
+        """A command was posted: a decode run in flight ends after its current step (worker_link.py)."""
+        if self._run_in_flight:
             self.link.interrupt()
 
     # ---- loop thread -------------------------------------------------------------------------
@@ -185,15 +168,6 @@ class Engine:
         if self.scheduler is not None:
             self.scheduler.abort_request(request_id)
 
-    def _apply_commands(self) -> None:
-        for commands in (self._commands, self._reads):
-            while True:
-                try:
-                    command = commands.get_nowait()
-                except queue.Empty:
-                    break
-                command()
-
     def _run(self) -> None:
         while not self._stopping.is_set():
             try:
@@ -201,14 +175,14 @@ class Engine:
                     self._start_workers()
                     self._report_idle()
                     continue
-                self._apply_commands()
+                self._commands.apply()
                 if not self._step():
                     self._hand_over()
                     self._report_idle()
                     self.link.drain()
                     self.link.check_alive()
-                    self._wakeup.wait(0.05)
-                    self._wakeup.clear()
+                    self._commands.wakeup.wait(0.05)
+                    self._commands.wakeup.clear()
             except WorkerLost as exc:
                 self._lose_workers(str(exc))
             except Exception:
@@ -218,7 +192,7 @@ class Engine:
         self._fail_all(EngineUnavailable("the scheduler is stopping"))
 
     def _start_workers(self) -> None:
-        self._apply_commands()
+        self._commands.apply()
         if self._recovery_deadline is not None and time.monotonic() > self._recovery_deadline:
             self._give_up_recovery("workers did not come back in time")
         if not self.link.all_registered():
@@ -279,7 +253,7 @@ class Engine:
         self._in_flight_ids = [group.request_id for group in scheduled.groups]
         self._run_in_flight = scheduled.plan.num_steps > 1
         self.link.publish(scheduled.plan)
-        if self._run_in_flight and not self._commands.empty():  # came after this plan was built
+        if self._run_in_flight and self._commands.has_commands():  # came after this plan was built
             self.link.interrupt()
         if scheduled.pending_masks:  # while the workers run the forward; rank 0 waits before sampling
             scheduled.fill_masks()

@@ -114,7 +114,7 @@ def test_outputs_of_a_step_go_out_in_one_batch_after_the_next_plan():
         collectors = {}
         # Submitted from the loop thread's own queue in one go, so they are scheduled together.
         gate = threading.Event()
-        engine._post(gate.wait)
+        engine._commands.post(gate.wait)
         for index in range(3):
             collectors[f"r{index}"] = Collector()
             engine.submit(_request(f"r{index}", 6 + index, 5), collectors[f"r{index}"])
@@ -207,11 +207,11 @@ def _run_with_poison(mode: str) -> tuple[dict[str, Collector], PoisonLink, dict[
             time.sleep(0.01)
         collectors = {name: Collector() for name in [*undisturbed, "poison"]}
         gate = threading.Event()
-        engine._post(gate.wait)
+        engine._commands.post(gate.wait)
         for name, collector in collectors.items():
             engine.submit(_request(name, 7 if name == "poison" else 5 + int(name[-1]), 8), collector)
         # the poison request's sequence ids, as the scheduler numbers them (on the loop thread)
-        engine._post(lambda: link.poison_seq_ids.update(
+        engine._commands.post(lambda: link.poison_seq_ids.update(
             seq.seq_id for seq in engine.scheduler.group_of("poison").seqs))
         gate.set()
         for collector in collectors.values():
