@@ -10,6 +10,10 @@ A frontend that keeps the stream open but stops reading it is bounded too: past
 --max-undelivered-bytes of unread output the request is aborted and its stream ends with
 RESOURCE_EXHAUSTED (scheduler/undelivered_output.py).
 
+A Session carries many requests on one stream, each with that same contract; a frontend keeps one
+per scheduler (GetInfo's has_session says it is served), and a step's outputs for all its requests
+go out in one message (session.py).
+
 A Submit that carries continuations is a request resubmitted by a frontend after the scheduler
 that ran it was lost: each completion goes on from the tokens the client already has
 (request_intake.py). GetInfo's instance_id, new at every start, lets a frontend whose streams
@@ -17,10 +21,10 @@ broke tell a restarted scheduler (resubmit) from this one ending them on purpose
 
 Drain (SIGTERM/SIGINT):
 
-    draining ── GetInfo says not ready (frontends turn NOT_SERVING), new Submits: UNAVAILABLE
-       │        open streams run to the end, up to shutdown_timeout
+    draining ── GetInfo says not ready (frontends turn NOT_SERVING), new requests: UNAVAILABLE
+       │        open requests run to the end, up to shutdown_timeout
        ▼
-    engine stop ── streams still open end with UNAVAILABLE (their requests are aborted),
+    engine stop ── requests still open end with UNAVAILABLE (and are aborted),
                    workers are told to shut down; then the server closes
 """
 
@@ -50,6 +54,7 @@ from pagedserve.scheduler.engine import Engine, EngineUnavailable
 from pagedserve.scheduler.metrics import SchedulerMetrics
 from pagedserve.scheduler.core.config import SchedulerConfig
 from pagedserve.scheduler.server_config import SchedulerServerConfig
+from pagedserve.scheduler.session import DEADLINE_SLACK_S, SessionStream
 from pagedserve.scheduler.undelivered_output import DEFAULT_MAX_UNDELIVERED_BYTES, OutputOverflow, UndeliveredOutput
 from pagedserve.scheduler.worker_link import WorkerLink
 from pagedserve.contracts.scheduler_codec import request_from_proto
@@ -83,11 +88,6 @@ def _continued(request: Request) -> dict:
         return {}
     return {"continued_tokens": {c.index: len(c.token_ids) for c in request.continuations},
             "num_finished_before": sum(c.is_finished for c in request.continuations)}
-
-
-# The frontend cancels its Submit when its client's deadline passes, a little before this end's copy
-# of the same deadline: a stream closed this close to its deadline timed out.
-DEADLINE_SLACK_S = 0.25
 
 
 def check_submitted(request: Request, vocab_size: int) -> None:
@@ -124,7 +124,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.tensor_parallel_size = tensor_parallel_size
         self.metrics = metrics or SchedulerMetrics()
         self.is_draining = False
-        self.num_open_streams = 0  # Submit streams not yet ended (event loop only: no lock)
+        self.num_open_streams = 0  # requests not yet ended (event loop only: no lock)
+        self.sessions: set[SessionStream] = set()
         self.instance_id = uuid.uuid4().hex  # GetInfo's: a restart is a new instance
         self._log = structlog.get_logger()
 
@@ -136,11 +137,44 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             await asyncio.sleep(DRAIN_POLL_S)
         return self.num_open_streams
 
-    async def _refuse(self, context, log, exc: Exception) -> None:
+    def rejected(self, log, exc: Exception) -> grpc.StatusCode:
+        """Counts and logs a request refused with `exc`; returns the status it ends with."""
         code = _status_for(exc)
         self.metrics.requests_rejected.labels(reason=_REJECT_REASON.get(code, "invalid")).inc()
         log.info("request_rejected", code=code.name, error=str(exc))
-        await context.abort(code, str(exc))
+        return code
+
+    async def _refuse(self, context, log, exc: Exception) -> None:
+        await context.abort(self.rejected(log, exc), str(exc))
+
+    # for the Session stream (session.py)
+    status_for = staticmethod(_status_for)
+    continued = staticmethod(_continued)
+
+    @property
+    def log(self):
+        return self._log
+
+    def check_submitted(self, request: Request) -> None:
+        check_submitted(request, self.model.vocab_size)
+
+    async def Session(self, request_iterator, context):
+        session = SessionStream(self, request_iterator, context)
+        self.sessions.add(session)
+        try:
+            async for response in session.responses():
+                yield response
+        finally:
+            self.sessions.discard(session)
+
+    async def close_sessions(self, timeout: float) -> None:
+        """Ends every Session stream (after the engine stopped: their requests have ended), waiting up
+        to `timeout` for them to send what they hold."""
+        for session in list(self.sessions):
+            session.close()
+        deadline = time.monotonic() + timeout
+        while self.sessions and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
 
     async def Submit(self, request, context):
         log = self._log.bind(request_id=request.request_id, frontend_id=request.frontend_id)
@@ -166,7 +200,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             await self._refuse(context, log, exc)
         log.info("request_submitted", prompt_tokens=len(internal.prompt_token_ids),
                  max_tokens=internal.sampling.max_tokens, num_completions=internal.sampling.num_completions,
-                 **_continued(internal))
+                 via="submit", **_continued(internal))
         self.num_open_streams += 1
         is_finished = is_started = has_failed = False
         finish_reasons: dict[int, str] = {}
@@ -217,6 +251,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             instance_id=self.instance_id,
+            has_session=True,
         )
 
     async def GetStats(self, request, context):
@@ -321,7 +356,8 @@ async def _serve(config: SchedulerServerConfig, engine_config: SchedulerConfig, 
              shutdown_timeout=config.shutdown_timeout)
     num_left = await servicer.drain(config.shutdown_timeout)
     log.info("scheduler_stopping", num_streams_cut=num_left)
-    await asyncio.to_thread(engine.stop)  # open streams end with UNAVAILABLE
+    await asyncio.to_thread(engine.stop)  # open requests end with UNAVAILABLE
+    await servicer.close_sessions(timeout=2.0)
     await server.stop(grace=2.0)
     link.close()
     log.info("scheduler_stopped")

@@ -7,6 +7,7 @@ paused in a debugger) makes the scheduler hold every remaining step of the reque
 max_tokens times n times its logprobs, and keeps the request's blocks in use meanwhile.
 
     engine (per step) ──put──▶ [ encoded messages, num_bytes ] ──get──▶ Submit stream ──▶ frontend
+                                                                 take_ready (on_ready) ──▶ Session stream
                                       │ num_bytes > max_bytes with an earlier message still unread
                                       ▼
                                on_overflow()  (the request is aborted: its blocks are freed)
@@ -81,8 +82,10 @@ def _own_delta(delta: CompletionDelta) -> CompletionDelta:
 
 
 class UndeliveredOutput:
-    def __init__(self, max_bytes: int, on_overflow: Callable[[], None], *, hold: bool = False) -> None:
-        """hold: the request's outputs after its first are merged (the module's docstring)."""
+    def __init__(self, max_bytes: int, on_overflow: Callable[[], None], *, hold: bool = False,
+                 on_ready: Callable[[], None] | None = None) -> None:
+        """hold: the request's outputs after its first are merged (the module's docstring).
+        on_ready: called whenever something is queued (a Session's writer then takes it: take_ready)."""
         if max_bytes < 1:
             raise ValueError(f"max_bytes must be >= 1, not {max_bytes}")
         self.max_bytes = max_bytes
@@ -90,6 +93,7 @@ class UndeliveredOutput:
         self.has_overflowed = False
         self.hold = hold
         self._on_overflow = on_overflow
+        self._on_ready = on_ready
         self._queue: asyncio.Queue = asyncio.Queue()
         self._num_outputs = 0  # outputs the engine gave
         self._held: RequestOutput | None = None  # hold: the merged outputs not queued yet
@@ -103,6 +107,7 @@ class UndeliveredOutput:
             self._release_held()
             if not self.has_overflowed:
                 self._queue.put_nowait(item)
+                self._signal()
             return
         self._num_outputs += 1
         if not self.hold or self._num_outputs == 1:
@@ -128,6 +133,7 @@ class UndeliveredOutput:
             return
         self.num_bytes += size
         self._queue.put_nowait(Delivery(item, message, size))
+        self._signal()
 
     async def get(self) -> Delivery | Exception:
         """The next output, or the exception that ends the stream (OutputOverflow, or the engine's)."""
@@ -135,6 +141,29 @@ class UndeliveredOutput:
         if isinstance(item, Delivery):
             self.num_bytes -= item.num_bytes
         return item
+
+    def take_ready(self, max_bytes: int) -> tuple[list[Delivery | Exception], int]:
+        """What is queued now, oldest first, without waiting, up to max_bytes of messages (the first
+        one whatever its size); and their bytes. `has_ready` tells whether some were left."""
+        items, taken = [], 0
+        while not self._queue.empty():
+            item = self._queue._queue[0]  # noqa: SLF001  (peeked: asyncio.Queue has no peek)
+            size = item.num_bytes if isinstance(item, Delivery) else 0
+            if items and taken + size > max_bytes:
+                break
+            self._queue.get_nowait()
+            self.num_bytes -= size
+            taken += size
+            items.append(item)
+        return items, taken
+
+    @property
+    def has_ready(self) -> bool:
+        return not self._queue.empty()
+
+    def _signal(self) -> None:
+        if self._on_ready is not None:
+            self._on_ready()
 
     def _overflow(self) -> None:
         num_bytes = self.num_bytes
@@ -145,4 +174,5 @@ class UndeliveredOutput:
         self._queue.put_nowait(OutputOverflow(
             f"the frontend left more than {self.max_bytes} bytes of this request's output unread "
             f"({num_bytes} queued): the request was aborted"))
+        self._signal()
         self._on_overflow()

@@ -1,11 +1,15 @@
 """Client of the scheduler's internal gRPC service (messages converted by scheduler_codec.py).
 
+A scheduler that serves Session (its GetInfo's has_session) gets every request of this client on
+one Session stream (scheduler_session.py); one that does not, a Submit stream per request. Both
+give the same SubmitStream interface and the same errors (scheduler_errors.py).
+
 Transport failures become exceptions the servicer maps to public status codes:
 
 ```
  scheduler status / failure             exception              public status
  UNAVAILABLE, connection refused/lost   SchedulerUnavailable   UNAVAILABLE
- a Submit stream broken by the peer     SchedulerLost          UNAVAILABLE, unless resumed
+ a request stream broken by the peer   SchedulerLost          UNAVAILABLE, unless resumed
    (UNAVAILABLE, or CANCELLED that the    (a SchedulerUnavailable; recovery.py resubmits the
    frontend did not ask for)              request when another scheduler instance is ready)
  RESOURCE_EXHAUSTED (queue full)        SchedulerBusy          RESOURCE_EXHAUSTED
@@ -30,62 +34,13 @@ from pagedserve.config.grpc_options import INTERNAL_CHANNEL_OPTIONS
 from pagedserve.internal import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.contracts.request_types import Request, RequestOutput
 from pagedserve.contracts.scheduler_codec import output_from_proto, request_to_proto
+from pagedserve.frontend.upstream.scheduler_errors import (  # noqa: F401  (the frontend imports them from here)
+    SchedulerBusy, SchedulerError, SchedulerLost, SchedulerRejected, SchedulerTimeout, SchedulerUnavailable,
+    SubmitCancelled, error_from_rpc,
+)
+from pagedserve.frontend.upstream.scheduler_session import Session, SessionStream
 
 DEFAULT_RPC_TIMEOUT_S = 5.0
-
-
-class SchedulerError(RuntimeError):
-    """The scheduler call failed; `code` is the gRPC status it failed with."""
-
-    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.INTERNAL) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class SchedulerUnavailable(SchedulerError):
-    """The scheduler cannot be reached, is not ready, or is draining."""
-
-
-class SchedulerLost(SchedulerUnavailable):
-    """A Submit stream broke before its last message, and the frontend did not cancel it: the
-    scheduler may have died (or ended the stream itself with UNAVAILABLE)."""
-
-
-class SchedulerBusy(SchedulerError):
-    """The scheduler's waiting queue is full."""
-
-
-class SchedulerRejected(SchedulerError):
-    """The scheduler found the request invalid."""
-
-
-class SchedulerTimeout(SchedulerError):
-    """The call's deadline passed."""
-
-
-class SubmitCancelled(SchedulerError):
-    """The frontend cancelled the Submit stream itself (its own client went away)."""
-
-
-_ERROR_FOR_CODE = {
-    grpc.StatusCode.UNAVAILABLE: SchedulerUnavailable,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: SchedulerBusy,
-    grpc.StatusCode.INVALID_ARGUMENT: SchedulerRejected,
-    grpc.StatusCode.DEADLINE_EXCEEDED: SchedulerTimeout,
-    grpc.StatusCode.CANCELLED: SubmitCancelled,
-}
-
-
-def _status(exc: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
-    """The failed call's status code and the message a SchedulerError carries for it."""
-    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-    details = exc.details() if hasattr(exc, "details") else str(exc)
-    return code, f"scheduler: {details or code.name}"
-
-
-def error_from_rpc(exc: grpc.RpcError) -> SchedulerError:
-    code, message = _status(exc)
-    return _ERROR_FOR_CODE.get(code, SchedulerError)(message, code)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +56,7 @@ class SchedulerInfo:
     max_num_seqs: int
     max_num_batched_tokens: int
     instance_id: str  # new at every scheduler start
+    has_session: bool = False  # serves Session: this client's requests go on one stream
 
 
 class SubmitStream:
@@ -126,10 +82,7 @@ class SubmitStream:
         except grpc.RpcError as exc:
             if self.is_cancelled:
                 raise SubmitCancelled("the Submit stream was cancelled", grpc.StatusCode.CANCELLED) from exc
-            code, message = _status(exc)
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-                raise SchedulerLost(message, grpc.StatusCode.UNAVAILABLE) from exc
-            raise error_from_rpc(exc) from exc
+            raise error_from_rpc(exc, broken=True) from exc
 
 
 class SchedulerClient:
@@ -141,14 +94,29 @@ class SchedulerClient:
         self._channel = channel or with_bearer(grpc.insecure_channel(address, options=INTERNAL_CHANNEL_OPTIONS),
                                                internal_token())
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+        self._has_session = False  # the last GetInfo's has_session
+        self._session: Session | None = None
+        self._session_lock = threading.Lock()
 
     def close(self) -> None:
+        with self._session_lock:
+            session, self._session = self._session, None
+        if session is not None:
+            session.close()
         self._channel.close()
 
-    def submit(self, request: Request, timeout: float | None = None) -> SubmitStream:
+    def submit(self, request: Request, timeout: float | None = None) -> SubmitStream | SessionStream:
         """Starts the request; failures surface while iterating the returned stream."""
         msg = request_to_proto(request, self.frontend_id)
-        return SubmitStream(request.request_id, self._stub.Submit(msg, timeout=timeout))
+        if not self._has_session:
+            return SubmitStream(request.request_id, self._stub.Submit(msg, timeout=timeout))
+        with self._session_lock:
+            while True:
+                if self._session is None or not self._session.is_open:
+                    self._session = Session(self._stub)
+                stream = self._session.submit(msg, timeout)
+                if stream is not None:
+                    return stream
 
     def finish_completion(self, request_id: str, index: int, timeout: float = DEFAULT_RPC_TIMEOUT_S) -> None:
         self._unary(self._stub.FinishCompletion,
@@ -156,6 +124,7 @@ class SchedulerClient:
 
     def get_info(self, timeout: float = DEFAULT_RPC_TIMEOUT_S) -> SchedulerInfo:
         msg = self._unary(self._stub.GetInfo, scheduler_pb2.GetInfoRequest(), timeout)
+        self._has_session = msg.has_session
         return SchedulerInfo(**{f.name: getattr(msg, f.name) for f in fields(SchedulerInfo)})
 
     @staticmethod

@@ -167,6 +167,40 @@ class SubmitResponse(_message.Message):
     is_finished: bool
     def __init__(self, deltas: _Optional[_Iterable[_Union[CompletionDelta, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., is_finished: _Optional[bool] = ...) -> None: ...
 
+class SessionRequest(_message.Message):
+    __slots__ = ("submit", "cancel_request_id")
+    SUBMIT_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    submit: SessionSubmit
+    cancel_request_id: str
+    def __init__(self, submit: _Optional[_Union[SessionSubmit, _Mapping]] = ..., cancel_request_id: _Optional[str] = ...) -> None: ...
+
+class SessionSubmit(_message.Message):
+    __slots__ = ("request", "timeout")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    request: SubmitRequest
+    timeout: float
+    def __init__(self, request: _Optional[_Union[SubmitRequest, _Mapping]] = ..., timeout: _Optional[float] = ...) -> None: ...
+
+class SessionOutput(_message.Message):
+    __slots__ = ("request_id", "response", "status_code", "status_message")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    response: SubmitResponse
+    status_code: int
+    status_message: str
+    def __init__(self, request_id: _Optional[str] = ..., response: _Optional[_Union[SubmitResponse, _Mapping]] = ..., status_code: _Optional[int] = ..., status_message: _Optional[str] = ...) -> None: ...
+
+class SessionResponse(_message.Message):
+    __slots__ = ("outputs",)
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    outputs: _containers.RepeatedCompositeFieldContainer[SessionOutput]
+    def __init__(self, outputs: _Optional[_Iterable[_Union[SessionOutput, _Mapping]]] = ...) -> None: ...
+
 class FinishCompletionRequest(_message.Message):
     __slots__ = ("request_id", "index")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -184,7 +218,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SchedulerInfo(_message.Message):
-    __slots__ = ("is_ready", "model_name", "max_model_len", "vocab_size", "block_size", "num_kv_blocks", "num_cpu_blocks", "tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "instance_id")
+    __slots__ = ("is_ready", "model_name", "max_model_len", "vocab_size", "block_size", "num_kv_blocks", "num_cpu_blocks", "tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "instance_id", "has_session")
     IS_READY_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +230,7 @@ class SchedulerInfo(_message.Message):
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    HAS_SESSION_FIELD_NUMBER: _ClassVar[int]
     is_ready: bool
     model_name: str
     max_model_len: int
@@ -207,7 +242,8 @@ class SchedulerInfo(_message.Message):
     max_num_seqs: int
     max_num_batched_tokens: int
     instance_id: str
-    def __init__(self, is_ready: _Optional[bool] = ..., model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    has_session: bool
+    def __init__(self, is_ready: _Optional[bool] = ..., model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., instance_id: _Optional[str] = ..., has_session: _Optional[bool] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ("max_recent_steps",)

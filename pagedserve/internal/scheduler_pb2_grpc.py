@@ -39,6 +39,11 @@ class SchedulerStub:
                 request_serializer=pagedserve_dot_internal_dot_scheduler__pb2.SubmitRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_internal_dot_scheduler__pb2.SubmitResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/pagedserve.internal.Scheduler/Session',
+                request_serializer=pagedserve_dot_internal_dot_scheduler__pb2.SessionRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_internal_dot_scheduler__pb2.SessionResponse.FromString,
+                _registered_method=True)
         self.FinishCompletion = channel.unary_unary(
                 '/pagedserve.internal.Scheduler/FinishCompletion',
                 request_serializer=pagedserve_dot_internal_dot_scheduler__pb2.FinishCompletionRequest.SerializeToString,
@@ -61,6 +66,14 @@ class SchedulerServicer:
 
     def Submit(self, request, context):
         """Submits one request; the stream carries its outputs. Closing the stream aborts the request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Session(self, request_iterator, context):
+        """Many requests on one stream (a frontend keeps one per scheduler): submits and cancels in, the
+        outputs of a step for all of them out in one message. Closing it aborts every request on it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -92,6 +105,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Submit,
                     request_deserializer=pagedserve_dot_internal_dot_scheduler__pb2.SubmitRequest.FromString,
                     response_serializer=pagedserve_dot_internal_dot_scheduler__pb2.SubmitResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=pagedserve_dot_internal_dot_scheduler__pb2.SessionRequest.FromString,
+                    response_serializer=pagedserve_dot_internal_dot_scheduler__pb2.SessionResponse.SerializeToString,
             ),
             'FinishCompletion': grpc.unary_unary_rpc_method_handler(
                     servicer.FinishCompletion,
@@ -136,6 +154,33 @@ class Scheduler:
             '/pagedserve.internal.Scheduler/Submit',
             pagedserve_dot_internal_dot_scheduler__pb2.SubmitRequest.SerializeToString,
             pagedserve_dot_internal_dot_scheduler__pb2.SubmitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pagedserve.internal.Scheduler/Session',
+            pagedserve_dot_internal_dot_scheduler__pb2.SessionRequest.SerializeToString,
+            pagedserve_dot_internal_dot_scheduler__pb2.SessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

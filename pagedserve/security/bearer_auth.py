@@ -123,7 +123,8 @@ def _shaped_like(handler, refuse, refuse_stream):
     return grpc.unary_unary_rpc_method_handler(refuse, deserializer, serializer)
 
 
-class _MetadataInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+class _MetadataInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                           grpc.StreamStreamClientInterceptor):
     """Adds `metadata` to every call of a channel."""
 
     def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
@@ -138,9 +139,12 @@ class _MetadataInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamCli
     def intercept_unary_stream(self, continuation, client_call_details, request):
         return continuation(self._with_metadata(client_call_details), request)
 
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return continuation(self._with_metadata(client_call_details), request_iterator)
+
 
 def with_bearer(channel: grpc.Channel, key: str | None) -> grpc.Channel:
-    """`channel` sending `authorization: Bearer KEY` with every unary and server-streaming call
+    """`channel` sending `authorization: Bearer KEY` with every unary, server-streaming and bidirectional call
     (unchanged when key is None)."""
     if not key:
         return channel

@@ -5,11 +5,14 @@ completion index, the token ids of `tokens_by_index` one step at a time, honouri
 stop_token_ids, FinishCompletion and cancellation, and records what the frontend asked for.
 A Submit with continuations goes on from each continued index's position in its script (finished
 indices stay finished). Each FakeScheduler is one scheduler instance (GetInfo's instance_id): a
-new FakeSchedulerServer on the same port is a restarted scheduler.
+new FakeSchedulerServer on the same port is a restarted scheduler. With `has_session` it also
+serves Session, and says so in GetInfo: each request on a Session runs the same script as its own
+Submit would (a thread per request), its outputs and its status carried by the Session.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 import uuid
@@ -29,6 +32,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
 
     def reset(self) -> None:
         self.is_ready = True
+        self.has_session = False
         self.max_model_len = 128
         self.vocab_size = 512
         self.tokens_by_index: dict[int, list[int]] = {0: [40, 41, 42, 43, 44, 45, 46, 47]}
@@ -68,6 +72,45 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         # callback may run after this line)
         state["done"] = context.is_active()
 
+    def Session(self, request_iterator, context):
+        if not self.has_session:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this fake serves no Session")
+        outputs: queue.SimpleQueue = queue.SimpleQueue()
+        calls: dict[str, _RequestContext] = {}
+
+        def run(request, call: _RequestContext) -> None:
+            try:
+                for message in self.Submit(request, call):
+                    outputs.put(scheduler_pb2.SessionOutput(request_id=request.request_id, response=message))
+            except _Aborted as aborted:
+                outputs.put(scheduler_pb2.SessionOutput(request_id=request.request_id,
+                                                        status_code=aborted.code.value[0],
+                                                        status_message=aborted.details))
+            finally:
+                call.end()
+
+        def read() -> None:
+            try:
+                for message in request_iterator:
+                    if message.WhichOneof("kind") == "submit":
+                        call = calls[message.submit.request.request_id] = _RequestContext(context)
+                        threading.Thread(target=run, args=(message.submit.request, call), daemon=True).start()
+                    elif message.cancel_request_id in calls:
+                        calls[message.cancel_request_id].cancel()
+            except grpc.RpcError:
+                pass
+            finally:
+                for call in list(calls.values()):  # the Session ended: every request on it is cancelled
+                    call.cancel()
+
+        threading.Thread(target=read, daemon=True).start()
+        while context.is_active():
+            try:
+                output = outputs.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            yield scheduler_pb2.SessionResponse(outputs=[output])
+
     def FinishCompletion(self, request, context):
         with self.lock:
             self.finish_requests.append((request.request_id, request.index))
@@ -78,7 +121,8 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         return scheduler_pb2.SchedulerInfo(
             is_ready=self.is_ready, model_name="fake-model", max_model_len=self.max_model_len,
             vocab_size=self.vocab_size, block_size=16, num_kv_blocks=100, num_cpu_blocks=10,
-            tensor_parallel_size=1, max_num_seqs=8, max_num_batched_tokens=256, instance_id=self.instance_id)
+            tensor_parallel_size=1, max_num_seqs=8, max_num_batched_tokens=256, instance_id=self.instance_id,
+            has_session=self.has_session)
 
     def GetStats(self, request, context):
         return scheduler_pb2.SchedulerStats(num_running=len(self.submits), is_pool_consistent=True)
@@ -152,6 +196,42 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
             msg.deltas.add(index=index, token_ids=script[:sampling.max_tokens], cumulative_logprob=-1.0 - index,
                            finish_reason=scheduler_pb2.FINISH_REASON_LENGTH)
         yield msg
+
+
+class _Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class _RequestContext:
+    """What Submit's script uses of its gRPC context, for one request on a Session: abort() ends the
+    request with a status, a cancel (or the Session's end) makes it inactive, and the callbacks run
+    when it ends."""
+
+    def __init__(self, session_context) -> None:
+        self._session = session_context
+        self._cancelled = threading.Event()
+        self._callbacks: list = []
+        self._ended = False
+
+    def abort(self, code: grpc.StatusCode, details: str):
+        raise _Aborted(code, details)
+
+    def is_active(self) -> bool:
+        return not self._cancelled.is_set() and self._session.is_active()
+
+    def add_callback(self, callback) -> None:
+        self._callbacks.append(callback)
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    def end(self) -> None:
+        if not self._ended:
+            self._ended = True
+            for callback in self._callbacks:
+                callback()
 
 
 class FakeSchedulerServer:

@@ -1,7 +1,8 @@
 """The frontend's client of the scheduler's internal service reads each Submit stream on the thread
 that iterates it (no channel spin thread between gRPC and that thread), and still ends the stream
 the way the rest of the frontend expects: every message, then the end; a cancel from another
-thread; a deadline."""
+thread; a deadline. On a scheduler that serves Session, the same requests share one Session and
+end the same ways."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ from pagedserve.contracts.sampling_params import SamplingParams
 from pagedserve.frontend.upstream.scheduler_client import SchedulerClient, SchedulerTimeout, SubmitCancelled
 
 
-@pytest.fixture()
-def client(scheduler_server):
+@pytest.fixture(params=["submit", "session"])
+def client(request, scheduler_server, fake):
+    fake.has_session = request.param == "session"
     client = SchedulerClient(scheduler_server.address, frontend_id="test")
+    assert client.get_info().has_session == fake.has_session
     yield client
     client.close()
 
@@ -33,7 +36,9 @@ def _grpc_client_threads() -> set[threading.Thread]:
             if "_run_with_context" in getattr(getattr(thread, "_target", None), "__qualname__", "")}
 
 
-def test_a_stream_is_read_on_the_iterating_thread(client, fake):
+def test_a_submit_stream_is_read_on_the_iterating_thread(scheduler_server, fake):
+    """(a Session's responses are read by its own thread, which hands each request its outputs)"""
+    client = SchedulerClient(scheduler_server.address, frontend_id="test")
     fake.step_delay_s = 0.02
     outputs, before, started = [], _grpc_client_threads(), set()
     for output in client.submit(_request("r-read", 5), timeout=10.0):
@@ -43,6 +48,7 @@ def test_a_stream_is_read_on_the_iterating_thread(client, fake):
     assert tokens == fake.tokens_by_index[0][:5]
     assert outputs[-1].is_finished
     assert started == set()  # gRPC ran no thread of its own to receive the stream
+    client.close()
 
 
 def test_a_cancel_from_another_thread_ends_the_stream(client, fake):
@@ -66,3 +72,20 @@ def test_a_deadline_ends_the_stream(client, fake):
     fake.tokens_by_index = {0: list(range(40, 140))}
     with pytest.raises(SchedulerTimeout):
         list(client.submit(_request("r-deadline", 100), timeout=0.4))
+
+
+def test_requests_on_one_session_each_get_their_own_outputs_and_end(client, fake):
+    fake.step_delay_s = 0.01
+    fake.tokens_by_index = {0: list(range(40, 140))}
+    streams = [client.submit(_request(f"r-many-{i}", 5 + i), timeout=10.0) for i in range(6)]
+    cancelled = client.submit(_request("r-many-cancelled", 100), timeout=10.0)
+    first = next(iter(cancelled))
+    cancelled.cancel()
+    for i, stream in enumerate(streams):
+        outputs = list(stream)
+        assert [token for output in outputs for delta in output.deltas for token in delta.token_ids] == \
+            fake.tokens_by_index[0][:5 + i]
+        assert outputs[-1].is_finished
+    assert first.deltas and fake.wait_closed("r-many-cancelled", 5.0)
+    assert "r-many-cancelled" in fake.cancelled_ids
+    assert {f"r-many-{i}" for i in range(6)} <= set(fake.completed_ids)

@@ -2,7 +2,8 @@
 scheduler on the same port, a new instance) and resubmits each running request as a continuation,
 so the client's stream goes on without a gap or a repeated token. A scheduler that is still there
 and ends a stream itself, a recovery timeout that passes, or recovery turned off end the request
-with UNAVAILABLE."""
+with UNAVAILABLE. Each test runs with requests on their own Submit streams and on the frontend's
+Session."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ SCRIPT_1 = "Ships passed in the night and saw the beam."
 class Replica:
     """A scripted scheduler on a fixed port that can die and come back as a new instance."""
 
-    def __init__(self) -> None:
+    def __init__(self, has_session: bool = False) -> None:
+        self.has_session = has_session
         self.port = free_port()
         self.server: FakeSchedulerServer | None = None
         self.instances: list[FakeSchedulerServer] = []
@@ -39,6 +41,7 @@ class Replica:
     def start(self) -> FakeSchedulerServer:
         self.server = FakeSchedulerServer(self.port)
         self.server.fake.step_delay_s = STEP_DELAY_S
+        self.server.fake.has_session = self.has_session
         if self.script:
             self.server.fake.tokens_by_index = dict(self.script)
         self.instances.append(self.server)
@@ -54,9 +57,9 @@ class Replica:
         return self.server.fake
 
 
-@pytest.fixture()
-def replica():
-    replica = Replica()
+@pytest.fixture(params=["submit", "session"])
+def replica(request):
+    replica = Replica(has_session=request.param == "session")
     replica.start()
     yield replica
     replica.kill()

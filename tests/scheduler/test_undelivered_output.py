@@ -120,3 +120,25 @@ def test_held_output_goes_out_every_hold_max_tokens_and_before_an_error():
     held.put(error)
     sent = _drain(held)
     assert len(sent) == 2 and list(sent[0].message.deltas[0].token_ids) == [0, 0] and sent[1] is error
+
+
+def test_a_session_takes_what_is_ready_in_order_up_to_its_byte_budget_and_hears_of_each_output():
+    async def run() -> None:
+        ready = []
+        outputs = UndeliveredOutput(10_000, lambda: pytest.fail("aborted"), on_ready=lambda: ready.append(True))
+        for num_tokens in (10, 20, 30):
+            outputs.put(_output(num_tokens))
+        assert len(ready) == 3
+        sizes = [outputs.num_bytes]
+        first, num_bytes = outputs.take_ready(1)  # the first output whatever its size, then nothing more
+        assert [len(item.message.deltas[0].token_ids) for item in first] == [10]
+        assert num_bytes == first[0].num_bytes and outputs.has_ready
+        rest, rest_bytes = outputs.take_ready(10_000)
+        assert [len(item.message.deltas[0].token_ids) for item in rest] == [20, 30]
+        assert num_bytes + rest_bytes == sizes[0] and outputs.num_bytes == 0 and not outputs.has_ready
+        outputs.put(RuntimeError("the engine stopped"))  # an end is taken like an output, with no bytes
+        assert len(ready) == 4
+        (end,), end_bytes = outputs.take_ready(10_000)
+        assert isinstance(end, RuntimeError) and end_bytes == 0
+
+    asyncio.run(run())
