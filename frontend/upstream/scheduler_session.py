@@ -52,7 +52,7 @@ class SessionStream:
 
     def cancel(self) -> None:
         self._is_cancelled.set()
-        self._session.cancel(self.request_id)
+        self._session.cancel(self)
         self._items.put(_CANCELLED)
 
     def put(self, item) -> None:
@@ -65,7 +65,7 @@ class SessionStream:
             try:
                 item = self._items.get(timeout=timeout)
             except queue.Empty:
-                self._session.cancel(self.request_id)
+                self._session.cancel(self)
                 raise SchedulerTimeout("scheduler: Deadline Exceeded", grpc.StatusCode.DEADLINE_EXCEEDED) from None
             if item is _CANCELLED or self.is_cancelled:
                 raise SubmitCancelled("the Submit stream was cancelled", grpc.StatusCode.CANCELLED)
@@ -112,12 +112,13 @@ class Session:
         self._outbox.put(scheduler_pb2.SessionRequest(submit=submit))
         return stream
 
-    def cancel(self, request_id: str) -> None:
+    def cancel(self, stream: SessionStream) -> None:
+        """Aborts the stream's request, if it is still the one open under its id here."""
         with self._lock:
-            stream = self._streams.pop(request_id, None)
-            if stream is None or not self.is_open:
+            if self._streams.get(stream.request_id) is not stream or not self.is_open:
                 return
-        self._outbox.put(scheduler_pb2.SessionRequest(cancel_request_id=request_id))
+            del self._streams[stream.request_id]
+        self._outbox.put(scheduler_pb2.SessionRequest(cancel_request_id=stream.request_id))
 
     def close(self) -> None:
         self._call.cancel()

@@ -13,7 +13,9 @@ import pytest
 
 from pagedserve.contracts.request_types import Request
 from pagedserve.contracts.sampling_params import SamplingParams
-from pagedserve.frontend.upstream.scheduler_client import SchedulerClient, SchedulerTimeout, SubmitCancelled
+from pagedserve.frontend.upstream.scheduler_client import (
+    SchedulerClient, SchedulerRejected, SchedulerTimeout, SubmitCancelled,
+)
 
 
 @pytest.fixture(params=["submit", "session"])
@@ -89,3 +91,20 @@ def test_requests_on_one_session_each_get_their_own_outputs_and_end(client, fake
     assert first.deltas and fake.wait_closed("r-many-cancelled", 5.0)
     assert "r-many-cancelled" in fake.cancelled_ids
     assert {f"r-many-{i}" for i in range(6)} <= set(fake.completed_ids)
+
+
+def test_a_second_request_with_a_running_ones_id_is_refused_and_its_end_leaves_that_one_alone(client, fake):
+    fake.step_delay_s = 0.01
+    fake.tokens_by_index = {0: list(range(40, 140))}
+    first = client.submit(_request("r-twice", 30), timeout=10.0)
+    outputs = iter(first)
+    received = [next(outputs)]
+    second = client.submit(_request("r-twice", 30), timeout=10.0)
+    if fake.has_session:  # refused in the frontend: the scheduler's refusal would end the first
+        with pytest.raises(SchedulerRejected):
+            list(second)
+    second.cancel()  # what a Generation does with a stream that failed before its end
+    received += list(outputs)
+    assert [token for output in received for delta in output.deltas for token in delta.token_ids] == \
+        fake.tokens_by_index[0][:30]
+    assert received[-1].is_finished
