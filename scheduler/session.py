@@ -232,9 +232,9 @@ class SessionStream:
     def _fail(self, response, entry: _OpenRequest, error: Exception) -> None:
         if not entry.is_started and not isinstance(error, OutputOverflow):  # refused, or no workers
             code = self._servicer.rejected(entry.log, error)
-        else:
+        else:  # as a Submit stream logs it
             code = self._servicer.status_for(error)
-        entry.log.warning("request_failed", error=str(error))
+            entry.log.warning("request_failed", error=str(error))
         response.outputs.add(request_id=entry.request_id, status_code=code.value[0], status_message=str(error))
         self._close(entry)
 
