@@ -90,6 +90,7 @@ def test_requests_on_one_session_each_get_their_own_outputs_and_end(client, fake
         assert outputs[-1].is_finished
     assert first.deltas and fake.wait_closed("r-many-cancelled", 5.0)
     assert "r-many-cancelled" in fake.cancelled_ids
+    assert all(fake.wait_closed(f"r-many-{i}", 5.0) for i in range(6))
     assert {f"r-many-{i}" for i in range(6)} <= set(fake.completed_ids)
 
 
