@@ -32,13 +32,16 @@
  * decode_layers runs all the layers in one parallel region instead: thread 0 runs those ops while
  * each other thread reads the first bytes of its own share of the next projection's panels (its
  * first range of work_share.h, which it computes first), up to half its L2 cache, and stops when
- * thread 0 is done; a barrier; then every thread takes its share of the projection (panel_linear.c's
- * loop, layer_team.h); a barrier. The same kernels on the same data, each item of a projection
- * computed whole by one thread: the same bits as the chain. In-process at one sequence, the two
- * paths alternated, the layers ran 1.047x as fast in the host's wide bandwidth windows (72 ->
- * 75.6 % of a plain read's rate) and 1.03-1.04x in the narrow ones (docs/cpu-limits.md, "One
- * stream: the layers in one parallel region"). decode_layers_overlapped() counts the calls that
- * took this path.
+ * thread 0 is done; then every thread takes its share of the projection (panel_linear.c's loop,
+ * layer_team.h). No barrier closes a projection: each other thread counts its share done and goes on
+ * to read ahead in the next projection, and thread 0 waits for that count before its ops read the
+ * projection's output. The same kernels on the same data, each item of a projection computed whole
+ * by one thread: the same bits as the chain. In-process at one sequence, the two paths alternated,
+ * the layers ran 1.047x as fast in the host's wide bandwidth windows (72 -> 75.6 % of a plain
+ * read's rate) and 1.03-1.04x in the narrow ones (docs/cpu-limits.md, "One stream: the layers in
+ * one parallel region"); the count instead of two barriers per projection made the forward and LM
+ * head at one sequence 1.013-1.048x as fast (docs/cpu-limits.md, "One stream: a projection's end
+ * without a barrier"). decode_layers_overlapped() counts the calls that took this path.
  *
  * decode_step wraps decode_layers for a whole decode step from token ids to the final norm: each
  * row's embedding copied into `residual` (rows of a dense table of the layers' dtype, [vocab, H]),
@@ -152,13 +155,21 @@ static void read_ahead(const char *p, int64_t bytes, const int *done, int phase)
     __asm__ volatile("" : : "r"(sink));
 }
 
-/* inside the region: thread 0 runs the ops (statements) and initialises `work` for the projection
- * of N columns over K inputs that follows; the others read ahead in that projection's panels; then
- * the projection, shared out; a barrier after each */
+/* thread 0, before it reads a projection's output: waits until each other thread has finished its
+ * share of the team's `projections` projections so far */
+static void wait_for_shares(const int64_t *finished, int64_t projections, int team) {
+    while (__atomic_load_n(finished, __ATOMIC_ACQUIRE) < projections * (team - 1)) __builtin_ia32_pause();
+}
+
+/* inside the region: thread 0 waits for the other threads' shares of the projection before (their
+ * count in `finished`), runs the ops (statements) and initialises `work` for the projection of N
+ * columns over K inputs that follows; the others, done with their shares of the projection before,
+ * read ahead in this one's panels and then wait for thread 0's ops; then the projection, shared out */
 #define ONE_THREAD_THEN_PROJECTION(statements, panels, bias, input, output, N, K, work)                          \
     do {                                                                                                         \
         phase++;                                                                                                 \
         if (t == 0) {                                                                                            \
+            wait_for_shares(&finished, phase - 1, team);                                                         \
             statements;                                                                                          \
             work_share_init_parts(work, panel_linear_tasks(M, N), team);                                        \
             __atomic_store_n(&done, phase, __ATOMIC_RELEASE);                                                    \
@@ -166,10 +177,10 @@ static void read_ahead(const char *p, int64_t bytes, const int *done, int phase)
             int64_t offset, bytes;                                                                               \
             panel_linear_first_bytes(M, N, K, t, team, &offset, &bytes);                                         \
             read_ahead((const char *)(panels) + offset, bytes, &done, phase);                                    \
+            while (__atomic_load_n(&done, __ATOMIC_ACQUIRE) < phase) __builtin_ia32_pause();                     \
         }                                                                                                        \
-        _Pragma("omp barrier")                                                                                   \
         panel_linear_team((const uint16_t *)(input), panels, bias, (uint16_t *)(output), M, N, K, work);         \
-        _Pragma("omp barrier")                                                                                   \
+        if (t != 0) __atomic_add_fetch(&finished, 1, __ATOMIC_RELEASE);                                          \
     } while (0)
 
 static void layers_in_one_region(const struct layer_weights **layers, int64_t num_layers, const struct step_rows *st,
@@ -178,7 +189,8 @@ static void layers_in_one_region(const struct layer_weights **layers, int64_t nu
     const int64_t M = st->num_rows;
     struct work_share work;
     struct attention_call attention;
-    int done = 0;
+    int done = 0;         /* the phases whose one-thread ops thread 0 has run */
+    int64_t finished = 0; /* the projection shares the other threads have finished */
 #pragma omp parallel
     {
         const int t = omp_get_thread_num(), team = omp_get_num_threads();
@@ -207,6 +219,7 @@ static void layers_in_one_region(const struct layer_weights **layers, int64_t nu
                     lw->o_panels, lw->b_o, attn, o, H, q_width, &work);
             } else { /* a context long enough for attention to share its tasks: every thread takes some */
                 if (t == 0) {
+                    wait_for_shares(&finished, phase, team);
                     rotary_write_kv(qkv, st->cos_sin, st->positions, st->slot_mapping, lw->key_cache, lw->value_cache,
                                     M, lw->num_heads, lw->num_kv_heads, hs, qkv_width, lw->num_slots, DTYPE_BF16,
                                     lw->cache_dtype);

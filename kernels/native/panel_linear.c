@@ -148,41 +148,39 @@ void panel_linear_team(const uint16_t *x, const uint16_t *panels, const uint16_t
                        int64_t N, int64_t K, struct work_share *work) {
     const int64_t num_panels = (N + PANEL - 1) / PANEL;
     const int64_t row_tasks = (M + TASK_ROWS - 1) / TASK_ROWS;
-    {
-        struct work_cursor cursor = work_cursor_start();
-        int64_t task;
-        while (work_next(work, &cursor, 1, &task)) {
-            const int64_t j = task / row_tasks * WIDTH, P = num_panels - j < WIDTH ? num_panels - j : WIDTH;
-            const int64_t first = task % row_tasks * TASK_ROWS, last = first + TASK_ROWS < M ? first + TASK_ROWS : M;
-            /* the next column block's panels, prefetched by the last row task of this one: the block after
-             * this one, or before it where the thread takes another's range from the back */
-            const int64_t next_j = cursor.backwards ? j - WIDTH : j + WIDTH;
-            const int64_t next_P = num_panels - next_j < WIDTH ? num_panels - next_j : WIDTH;
-            const int64_t last_row_task = cursor.backwards ? 0 : row_tasks - 1;
-            const int64_t next_bytes = next_j >= 0 && next_j < num_panels && task % row_tasks == last_row_task
-                                           ? next_P * K * PANEL * (int64_t)sizeof(uint16_t) : 0;
-            const char *next = next_bytes ? (const char *)(panels + next_j * K * PANEL) : NULL;
-            const int64_t later = (last - first) / ROWS - 1; /* full row blocks after the first */
-            const int64_t share = later > 0 ? (next_bytes + later - 1) / later : 0;
-            for (int64_t m = first; m < last; m += ROWS) {
-                const int64_t R = last - m < ROWS ? last - m : ROWS, b = (m - first) / ROWS;
-                const char *pf = NULL, *pf_end = NULL;
-                const int64_t ahead = b == 0 ? prefetch_bytes[R] : 0; /* the first block reads from memory */
-                int64_t lines = 0; /* per pair: 1-3 (share <= 3 panels' bytes, spread over K / 2 pairs) */
-                if (b > 0 && R == ROWS && share > 0) {
-                    const int64_t from = (b - 1) * share, to = from + share < next_bytes ? from + share : next_bytes;
-                    if (to > from) {
-                        pf = next + from, pf_end = next + to;
-                        lines = ((to - from + 63) / 64 + K / 2 - 1) / (K / 2);
-                    }
+    struct work_cursor cursor = work_cursor_start();
+    int64_t task;
+    while (work_next(work, &cursor, 1, &task)) {
+        const int64_t j = task / row_tasks * WIDTH, P = num_panels - j < WIDTH ? num_panels - j : WIDTH;
+        const int64_t first = task % row_tasks * TASK_ROWS, last = first + TASK_ROWS < M ? first + TASK_ROWS : M;
+        /* the next column block's panels, prefetched by the last row task of this one: the block after
+         * this one, or before it where the thread takes another's range from the back */
+        const int64_t next_j = cursor.backwards ? j - WIDTH : j + WIDTH;
+        const int64_t next_P = num_panels - next_j < WIDTH ? num_panels - next_j : WIDTH;
+        const int64_t last_row_task = cursor.backwards ? 0 : row_tasks - 1;
+        const int64_t next_bytes = next_j >= 0 && next_j < num_panels && task % row_tasks == last_row_task
+                                       ? next_P * K * PANEL * (int64_t)sizeof(uint16_t) : 0;
+        const char *next = next_bytes ? (const char *)(panels + next_j * K * PANEL) : NULL;
+        const int64_t later = (last - first) / ROWS - 1; /* full row blocks after the first */
+        const int64_t share = later > 0 ? (next_bytes + later - 1) / later : 0;
+        for (int64_t m = first; m < last; m += ROWS) {
+            const int64_t R = last - m < ROWS ? last - m : ROWS, b = (m - first) / ROWS;
+            const char *pf = NULL, *pf_end = NULL;
+            const int64_t ahead = b == 0 ? prefetch_bytes[R] : 0; /* the first block reads from memory */
+            int64_t lines = 0; /* per pair: 1-3 (share <= 3 panels' bytes, spread over K / 2 pairs) */
+            if (b > 0 && R == ROWS && share > 0) {
+                const int64_t from = (b - 1) * share, to = from + share < next_bytes ? from + share : next_bytes;
+                if (to > from) {
+                    pf = next + from, pf_end = next + to;
+                    lines = ((to - from + 63) / 64 + K / 2 - 1) / (K / 2);
                 }
-                if (P == 3) {
-                    ROW_CASES(3)
-                } else if (P == 2) {
-                    ROW_CASES(2)
-                } else {
-                    ROW_CASES(1)
-                }
+            }
+            if (P == 3) {
+                ROW_CASES(3)
+            } else if (P == 2) {
+                ROW_CASES(2)
+            } else {
+                ROW_CASES(1)
             }
         }
     }
