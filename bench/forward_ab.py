@@ -15,7 +15,11 @@ rounds; the ratio is base / tree (above 1: the tree is faster). Each side first 
 prompts into its own KV cache; both use the same weights, so their logits are also compared (max
 absolute difference and greedy agreement of the last forward).
 
-Other jobs on the machine slow both sides alike within a round; the load average is printed. Run it
+Other jobs on the machine slow both sides alike within a round; the load average is printed. On a
+host whose memory bandwidth moves between windows (docs/cpu-limits.md, "Why the bandwidth moves by
+half"), `--probe` samples it (roofline.BandwidthProbe, 0.05 s) before each round and also gives the
+ratio per round, medians over the rounds in the upper and the lower half of the samples: a change to
+what runs while one thread streams shows in the wide windows only. Run it
 with GOMP_SPINCOUNT=30000, as the worker runs by default (worker/cpu_share.py): both sides' native
 libraries are tuned at their first load in this process, and passive waits change what they choose.
 """
@@ -40,6 +44,7 @@ import torch
 from lib.output import print_table
 from pagedserve.contracts.step_plan import ScheduledSeq
 from lib.decode_steps import decode_scheduler
+from roofline import BandwidthProbe
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE_DIRS = {"pagedserve": "", "worker": "worker", "kernels": "kernels", "scheduler": "scheduler",
@@ -108,6 +113,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--probe", action="store_true", help="sample the bandwidth before each round")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from pagedserve.checkpoints.smollm2 import ensure_smollm2
@@ -115,7 +121,8 @@ def main() -> None:
     from pagedserve.worker.model_runner import ModelRunner
 
     model_path = ensure_smollm2()
-    rows = []
+    rows, window_rows = [], []
+    probe = BandwidthProbe() if args.probe else None
     print(f"load average at start: {os.getloadavg()}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         base_runner, base_input = import_revision(args.base, Path(tmp) / "base")
@@ -127,6 +134,7 @@ def main() -> None:
                 sides = {"base": setup(base_runner, base_input, model_path, dtype, num_seqs),
                          "tree": setup(tree_runner, tree_input, model_path, dtype, num_seqs)}
                 times: dict[str, list[float]] = {"base": [], "tree": []}
+                rounds: list[tuple[float, float]] = []  # (GB/s sampled, base / tree in the round)
                 logits = {}
                 with torch.inference_mode():
                     for name, forward in sides.items():  # warm-up
@@ -134,11 +142,14 @@ def main() -> None:
                             logits[name] = forward()
                     for round_index in range(args.rounds):
                         order = ("base", "tree") if round_index % 2 == 0 else ("tree", "base")
+                        sampled = probe.sample(0.05) if probe else 0.0
                         for name in order:
                             for _ in range(args.iters):
                                 started = time.perf_counter()
                                 logits[name] = sides[name]()
                                 times[name].append(time.perf_counter() - started)
+                        rounds.append((sampled, statistics.median(times["base"][-args.iters:]) /
+                                       statistics.median(times["tree"][-args.iters:])))
                 base_ms = statistics.median(times["base"]) * 1e3
                 tree_ms = statistics.median(times["tree"]) * 1e3
                 diff = (logits["base"].float() - logits["tree"].float()).abs().max().item()
@@ -146,10 +157,21 @@ def main() -> None:
                              "speedup": base_ms / tree_ms, "max_logit_diff": diff,
                              "same_argmax": bool(torch.equal(logits["base"].argmax(-1), logits["tree"].argmax(-1)))})
                 print(f"  {dtype} {num_seqs} seqs: {base_ms:.2f} -> {tree_ms:.2f} ms", flush=True)
+                if probe:
+                    rounds.sort()
+                    for half, part in (("lower", rounds[:len(rounds) // 2]), ("upper", rounds[len(rounds) // 2:])):
+                        window_rows.append({"dtype": dtype, "num_seqs": num_seqs, "half": half, "rounds": len(part),
+                                            "GB/s": statistics.median(gbs for gbs, _ in part),
+                                            "speedup": statistics.median(ratio for _, ratio in part),
+                                            "faster_in": sum(ratio > 1 for _, ratio in part)})
                 del sides
     print_table(rows, ["dtype", "num_seqs", "base_ms", "tree_ms", "speedup", "max_logit_diff", "same_argmax"],
                 title=f"decode forward + LM head, ms (medians of {args.rounds} x {args.iters}; base {args.base}, "
                       f"tree {args.tree or 'working tree'}, {args.threads} threads)", float_format=",.3f")
+    if window_rows:
+        print_table(window_rows, ["dtype", "num_seqs", "half", "rounds", "GB/s", "speedup", "faster_in"],
+                    title="per round, by the bandwidth sampled before it (medians over the rounds of each half)",
+                    float_format=",.3f")
     print(f"load average at end: {os.getloadavg()}")
 
 
