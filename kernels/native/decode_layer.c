@@ -40,8 +40,8 @@
  * the layers ran 1.047x as fast in the host's wide bandwidth windows (72 -> 75.6 % of a plain
  * read's rate) and 1.03-1.04x in the narrow ones (docs/cpu-limits.md, "One stream: the layers in
  * one parallel region"); the count instead of two barriers per projection made the forward and LM
- * head at one sequence 1.013-1.048x as fast (docs/cpu-limits.md, "One stream: a projection's end
- * without a barrier"). decode_layers_overlapped() counts the calls that took this path.
+ * head at one sequence 1.013-1.048x as fast (docs/cpu-limits.md, "One stream: the ops between
+ * projections, timed per thread"). decode_layers_overlapped() counts the calls that took this path.
  *
  * decode_step wraps decode_layers for a whole decode step from token ids to the final norm: each
  * row's embedding copied into `residual` (rows of a dense table of the layers' dtype, [vocab, H]),

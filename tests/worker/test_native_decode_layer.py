@@ -249,8 +249,8 @@ def test_a_whole_native_step_gives_the_bits_of_the_layers_between_torch_embeddin
 @pytest.mark.parametrize("lengths", [(70,), (5, 17, 40, 81), (300,), (5, 17, 40, 400)])
 def test_layers_in_one_parallel_region_give_the_chains_bits(checkpoint_dir, monkeypatch, name, lengths):
     """With every projection in panels and a few rows (decode_layer.c, "Layers in one parallel
-    region"), two threads run the layers in one region, thread 0 the one-thread ops while the other
-    reads ahead in the next projection: the logits equal, bit for bit, those of one thread, which
+    region"), two or three threads run the layers in one region, thread 0 the one-thread ops while
+    the others read ahead in the next projection: the logits equal, bit for bit, those of one thread, which
     runs the per-layer chain. Contexts long enough for attention to share its tasks between the
     threads (300 positions x 2 KV heads and more; not under mistral's window of 48) share them
     inside the region, over runs of several chunks merged."""
@@ -266,11 +266,15 @@ def test_layers_in_one_parallel_region_give_the_chains_bits(checkpoint_dir, monk
         before = lib.decode_layers_overlapped()
         two = _decode_logits(runner, prompts, True, monkeypatch)
         took = lib.decode_layers_overlapped() - before
+        torch.set_num_threads(3)  # two threads reading ahead, each counting its shares done
+        before = lib.decode_layers_overlapped()
+        three = _decode_logits(runner, prompts, True, monkeypatch)
+        took_three = lib.decode_layers_overlapped() - before
         torch.set_num_threads(1)
         before = lib.decode_layers_overlapped()
         one = _decode_logits(runner, prompts, True, monkeypatch)
         assert lib.decode_layers_overlapped() == before
     finally:
         torch.set_num_threads(threads)
-    assert took == 1
-    assert torch.equal(two, one)
+    assert took == took_three == 1
+    assert torch.equal(two, one) and torch.equal(three, one)
