@@ -22,8 +22,9 @@ def cpu_name() -> str:
 
 
 def code_version() -> str | None:
-    """The checkout's commit, with "+changes" when tracked files other than documentation (docs/,
-    Markdown files) differ from it; None outside git."""
+    """The checkout's commit, with "+changes" when tracked files other than documentation, tests and
+    kept results (docs/, Markdown files, tests/, bench/results/: what perf_tables.py does not count as
+    code either) differ from it; None outside git."""
     try:
         commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True, timeout=10)
@@ -34,7 +35,8 @@ def code_version() -> str | None:
     if commit.returncode != 0:
         return None
     changed = [line[3:] for line in changes.stdout.splitlines() if line.strip()]
-    is_code_changed = any(not (path.startswith("docs/") or path.endswith(".md")) for path in changed)
+    is_code_changed = any(not (path.startswith(("docs/", "tests/", "bench/results/")) or path.endswith(".md"))
+                          for path in changed)
     return commit.stdout.strip() + ("+changes" if is_code_changed else "")
 
 
