@@ -18,7 +18,7 @@ from pagedserve.internal import scheduler_pb2, scheduler_pb2_grpc
 from pagedserve.launch.serve_config import free_port
 from pagedserve.v1 import generation_pb2_grpc
 from pagedserve.security.zmq_curve import curve_env_for, new_curve_env
-from tests.e2e.harness import ServeProcess, assert_pool_whole, parse_log_events, token_request, wait_for
+from tests.e2e.harness import PAUSE_ARGS, ServeProcess, assert_pool_whole, parse_log_events, token_request, wait_for
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -68,8 +68,8 @@ class Replica:
         plan, result, dist = (f"tcp://127.0.0.1:{free_port()}" for _ in range(3))
         self.scheduler = Process(f"scheduler-{self.num_starts}", [
             "scheduler", "--model", str(self.checkpoint), "--port", str(self.port), "--plan-address", plan,
-            "--result-address", result, "--num-kv-blocks", "128", "--shutdown-timeout", "60"], self.log_dir,
-            curve_env_for("scheduler", self.curve_env))
+            "--result-address", result, "--num-kv-blocks", "128", "--shutdown-timeout", "60", *PAUSE_ARGS],
+            self.log_dir, curve_env_for("scheduler", self.curve_env))
         self.worker = Process(f"worker-{self.num_starts}", [
             "worker", "--model", str(self.checkpoint), "--plan-address", plan, "--result-address", result,
             "--dist-init-address", dist, "--device", "cpu", "--dtype", "float32", "--swap-space", "0.25"],
@@ -171,12 +171,16 @@ def test_frontend_shutdown_timeout_cuts_running_requests(replica, frontend):
         replica.start()
     assert wait_for(lambda: frontend.health() == SERVING, timeout=240, interval=0.25)
     calls = [_long_stream(frontend, 1000)[0] for _ in range(2)]
-    frontend.process.proc.send_signal(signal.SIGTERM)
-    for call in calls:
-        with pytest.raises(grpc.RpcError) as info:
-            list(call)
-        assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
-        assert "retry" in info.value.details()
+    os.kill(replica.worker.proc.pid, signal.SIGSTOP)  # the requests are certainly running at the timeout
+    try:
+        frontend.process.proc.send_signal(signal.SIGTERM)
+        for call in calls:
+            with pytest.raises(grpc.RpcError) as info:
+                list(call)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
+            assert "retry" in info.value.details()
+    finally:
+        os.kill(replica.worker.proc.pid, signal.SIGCONT)
     assert frontend.process.proc.wait(FRONTEND_SHUTDOWN_TIMEOUT_S + 30) == 0
     assert_pool_whole(replica)
     stopped = [event for event in frontend.process.events() if event["event"] == "frontend_stopped"]
