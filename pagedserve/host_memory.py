@@ -13,8 +13,9 @@ of the same host, and a small one: on a 2-core host a CPU decodes a few dozen se
 usable speed, which 2 GiB holds many times over (SmolLM2-135M in float32 keeps 45 KiB of KV per
 token: 2 GiB is 46k tokens, 180 sequences of 256; the demo model's 2 KiB per token, a million),
 while the rest of a shared 24 GiB host stays with the other jobs. The floor keeps a small host or
-container usable (a few full-length sequences), the cap keeps the KV tensors, which are
-touched at allocation, from taking a big host's memory for tokens a CPU could not decode anyway.
+container usable (a few full-length sequences), the cap keeps the KV tensors from taking a big
+host's memory for tokens a CPU could not decode anyway. (The pool's pages take memory as its
+blocks are first written, worker/cache_engine.py, so the pool is the most a replica's KV takes.)
 The ranks of a CPU replica share one host (as `serve` starts them), so they split one budget.
 Swap space on a CPU device defaults to none: a preempted group is recomputed, rather than copied
 into more of the same memory (on CUDA, swap is host memory beside the GPU's: 4 GiB per rank).

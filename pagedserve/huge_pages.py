@@ -23,8 +23,9 @@ so that what it chooses holds for the pages the worker serves from.
 
 The KV caches stay on ordinary pages: a fault in memory marked MADV_HUGEPAGE may compact memory
 to find a free 2 MiB page (the host's `defrag` setting), and zeroing a 2 GiB pool that way took
-the worker 4.4 s instead of 0.8 at its start on AMD EPYC: a cost every start of a replica would
-pay, where a decode step reads its weights once and only the few blocks of its sequences.
+the worker 4.4 s instead of 0.8 on AMD EPYC. A pool's pages are now faulted in as its blocks are
+first written (worker/cache_engine.py), during steps, where such a stall would fall on a request;
+and a decode step reads its weights once but only the few blocks of its sequences.
 
 Nothing changes where the host has no transparent huge pages (`never`, or not Linux), or under
 PAGEDSERVE_HUGE_PAGES=0. It is advice: the kernel may still back some of the buffer with 4 KiB

@@ -25,10 +25,19 @@ forward; on CPU it takes 10 % of the host's total memory after the weights, at l
 at most 2 GiB, split between the ranks (pagedserve.host_memory, which says why), so a shared host
 keeps room for other processes and the size is the same on every start. Swap space (and an
 explicit KV budget) is converted to blocks by `blocks_for_bytes`.
+
+Memory: a CPU pool's tensors lie on an anonymous mapping, which the kernel hands out as zero
+pages and backs with memory at a page's first write (`zeroed_host_tensor`). A pool of any size
+costs nothing at its allocation, where zeroing it with the CPU (`torch.zeros`) touched every page
+before the worker could serve, and it takes memory only for the blocks ever written. It reads as
+zeros everywhere, as `torch.zeros` did, so a kernel that reads a whole block sees no garbage in
+its unused slots.
 """
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +52,17 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 class CacheConfigError(ValueError):
     pass
+
+
+def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of zeros on a private anonymous mapping of its own: the kernel maps each page
+    as zeros and gives it memory at its first write, so nothing is touched here. The tensor keeps
+    the mapping alive; the mapping goes when the tensor does."""
+    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if num_bytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    mapping = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mapping, dtype=dtype).view(shape)
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,8 +168,12 @@ class CacheEngine:
         block_shape = shape.block_shape(num_blocks)
         caches = []
         for _ in range(shape.num_layers):
-            key = torch.zeros(block_shape, dtype=shape.dtype, device=device, pin_memory=pin)  # [nb, bs, kvh, hs]
-            value = torch.zeros(block_shape, dtype=shape.dtype, device=device, pin_memory=pin)
+            if device.type == "cpu" and not pin:
+                key = zeroed_host_tensor(block_shape, shape.dtype)  # [nb, bs, kvh, hs]
+                value = zeroed_host_tensor(block_shape, shape.dtype)
+            else:
+                key = torch.zeros(block_shape, dtype=shape.dtype, device=device, pin_memory=pin)  # [nb, bs, kvh, hs]
+                value = torch.zeros(block_shape, dtype=shape.dtype, device=device, pin_memory=pin)
             caches.append((key, value))
         return caches
 

@@ -170,3 +170,22 @@ def test_a_block_with_a_draft_part_costs_both_models_bytes():
     with pytest.raises(CacheConfigError, match="block size"):
         CacheEngine(SHAPE, 2, 0, torch.device("cpu"),
                     draft_shape=CacheShape(num_layers=1, block_size=8, num_kv_heads=1, head_size=4, dtype=torch.float32))
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096
+
+
+def test_a_cpu_pool_reads_as_zeros_and_takes_memory_only_for_blocks_written():
+    shape = CacheShape(num_layers=2, block_size=16, num_kv_heads=4, head_size=64, dtype=torch.bfloat16)
+    num_blocks = 8192  # 2 layers x K and V x 16 MiB
+    before = _resident_bytes()
+    engine = CacheEngine(shape, num_blocks, 0, torch.device("cpu"))
+    assert _resident_bytes() - before < 8 << 20  # of a 64 MiB pool
+    key, value = engine.gpu_cache[1]
+    assert not key.any() and not value[num_blocks - 1].any()
+    key[3].fill_(1.5)
+    engine.copy([(3, 4)])
+    assert torch.equal(key[4], key[3]) and not key[5].any() and not engine.gpu_cache[0][0][4].any()
+    assert _resident_bytes() - before < 40 << 20  # the reads above map shared zero pages
