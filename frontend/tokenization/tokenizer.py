@@ -1,4 +1,9 @@
-"""The checkpoint folder's tokenizer, loaded with transformers.AutoTokenizer (the frontend's only model file)."""
+"""The checkpoint folder's tokenizer (the frontend's only model file).
+
+Where transformers would use tokenizer.json's Rust tokenizer unchanged, it is read with the
+`tokenizers` library alone (plain_tokenizer.py), so the frontend starts without importing
+transformers and torch; any other folder is loaded with transformers.AutoTokenizer.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +13,17 @@ from pathlib import Path
 
 from pagedserve.checkpoints.gguf_config import GGUFError, is_gguf, read_gguf_config
 from pagedserve.checkpoints.model_config import ModelConfigError, load_model_info
+from pagedserve.frontend.tokenization.plain_tokenizer import PlainTokenizer, load_plain_tokenizer
+from pagedserve.log import get_logger
+
+log = get_logger(component="tokenizer")
 
 
 class TokenizerLoadError(RuntimeError):
     """The folder holds no tokenizer that transformers can load."""
+
+
+PLAIN, TRANSFORMERS = "tokenizers", "transformers"  # Tokenizer.backend
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,7 +34,8 @@ class TokenizerInfo:
 
 
 class Tokenizer:
-    """Encodes prompts and decodes completions with one Hugging Face tokenizer.
+    """Encodes prompts and decodes completions with one Hugging Face tokenizer: a transformers
+    tokenizer, or the PlainTokenizer that gives its results (`backend`).
 
     Encoding adds special tokens (BOS) exactly as the tokenizer's own config asks; decoding skips
     special tokens and never rewrites spaces, so decoding a concatenation equals concatenating the
@@ -31,6 +44,7 @@ class Tokenizer:
 
     def __init__(self, hf_tokenizer, extra_eos_token_ids: Sequence[int] = ()) -> None:
         self._hf = hf_tokenizer
+        self.backend = PLAIN if isinstance(hf_tokenizer, PlainTokenizer) else TRANSFORMERS
         eos_ids: list[int] = []
         if hf_tokenizer.eos_token_id is not None:
             eos_ids.append(int(hf_tokenizer.eos_token_id))
@@ -96,12 +110,15 @@ def load_tokenizer(model_path: str | Path) -> Tokenizer:
     folder = Path(model_path)
     if not folder.is_dir():
         raise TokenizerLoadError(f"{folder} is not a folder")
-    from transformers import AutoTokenizer
+    hf_tokenizer, why_not_plain = load_plain_tokenizer(folder)
+    if hf_tokenizer is None:
+        from transformers import AutoTokenizer
 
-    try:
-        hf_tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise TokenizerLoadError(f"cannot load a tokenizer from {folder}: {exc}") from exc
+        log.info("tokenizer_through_transformers", path=str(folder), reason=why_not_plain)
+        try:
+            hf_tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise TokenizerLoadError(f"cannot load a tokenizer from {folder}: {exc}") from exc
     extra_eos: list[int] = []
     if (folder / "config.json").is_file():
         try:
