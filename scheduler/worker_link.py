@@ -264,7 +264,7 @@ class WorkerLink:
                 raise WorkerLost("workers did not allocate their KV cache in time")
             self._pub.send(payload)
             end = time.monotonic() + INIT_RESEND_SECONDS
-            while time.monotonic() < end:
+            while time.monotonic() < end and not all(state.ready_epoch == self.epoch for state in self.ranks.values()):
                 message = self._receive(end - time.monotonic())
                 if message is not None:
                     self._note(message)

@@ -164,7 +164,7 @@ class ServeProcess:
                     return
             except grpc.RpcError:
                 pass
-            time.sleep(0.25)
+            time.sleep(0.1)
         raise TimeoutError(f"serve was not ready after {timeout}s; log {self.log_path}:\n{self.logs()[-4000:]}")
 
     def stats(self, max_recent_steps: int = 0) -> scheduler_pb2.SchedulerStats:
