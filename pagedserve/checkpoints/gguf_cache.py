@@ -1,8 +1,9 @@
 """Where files derived from a GGUF model live in the pagedserve cache (PAGEDSERVE_CACHE).
 
-Reading a GGUF header parses every tokenizer string in it (seconds for a 49k vocabulary), and
-transformers' conversion of its tokenizer takes longer; each process would pay that at every start.
-What they derive is therefore kept once per version of the file:
+gguf.GGUFReader parses every tokenizer string of a header (seconds for a 49k vocabulary; the
+processes read headers with pagedserve.checkpoints.gguf_header, which does not), and transformers'
+conversion of its tokenizer takes longer; each process would pay that at every start. What they
+derive is therefore kept once per version of the file:
 
     <cache>/gguf/<file stem>-<key>/config-v1.json          the GGUFConfig (pagedserve.checkpoints.gguf_config)
     <cache>/gguf/<file stem>-<key>/tokenizer-<version>/     the converted tokenizer folder

@@ -88,8 +88,12 @@ def is_gguf(path: str | Path) -> bool:
 
 
 def open_gguf(path: str | Path):
-    """A gguf.GGUFReader over the model's .gguf file (memory-mapped), with clear errors."""
+    """The model's .gguf file (memory-mapped) read as gguf.GGUFReader reads it: its `fields` and
+    `tensors`, through the quick header reader (pagedserve.checkpoints.gguf_header), or GGUFReader
+    itself for a file that reader leaves to it; clear errors."""
     from gguf import GGUFReader
+
+    from pagedserve.checkpoints.gguf_header import GGUFHeader
 
     file = find_gguf_file(path)
     if file is None:
@@ -98,7 +102,10 @@ def open_gguf(path: str | Path):
         if handle.read(4) != b"GGUF":
             raise GGUFFormatError(f"{file} is not a GGUF file (no GGUF magic at its start)")
     try:
-        reader = GGUFReader(file)
+        try:
+            reader = GGUFHeader(file)
+        except (ValueError, IndexError, KeyError, OverflowError):  # a big-endian file, nested arrays, or corrupt
+            reader = GGUFReader(file)  # which reads what it can, and explains what it cannot
     except (ValueError, IndexError, KeyError, OverflowError, MemoryError) as exc:
         raise GGUFFormatError(f"{file} is truncated or corrupt ({file.stat().st_size} bytes): {exc}") from None
     file_size = file.stat().st_size
