@@ -90,6 +90,12 @@ class ReadinessMonitor:
             self._thread.join(timeout=self._poll_interval_s + GET_INFO_TIMEOUT_S + 1.0)
         self._health.enter_graceful_shutdown()
 
+    @property
+    def last_error(self) -> str:
+        """Why the last answer was not ready ("" when it was)."""
+        with self._lock:
+            return self._last_error
+
     def refresh(self) -> SchedulerInfo | None:
         """Asks the scheduler now and updates the health status; returns the answer or None."""
         with self._asking:

@@ -27,7 +27,7 @@ from grpc_health.v1 import health, health_pb2
 
 from pagedserve.frontend.upstream.readiness import DEFAULT_POLL_INTERVAL_S, GENERATION_SERVICE, ReadinessMonitor
 from pagedserve.frontend.upstream.router import ReplicaRouter
-from pagedserve.frontend.upstream.scheduler_client import SchedulerClient, SchedulerError, SchedulerInfo, SchedulerUnavailable
+from pagedserve.frontend.upstream.scheduler_client import SchedulerClient, SchedulerInfo, SchedulerUnavailable
 
 RESOLVE_INTERVAL_S = 10.0
 log = structlog.get_logger()
@@ -213,18 +213,18 @@ class ReplicaSet:
 
     # -- SchedulerClient's interface (ModelInfo, shutdown) --------------------------------------
     def get_info(self, timeout: float = 5.0) -> SchedulerInfo:
-        """A ready replica's info with num_kv_blocks summed over the ready replicas."""
+        """A ready replica's info with num_kv_blocks summed over the ready replicas. Each replica is
+        asked through its ReadinessMonitor, so a replica counted here as ready is also one the
+        router sends requests to from now on (not only after the monitor's next poll)."""
         infos = []
         errors = []
         for replica in self.replicas:
             if not replica.is_listed:
                 continue
-            try:
-                info = replica.client.get_info(timeout=timeout)
-            except SchedulerError as exc:
-                errors.append(exc)
-                continue
-            if info.is_ready:
+            info = replica.readiness.refresh()
+            if info is None:
+                errors.append(SchedulerUnavailable(replica.readiness.last_error))
+            elif info.is_ready:
                 infos.append(info)
         if not infos:
             if errors:

@@ -110,3 +110,17 @@ def test_a_replica_that_is_not_ready_gets_nothing_and_the_set_is_ready_while_one
 
 def test_model_info_counts_the_blocks_of_every_ready_replica(fakes, stub):
     assert stub.ModelInfo(pb.ModelInfoRequest(), timeout=10).num_kv_blocks == 200
+
+
+def test_the_replicas_model_info_counts_as_ready_are_the_ones_requests_go_to(fakes, stub, channel):
+    """ModelInfo asks every replica afresh; the router must agree with that answer at once, not
+    after its next readiness poll (a client that waits for ModelInfo to count every replica, as an
+    operator's check does, would otherwise send its first requests to the replicas seen earlier)."""
+    fakes[0].is_ready = False
+    assert _health(channel) == health_pb2.HealthCheckResponse.SERVING  # the polls saw replica 0 not ready
+    fakes[0].is_ready, fakes[1].is_ready = True, False
+    assert stub.ModelInfo(pb.ModelInfoRequest(), timeout=10).num_kv_blocks == 100
+    for index in range(3):
+        stub.Generate(_request(f"after model info {index}", max_tokens=1), timeout=10)
+    assert len(fakes[0].submits) == 3 and not fakes[1].submits
+    fakes[1].is_ready = True
