@@ -117,7 +117,7 @@ COMMANDS = {
                         ends_at_once=True),
     "scheduler": Command("the scheduler alone", _add_scheduler_flags, _run_scheduler,
                          ends_at_once=True),
-    "worker": Command("one worker rank alone", _add_worker_flags, _run_worker),
+    "worker": Command("one worker rank alone", _add_worker_flags, _run_worker, ends_at_once=True),
     "generate": Command("stream a completion to the terminal", _add_generate_flags, _run_generate),
 }
 

@@ -64,7 +64,8 @@ def test_end_process_skips_a_hanging_finalization_and_keeps_the_output_and_exit_
         assert (done.returncode, done.stdout, done.stderr) == (code, "logged", "stopped")
 
 
-def test_the_server_commands_end_at_once_and_the_others_do_not():
+def test_the_process_commands_end_at_once_and_generate_does_not():
     from pagedserve.cli import COMMANDS
 
-    assert {name for name, command in COMMANDS.items() if command.ends_at_once} == {"serve", "scheduler", "frontend"}
+    assert {name for name, command in COMMANDS.items() if command.ends_at_once} == {"serve", "scheduler", "frontend",
+                                                                                     "worker"}
