@@ -29,6 +29,7 @@ from pagedserve.frontend.tokenization.chat_rendering import render_chat
 PLAIN_CLASSES = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
 SPECIAL_TOKEN_ATTRIBUTES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
                             "mask_token")  # transformers' named special tokens, in its order
+ADDED_TOKEN_FIELDS = ("content", "special", "lstrip", "rstrip", "normalized", "single_word")
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 CHAT_TEMPLATE_DIR = "additional_chat_templates"
 
@@ -63,7 +64,7 @@ def plain_tokenizer_refusal(folder: Path, config: dict, added: dict[int, dict]) 
         return f"special tokens {missing[:4]} are not added tokens of tokenizer.json"
     for key, token in (config.get("added_tokens_decoder") or {}).items():
         mine = added.get(int(key))
-        if mine is None or any(mine.get(field) != token.get(field) for field in ("content", "special")):
+        if mine is None or any(mine.get(field) != token.get(field) for field in ADDED_TOKEN_FIELDS):
             return f"added token {key} differs from tokenizer.json's"
     return None
 

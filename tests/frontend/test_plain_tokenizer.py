@@ -145,6 +145,8 @@ def _edited_copy(source: Path, target: Path, **changes) -> Path:
     ({"split_special_tokens": True}, "split_special_tokens"),
     ({"extra_special_tokens": ["<|not_added|>"]}, "not added tokens"),
     ({"chat_template": [{"name": "default", "template": "x"}]}, "several chat templates"),
+    ({"added_tokens_decoder": {"1": {"content": "<s>", "special": True, "lstrip": True, "rstrip": False,
+                                     "normalized": False, "single_word": False}}}, "differs"),
 ])
 def test_folders_that_transformers_would_change_go_to_transformers(chat_folder, tmp_path, changes, reason):
     folder = _edited_copy(chat_folder, tmp_path / "edited", **changes)
