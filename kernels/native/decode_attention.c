@@ -42,8 +42,7 @@
 /* 16 elements of a float32 or bfloat16 row, widened */
 static inline __m512 load16(const void *base, int64_t offset, int dtype) {
     if (dtype == DTYPE_BF16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + offset))), 16));
+        return bf16x16_to_f32((const uint16_t *)base + offset);
     return _mm512_loadu_ps((const float *)base + offset);
 }
 #endif

@@ -21,8 +21,7 @@
 /* 16 values from i on, widened to float32 */
 static inline __m512 load16(const void *row, int64_t i, int32_t dtype) {
     if (dtype == DTYPE_BF16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i))), 16));
+        return bf16x16_to_f32((const uint16_t *)row + i);
     return _mm512_loadu_ps((const float *)row + i);
 }
 

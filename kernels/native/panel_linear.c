@@ -69,16 +69,6 @@ void panel_linear_set_prefetch(int64_t rows, int64_t bytes) {
 int64_t panel_linear_prefetch(int64_t rows) { return rows >= 1 && rows <= ROWS ? prefetch_bytes[rows] : 0; }
 
 #if defined(__AVX512BF16__)
-/* 16 float32 lanes rounded to bfloat16 as common.h's f32_to_bf16 (denormals kept, NaN quieted) */
-static inline __m256i round_bf16(__m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet));
-}
-
 /* R rows of x from row m, P panels from panel j: y[m.., 16 j ..]; with PF > 0 it also prefetches
  * PF cache lines per pair of inputs from pf into L2, up to pf_end, and with ahead > 0 each panel's
  * own stream that many bytes ahead (the module comment) */
@@ -114,7 +104,7 @@ static inline __attribute__((always_inline)) void block(const int R, const int P
                               _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + n0)), 16))
                         : _mm512_setzero_ps();
         for (int r = 0; r < R; r++)
-            _mm256_mask_storeu_epi16(y + (m + r) * N + n0, mask, round_bf16(_mm512_add_ps(acc[r][q], b)));
+            _mm256_mask_storeu_epi16(y + (m + r) * N + n0, mask, f32x16_to_bf16(_mm512_add_ps(acc[r][q], b)));
     }
 }
 

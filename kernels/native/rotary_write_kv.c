@@ -9,8 +9,6 @@
  * rotated key and its value go to slot slot_mapping[t]; a slot of -1 is skipped. The caches hold
  * the model's dtype or float32 (cache_dtype). With AVX-512, a bfloat16 row and cache whose heads are a
  * multiple of 32 values go 16 lanes at a time (the same operations and roundings: bit for bit). */
-#include <immintrin.h>
-
 #include "common.h"
 #include "pagedserve_cpu.h"
 
@@ -32,32 +30,20 @@ static void rotate_head(void *qkv, int64_t base, const void *cos_sin, int64_t ta
 /* bfloat16 heads of a multiple of 32 values (both halves whole vectors), 16 lanes at a time: the same
  * products, sums and roundings as rotate_head and the copy below (AVX-512 arithmetic rounds as the
  * scalar float arithmetic does, with contraction off) */
-static inline __m512 widen16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
+static inline void store16(uint16_t *p, __m512 v) { _mm256_storeu_si256((__m256i *)p, f32x16_to_bf16(v)); }
 
-/* common.h's f32_to_bf16 on 16 lanes, the bits in the low half of each 32-bit lane */
-static inline __m512i bf16_bits16(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    return _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-}
-
-static inline __m512 round16(__m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(v), 16)); }
-
-static inline void store16(uint16_t *p, __m512 v) {
-    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(bf16_bits16(v)));
+/* v rounded to bfloat16 and widened back: what a bfloat16 op leaves */
+static inline __m512 round16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(f32x16_to_bf16(v)), 16));
 }
 
 static void rotate_head_bf16(uint16_t *head, const uint16_t *cos_sin_row, int64_t hs) {
     __m512 x[32];
     const int64_t n = hs / 16, half = n / 2;
-    for (int64_t c = 0; c < n; c++) x[c] = widen16(head + 16 * c);
+    for (int64_t c = 0; c < n; c++) x[c] = bf16x16_to_f32(head + 16 * c);
     for (int64_t c = 0; c < n; c++) {
-        const __m512 a = round16(_mm512_mul_ps(x[c], widen16(cos_sin_row + 16 * c)));
-        const __m512 b = round16(_mm512_mul_ps(x[(c + half) % n], widen16(cos_sin_row + hs + 16 * c)));
+        const __m512 a = round16(_mm512_mul_ps(x[c], bf16x16_to_f32(cos_sin_row + 16 * c)));
+        const __m512 b = round16(_mm512_mul_ps(x[(c + half) % n], bf16x16_to_f32(cos_sin_row + hs + 16 * c)));
         store16(head + 16 * c, _mm512_add_ps(a, b));
     }
 }
@@ -78,8 +64,8 @@ static void rotary_row(void *qkv, const void *cos_sin, int64_t position, int64_t
         const uint16_t *k = row + num_heads * head_size, *v = k + kv_width;
         uint16_t *kc = (uint16_t *)key_cache + slot * kv_width, *vc = (uint16_t *)value_cache + slot * kv_width;
         for (int64_t i = 0; i < kv_width; i += 16) { /* kv_width: a multiple of head_size */
-            store16(kc + i, widen16(k + i));
-            store16(vc + i, widen16(v + i));
+            store16(kc + i, bf16x16_to_f32(k + i));
+            store16(vc + i, bf16x16_to_f32(v + i));
         }
         return;
     }
