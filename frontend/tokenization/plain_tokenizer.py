@@ -43,7 +43,7 @@ def _token_text(value) -> str | None:
 
 def plain_tokenizer_refusal(folder: Path, config: dict, added: dict[int, dict]) -> str | None:
     """Why transformers would build a different tokenizer from this folder than tokenizer.json
-    alone (None: it would not). `added`: tokenizer.json's added tokens by id."""
+    alone (None: it would not). `added`: tokenizer.json's added tokens by id, each as its ADDED_TOKEN_FIELDS."""
     if config.get("tokenizer_class") not in PLAIN_CLASSES:
         return f"tokenizer_class {config.get('tokenizer_class')!r}"
     if config.get("split_special_tokens"):
@@ -135,8 +135,8 @@ def load_plain_tokenizer(folder: Path) -> tuple[PlainTokenizer | None, str | Non
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
         rust_tokenizer = RustTokenizer.from_file(str(tokenizer_path))
-        added = {int(token["id"]): token for token in json.loads(tokenizer_path.read_text(encoding="utf-8"))
-                 .get("added_tokens", [])}
+        added = {int(token_id): {field: getattr(token, field) for field in ADDED_TOKEN_FIELDS}
+                 for token_id, token in rust_tokenizer.get_added_tokens_decoder().items()}
         if not isinstance(config, dict):
             return None, "tokenizer_config.json is not an object"
         if "added_tokens_decoder" not in config:
