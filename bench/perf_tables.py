@@ -212,7 +212,54 @@ def real_model_latest_section(cpu: str, reports: list[dict]) -> list[str]:
             "results, docs or tests); medians, and the median of the ratios measured within each run against the "
             "better of llama.cpp's two configs.", "",
             *_table(["dtype", "streams", "pagedserve (share of limit)", "llama.cpp best", "ratio (median)",
-                     "ratio per run", "runs"], rows), ""]
+                     "ratio per run", "runs"], rows), "", *_after_first_token_section(runs)]
+
+
+def _after_first_token_section(runs: list[dict]) -> list[str]:
+    """One stream after each request's first token (bench/real_model.py's steady_tokens_per_second),
+    where the runs kept it: pagedserve against the better of llama.cpp's configs, each against the
+    bandwidth sampled between its own requests."""
+    values: dict[tuple, list[float]] = defaultdict(list)
+    peers: dict[tuple, list[float]] = defaultdict(list)
+    shares: dict[tuple, list[float]] = defaultdict(list)
+    peer_shares: dict[tuple, list[float]] = defaultdict(list)
+    ratios: dict[tuple, list[float]] = defaultdict(list)
+    for report in runs:
+        for dtype, entry in report["dtypes"].items():
+            def steady(system: str, streams: str):
+                run = entry["systems"].get(system, {}).get(streams, {})
+                rate = run.get("steady_tokens_per_second")
+                limit = (run["read_gb_per_s"] * 1e9 / entry["weight_bytes_per_token"]
+                         if rate and "read_gb_per_s" in run and "weight_bytes_per_token" in entry else None)
+                return rate, limit
+
+            for streams in entry["systems"].get("pagedserve", {}):
+                ours, our_limit = steady("pagedserve", streams)
+                theirs = max((steady(peer, streams) for peer in PEERS if steady(peer, streams)[0]), default=None)
+                if not ours or not theirs:
+                    continue
+                key = (dtype, int(streams))
+                values[key].append(ours)
+                peers[key].append(theirs[0])
+                ratios[key].append(ours / theirs[0])
+                if our_limit:
+                    shares[key].append(ours / our_limit)
+                if theirs[1]:
+                    peer_shares[key].append(theirs[0] / theirs[1])
+    if not ratios:
+        return []
+
+    def with_share(value: float, share: float | None) -> str:
+        return _fmt(value) + (f" ({100 * share:.0f} %)" if share else "")
+
+    rows = [[key[0], str(key[1]), with_share(_median(values[key]), _median(shares.get(key, []))),
+             with_share(_median(peers[key]), _median(peer_shares.get(key, []))), f"{_median(ratios[key]):.2f}x",
+             ", ".join(f"{ratio:.2f}" for ratio in ratios[key]), str(len(ratios[key]))] for key in sorted(ratios)]
+    return ["The same runs after each request's first token (the steady state the bandwidth bounds: every output "
+            "token but the first over the requests' times less each server's own time for their prompts), "
+            "each system against the bandwidth sampled between its own requests.", "",
+            *_table(["dtype", "streams", "pagedserve after the first token (share)", "llama.cpp best (share)",
+                     "ratio (median)", "ratio per run", "runs"], rows), ""]
 
 
 def generic_section(kind: str, cpu: str, reports: list[dict]) -> list[str]:

@@ -50,6 +50,13 @@ after 3.2 s without one, right before the next; sampling()), and its one-stream 
 against the mean of the samples before, between and after its requests: the bandwidth that system
 met. The worker's changes of its thread count (worker/cpu_share.py) are kept as notes. The figures and limits are also kept in bench/results/kept/ (make
 perf-tables).
+One stream also gives the rate after each request's first token (the steady state the bandwidth
+limit bounds: a prompt's prefill is bound by the GEMM peak instead): every output token but the
+first over the requests' times less each server's own time for their prompt phase, measured the
+same way for every server: llama.cpp's `timings.prompt_ms` (slot start to the prompt's last batch),
+pagedserve's step records of the steps that computed prompt tokens (schedule to processed result).
+Everything else in a request's time (the client, the transport, the first token's delivery)
+counts as decode time for both.
 The roofline (bench/roofline.py on SmolLM2's shapes, --threads threads) gives the model
 FLOP utilization of pagedserve-stream's 32-stream decode phase. The targets and ratios compare
 "pagedserve" (whole answers) with llama.cpp (whole answers). Targets (issue "Performance on a real
@@ -117,10 +124,12 @@ def make_workload(gguf: Path, seed: int = 0) -> list[BenchRequest]:
     return requests
 
 
-def timed(traces, probe: BandwidthProbe | None = None) -> dict:
+def timed(traces, probe: BandwidthProbe | None = None, prompt_seconds: float | None = None) -> dict:
     """Output tokens over the time from the first submission to the last token; with a probe (requests
     one after another, the bandwidth sampled between them), over the requests' own times, and the
-    mean of the samples as the bandwidth this run met."""
+    mean of the samples as the bandwidth this run met. With prompt_seconds (one stream: the server's
+    own time for the requests' prompt phases), also the rate after the first token: every token but
+    each request's first over the requests' times less that prompt time."""
     num_tokens = sum(trace.num_tokens for trace in traces)
     if probe is None:
         seconds = max(trace.finished_at for trace in traces) - min(trace.sent_at for trace in traces)
@@ -128,10 +137,18 @@ def timed(traces, probe: BandwidthProbe | None = None) -> dict:
         seconds = sum(trace.finished_at - trace.sent_at for trace in traces)
     run = {"seconds": seconds, "num_output_tokens": num_tokens, "tokens_per_second": num_tokens / seconds,
            "load_average": os.getloadavg()[0]}
+    if probe is not None and prompt_seconds is not None and 0 < prompt_seconds < seconds:
+        run["prompt_seconds"] = prompt_seconds
+        run["steady_tokens_per_second"] = (num_tokens - len(traces)) / (seconds - prompt_seconds)
     if probe is not None and probe.samples:
         run["read_gb_per_s"] = sum(probe.samples) / len(probe.samples)
         run["read_gb_per_s_samples"] = list(probe.samples)
     return run
+
+
+def prefill_seconds(records: list) -> float:
+    """The scheduler's time for the steps that computed prompt tokens (schedule to processed result)."""
+    return sum(record.seconds for record in records if record.num_prefill_tokens > 0)
 
 
 def sampling(probe: BandwidthProbe, then=lambda: None):
@@ -174,7 +191,8 @@ def run_pagedserve(dtype: str, workloads: dict[int, tuple[list[BenchRequest], bo
                 else:
                     traces = run_requests(server.address, requests, whole=whole, sequential=True,
                                           on_done=sampling(probe, recorder.collect))
-            results[streams] = timed(traces, None if concurrent else probe)
+            results[streams] = timed(traces, None if concurrent else probe,
+                                     None if concurrent else prefill_seconds(list(recorder.records.values())))
             results[streams]["steps"] = step_summary(list(recorder.records.values()), len(requests))
             if concurrent and len(requests) > 1 and not whole:
                 results[streams]["decode_phase"] = decode_phase(traces, SMOLLM2)
@@ -241,7 +259,9 @@ def run_llama_cpp(binary: Path, gguf: Path, dtype: str, threads: int,
             if concurrent:
                 results[streams] = timed(server.run(requests))
             else:
-                results[streams] = timed(server.run(requests, concurrent=False, on_done=sampling(probe)), probe)
+                traces = server.run(requests, concurrent=False, on_done=sampling(probe))
+                results[streams] = timed(traces, probe, sum(trace.prompt_seconds for trace in traces)
+                                         if all(trace.prompt_seconds > 0 for trace in traces) else None)
     results["config"] = (f"llama-server -m {converted.name} -t {threads} -tb {threads} -np S -c S*{CONTEXT_PER_SLOT} "
                          f"{' '.join(extra_args)} (S = streams; F16 KV cache, its default)").replace("  ", " ")
     return results
@@ -278,6 +298,12 @@ def summary_rows(report: dict) -> list[dict]:
                     rate = row[system] if system else ""
                     own = run_limit(entry, system, streams) if rate else None
                     row[f"{label} % of limit"] = f"{100 * rate / (own or limit):.0f}%" if rate else ""
+                for label, system in (("pagedserve", "pagedserve"), ("llama.cpp", best_llama)):
+                    run = entry["systems"].get(system, {}).get(streams, {}) if system else {}
+                    own = run_limit(entry, system, streams) if system else None
+                    if run.get("steady_tokens_per_second") and own:
+                        steady = run["steady_tokens_per_second"]
+                        row[f"{label} after 1st token"] = f"{steady:.1f} ({100 * steady / own:.0f}%)"
             mfu = entry.get("mfu_decode", {}).get(streams)
             if mfu is not None:
                 row["roofline"] = (f"{100 * mfu:.0f}% (target {100 * ROOFLINE_TARGET:.0f}%: "
@@ -365,7 +391,8 @@ def main() -> None:
     report["wall_seconds"] = time.perf_counter() - started
     report["load_average_end"] = os.getloadavg()
     print()
-    print_table(summary_rows(report), title=f"output tokens/s (pagedserve with {' '.join(args.serve_args) or 'its default flags'}); limits: 1 stream = "
+    rows = summary_rows(report)
+    print_table(rows, list(dict.fromkeys(key for row in rows for key in row)), title=f"output tokens/s (pagedserve with {' '.join(args.serve_args) or 'its default flags'}); limits: 1 stream = "
                 "read bandwidth / weight bytes per token, 32 streams = GEMM peak at 32 rows / FLOPs per token")
     for dtype, entry in report["dtypes"].items():
         if entry["roofline"] is not None:
@@ -382,7 +409,8 @@ def main() -> None:
     kept["dtypes"] = {dtype: {"token_limits": entry["token_limits"], "weight_bytes_per_token": entry["weight_bytes_per_token"],
                               "configs": {system: run["config"] for system, run in entry["systems"].items()},
                               "systems": {system: {str(streams): {key: run[streams][key]
-                                                                  for key in ("tokens_per_second", "read_gb_per_s")
+                                                                  for key in ("tokens_per_second", "read_gb_per_s",
+                                                                              "steady_tokens_per_second")
                                                                   if key in run[streams]}
                                                    for streams in streams_list}
                                           for system, run in entry["systems"].items()}}

@@ -144,3 +144,21 @@ def test_the_newest_code_has_its_own_table_of_ratios_within_runs(tmp_path):
     # the three runs of bbbbbbb only; the ratio is the median of each run's ratio to llama.cpp's better config
     # (1.2, 0.9, 2.0), not the ratio of the medians (70 / 50)
     assert "| bfloat16 | 1 | 70.0 (70 %) | 50.0 | 1.20x | 1.20, 0.90, 2.00 | 3 |" in page
+
+
+def test_the_newest_code_gives_one_stream_after_the_first_token_against_the_bandwidth_met(tmp_path):
+    tables = _perf_tables()
+    for date, ours, theirs, read in (("20261101T010000Z", 90.0, 60.0, 100.0), ("20261102T010000Z", 80.0, 80.0, 100.0),
+                                     ("20261103T010000Z", 85.0, 50.0, 50.0)):
+        report = _real_model(date, "CPU A", ours - 5, theirs - 5)
+        report["machine"]["commit"] = "ccccccc"
+        entry = report["dtypes"]["bfloat16"]
+        entry["weight_bytes_per_token"] = 1e9
+        for system, rate in (("pagedserve", ours), ("llama.cpp", theirs)):
+            entry["systems"][system]["1"].update(steady_tokens_per_second=rate, read_gb_per_s=read)
+        entry["systems"]["llama.cpp-poll0"] = {"1": {"tokens_per_second": 1.0, "steady_tokens_per_second": 1.0}}
+        tables.save_kept("real_model", report, tmp_path)
+    page = tables.render(tables.load_kept(tmp_path))
+    # medians of the runs (85, 60) and of the shares of each run's own bandwidth (90, 80, 170 %; 60, 80, 100 %),
+    # the ratio the median of each run's (1.5, 1.0, 1.7), llama.cpp's better config in each run
+    assert "| bfloat16 | 1 | 85.0 (90 %) | 60.0 (80 %) | 1.50x | 1.50, 1.00, 1.70 | 3 |" in page

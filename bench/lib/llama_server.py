@@ -49,6 +49,7 @@ class CompletionTrace:
     sent_at: float = 0.0
     finished_at: float = 0.0
     num_tokens: int = 0
+    prompt_seconds: float = 0.0  # the server's own prompt phase (its timings.prompt_ms)
 
 
 class LlamaServerExited(RuntimeError):
@@ -134,6 +135,7 @@ class LlamaServer:
             answer = json.loads(response.read())
         trace.finished_at = time.perf_counter()
         trace.num_tokens = int(answer.get("tokens_predicted", 0))
+        trace.prompt_seconds = float(answer.get("timings", {}).get("prompt_ms", 0.0)) / 1e3
         if trace.num_tokens != request.max_tokens:
             raise RuntimeError(f"llama-server predicted {trace.num_tokens} tokens, {request.max_tokens} asked for")
 
