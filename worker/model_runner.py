@@ -323,6 +323,8 @@ class ModelRunner:
                 run = self._decode_run = DecodeRun.for_plan(self.model, kv_caches, plan, self.block_size)
             if run is None:
                 return None
+        if torch.is_inference_mode_enabled():  # a decode run's later steps: the caller entered it once
+            return run(plan)
         with torch.inference_mode():
             return run(plan)
 

@@ -292,8 +292,9 @@ def _serve_plans(config, runner, sub, pusher, state, log, cpu_share=None, layout
             result = runner.execute(plan, receive_masks)  # carries the plan's step id and epoch
         last, last_result = plan, result
         if computes_ahead and plan.num_steps > 1:  # a decode run: its later steps now (continuation.py)
-            result, last, last_result = run_steps(result, plan, runner.block_size, try_execute, has_message,
-                                                  lambda step: pusher.send(encode_result(step)))
+            with torch.inference_mode():  # once for the run, not per step (ModelRunner._execute_in_run)
+                result, last, last_result = run_steps(result, plan, runner.block_size, try_execute, has_message,
+                                                      lambda step: pusher.send(encode_result(step)))
         if config.rank == 0:
             pusher.send(encode_result(result))
         if (computes_ahead and not has_message()  # a plan that is here already needs no guess

@@ -16,6 +16,7 @@ tensors it points into, and the caller rebuilds a layer's structure when one of 
 from __future__ import annotations
 
 import ctypes
+from functools import partial
 
 import torch
 
@@ -149,6 +150,33 @@ class DecodeLayers:
                                     residual.data_ptr(), out.data_ptr(), spare.data_ptr(), scratch.data_ptr()):
             raise IndexError(f"a token id outside the embedding table of {embedding.shape[0]} rows")
         return out
+
+    def bound_step(self, token_ids: torch.Tensor, embedding: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                   out: torch.Tensor):
+        """run_step(token_ids, embedding, norm_weight, eps, out) as a call without arguments, bound to
+        these tensors (the caller keeps them and changes only their values), its residual stream,
+        spare output and scratch allocated once: the same native call, without the per-call
+        allocations. The buffers carry nothing from one call to the next: decode_step writes the
+        residual stream from the embeddings and every scratch value before it reads it."""
+        num_rows, size = token_ids.shape[0], embedding.shape[1]
+        if out.shape != (num_rows, size) or out.dtype != embedding.dtype or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous [{num_rows}, {size}] {embedding.dtype} tensor")
+        if not (token_ids.dtype == torch.int64 and token_ids.is_contiguous() and embedding.is_contiguous()):
+            raise ValueError("token_ids must be contiguous int64 and the embedding contiguous")
+        residual = torch.empty(num_rows, size, dtype=embedding.dtype)
+        spare = torch.empty(num_rows, size, dtype=embedding.dtype)
+        scratch = self._scratch(num_rows, size, embedding.dtype)
+        call = partial(self.lib.decode_step, self.layer_array, len(self.layers), self.rows_address,
+                       token_ids.data_ptr(), embedding.data_ptr(), embedding.shape[0], norm_weight.data_ptr(), eps,
+                       residual.data_ptr(), out.data_ptr(), spare.data_ptr(), scratch.data_ptr())
+        kept = (token_ids, embedding, norm_weight, residual, out, spare, scratch)  # the pointers' tensors
+
+        def step() -> None:
+            if not call():
+                raise IndexError(f"a token id outside the embedding table of {embedding.shape[0]} rows")
+
+        step.kept = kept
+        return step
 
     def _scratch(self, num_rows: int, size: int, dtype: torch.dtype) -> torch.Tensor:
         """What decode_layer.c needs beside its inputs and outputs (its module comment)."""

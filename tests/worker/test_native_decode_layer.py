@@ -240,6 +240,19 @@ def test_a_whole_native_step_gives_the_bits_of_the_layers_between_torch_embeddin
         assert torch.equal(model(inputs.token_ids, inputs.metadata, runner.cache.gpu_cache), expected)
         with pytest.raises(IndexError, match="outside the embedding table"):
             step.final_hidden(torch.tensor([1, model.embed_tokens.weight.shape[0], 2]))
+        # bound once to kept tensors, called again with new values: each call the bits of run_step's,
+        # nothing carried over from the call before in the buffers it keeps
+        token_ids, out = inputs.token_ids.clone(), torch.empty_like(whole)
+        bound = step.layers.bound_step(token_ids, model.embed_tokens.weight, model.norm.weight, model.norm.eps, out)
+        for ids in ([5, 9, 2], [7, 7, 7], inputs.token_ids.tolist()):
+            token_ids.copy_(torch.tensor(ids))
+            bound()
+            assert torch.equal(out, step.layers.run_step(token_ids, model.embed_tokens.weight, model.norm.weight,
+                                                         model.norm.eps))
+        assert torch.equal(out, expected)
+        token_ids[1] = model.embed_tokens.weight.shape[0]
+        with pytest.raises(IndexError, match="outside the embedding table"):
+            bound()
         float32 = _runner(checkpoint_dir("qwen2-bias-tied"), "float32")
         step32 = llama_native.NativeDecodeStep.for_step(float32.model, inputs.metadata, float32.cache.gpu_cache)
         assert step32 is not None and step32.final_hidden(inputs.token_ids) is None  # float32 keeps torch's norm

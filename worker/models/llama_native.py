@@ -196,7 +196,7 @@ class NativeDecodeRun:
         self.max_blocks = block_tables.shape[1]
         weight = model.embed_tokens.weight
         self.hidden = torch.empty(token_ids.shape[0], weight.shape[1], dtype=weight.dtype)
-        self._embedding, self._norm = weight, model.norm
+        self._layers = step.layers.bound_step(token_ids, weight, model.norm.weight, model.norm.eps, self.hidden)
         bound = model.lm_head.bound_forward(self.hidden)
         self._head, self.logits = bound if bound is not None else (None, None)  # None: compute_logits
 
@@ -261,8 +261,7 @@ class NativeDecodeRun:
     def step(self) -> torch.Tensor:
         """The logits [rows, vocab] of the step set_rows set: self.logits, where the head's kernel is
         bound, else a new tensor; IndexError when a token id is outside the embedding table."""
-        norm = self._norm
-        self.step_layers.run_step(self.token_ids, self._embedding, norm.weight, norm.eps, out=self.hidden)
+        self._layers()
         if self._head is not None:
             self._head()
             return self.logits
