@@ -231,8 +231,11 @@ def _serve_plans(config, runner, sub, pusher, state, log, cpu_share=None, layout
     computes_ahead = config.world_size == 1  # other ranks would not know the sampled tokens
     ahead: tuple[StepPlan, StepResult] | None = None  # the likely next step, computed (continuation.py)
 
+    poller = zmq.Poller()  # kept: Socket.poll builds and registers a Poller per call
+    poller.register(sub, zmq.POLLIN)
+
     def has_message() -> bool:
-        return bool(sub.poll(0))
+        return bool(poller.poll(0))
 
     def try_execute(plan: StepPlan) -> StepResult | None:
         """A step no plan asked for yet: one computed ahead, or a later step of a decode run. What
