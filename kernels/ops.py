@@ -227,7 +227,8 @@ def block_quant_prefers(x, weight) -> bool:
 
 def block_quant_linear(x, weight, bias=None):
     """x [M, K] @ GGUF blocks kept as the file has them (kernels/linear/block_quant.py): the native
-    kernel at 1..block_quant.MAX_ROWS rows on the CPU, the exact dequantize-then-matmul otherwise."""
+    kernel at 1..block_quant.MAX_ROWS rows on the CPU (bfloat16 x: up to the host's tuned rows), the
+    exact dequantize-then-matmul otherwise."""
     if os.environ.get(KERNELS_ENV) == "reference":
         return block_quant.block_quant_linear_ref(x, weight, bias)
     lib = block_quant.supports(x, weight)

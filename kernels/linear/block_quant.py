@@ -19,7 +19,10 @@ gguf package's values bit for bit.
                                 dot products on the codes (exact in bfloat16) scaled per group in
                                 float32, so again only the order of float32 sums differs; more
                                 rows: against the weights decoded to bfloat16 (the file
-                                dequantized to bfloat16, as `none` and the prefill path have them)
+                                dequantized to bfloat16, as `none` has them), a column block at a
+                                time, up to the rows the host's tuning measured the decoded panels
+                                faster than the dequantized matmul (tuning.block_panel_rows, at
+                                least MAX_ROWS): a prompt's prefill too
     block_quant_linear_dequant  more rows: the weight dequantized exactly to float32 and, for a
                                 float32 x, one float32 matmul; for a bfloat16 x, the weight
                                 rounded to bfloat16 as the dequantized file served in bfloat16 has it
@@ -38,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.kernels.native import library as native_lib
+from pagedserve.kernels.native import tuning
 from pagedserve.kernels.native.abi import DTYPE_CODES
 
 GROUP_SIZE = 32
@@ -116,9 +120,10 @@ def _exact_f16(values: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def supports(x: torch.Tensor, weight: BlockQuantWeight):
-    """The native library when x [M, K] is a CPU tensor with 1 <= M <= MAX_ROWS and the CPU has the
-    kernel (AVX-512), else None."""
-    if not (x.device.type == "cpu" and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and weight.qs.device.type == "cpu"):
+    """The native library when x [M, K] is a CPU tensor with 1 <= M <= MAX_ROWS, or a bfloat16 one
+    with up to the host's tuned rows for the decoded panels (kernels/native/tuning.py
+    block_panel_rows), and the CPU has the kernel (AVX-512; the BF16 variant for the latter), else None."""
+    if not (x.device.type == "cpu" and x.dim() == 2 and 0 < x.shape[0] and weight.qs.device.type == "cpu"):
         return None
     lib = native_lib.load()
     if lib is None:
@@ -126,7 +131,11 @@ def supports(x: torch.Tensor, weight: BlockQuantWeight):
     available = getattr(lib, "_pagedserve_block_quant_rows", None)
     if available is None:
         available = lib._pagedserve_block_quant_rows = bool(lib.block_quant_rows_available())
-    return lib if available else None
+    if not available:
+        return None
+    if x.shape[0] <= MAX_ROWS:
+        return lib
+    return lib if x.dtype == torch.bfloat16 and _has_bf16(lib) and x.shape[0] <= tuning.block_panel_rows(lib) else None
 
 
 def block_quant_linear_native(x: torch.Tensor, weight: BlockQuantWeight, bias: torch.Tensor | None = None,

@@ -16,7 +16,7 @@
  * decoded exactly to float32 in L1 and multiplied by FMAs (decoded_rows_f32). Either way the result
  * differs from the reference only in the order of float32 sums. bfloat16 activations
  * (block_quant_rows_bf16, AVX-512 BF16) meet the same exact weights at 1 to EXACT_ROWS rows, and
- * the weights decoded to bfloat16 above (see there). The weight is read once per call, its rows
+ * the weights decoded to bfloat16 above, at any number of rows (see there). The weight is read once per call, its rows
  * split over the threads in contiguous runs. */
 #include <immintrin.h>
 #include <stdlib.h>
@@ -228,8 +228,8 @@ void block_quant_rows(const float *x, const uint8_t *qs, const uint16_t *d, cons
 int32_t block_quant_rows_available(void) { return 1; }
 
 #if defined(__AVX512BF16__)
-/* bfloat16 activations at 1 to BLOCK_QUANT_MAX_ROWS rows: the exact weights, as the float32 kernel
- * multiplies them. A code q (0..15, or -128..127) is exact in bfloat16 and so is each product q * x
+/* bfloat16 activations at 1 to EXACT_ROWS rows: the exact weights, as the float32 kernel multiplies
+ * them (more rows, any number of them: decoded_panels_bf16 below). A code q (0..15, or -128..127) is exact in bfloat16 and so is each product q * x
  * in float32, so BF16 dot products give per group sum(q * x) in float32 lanes, which are scaled by
  * the file's d (float32), and the minimums add m * sum(x) per group: the exact weights against the
  * exact activations, differing from block_quant_linear_ref (kernels/linear/block_quant.py) only in

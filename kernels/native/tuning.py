@@ -2,7 +2,7 @@
 the library (<cache>/native/<build key>/tuning.json: the key names the sources, the compiler and
 the CPU's flags, so another CPU or an edited kernel measures anew).
 
-Five parameters. `linear_rows_prefetch`: how far ahead of its weight stream the few-rows linear
+Six parameters. `linear_rows_prefetch`: how far ahead of its weight stream the few-rows linear
 kernel (linear_rows.c) issues a software prefetch, in bytes, 0 meaning none (the hardware
 prefetchers alone). Measured on SmolLM2-sized projections (rows of 576 bfloat16 values, 96 MiB, far beyond
 any last-level cache) at one row of x with every core of the process's CPU set: a distance other
@@ -41,6 +41,17 @@ layers need them above two rows anyway, and without the row kernel they keep no 
 them. (The rule was the other way round, and on AMD Zen 4 a measurement that found the two equal
 chose the row kernel, whose one-sequence forward then took 1.13-1.19x the panels' time.)
 
+`block_quant_panel_rows`: up to how many rows bfloat16 activations multiply kept GGUF blocks through
+the block kernel's decoded panels (block_quant_rows.c: each column block decoded once into the
+panel layout in a buffer of the thread's, every block of 8 rows walking it) rather than through the
+whole weight dequantized to bfloat16 and torch's matmul, as a prompt's prefill otherwise does. Both
+are timed on Q4_1 weights of SmolLM2's four layer shapes at BLOCK_PANEL_ROWS rows, in turn; the
+panels are kept up to the last row count before the first at which they are slower by more than
+NOISE, at least the kernel's 32 rows. On AMD Zen 4 (2 vCPUs) the panels took 0.54x, 0.56x, 0.86x,
+0.77x and 0.97x the dequantized path's time over a layer's four projections at 33, 64, 128, 256 and
+512 rows, and at 2048 up to 1.18x: the activations are read again for every column block, from L2
+while they fit. The two paths round the same bfloat16 weights; their float32 sums differ in order.
+
 How every choice is timed: each candidate against the baseline (no prefetch; oneDNN for the
 layout, the panels for few rows), the two run back to back, in turns first, ROUNDS times; the
 median of those ratios decides (`_paired_times`). On 2 MiB pages where the host gives them
@@ -54,7 +65,8 @@ in 16 of 30 builds, 0 in 12 and 1024 or 2048 in the other two, run to run on one
     tuning.apply(lib, folder)       # reads folder/tuning.json, or measures and writes it
 
 PAGEDSERVE_ROW_PREFETCH=<bytes> and PAGEDSERVE_BLOCK_PREFETCH=<bytes> set the distances,
-PAGEDSERVE_BF16_LAYOUT=panels|onednn the layout, without measuring them (and write nothing).
+PAGEDSERVE_BF16_LAYOUT=panels|onednn the layout, PAGEDSERVE_BLOCK_PANEL_ROWS=<rows> the decoded
+panels' rows, without measuring them (and write nothing).
 """
 
 from __future__ import annotations
@@ -77,6 +89,10 @@ BLOCK_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # [N, K] of a
 CANDIDATES = (0, 512, 1024, 2048, 4096, 8192)  # bytes ahead of the stream
 PANEL_CANDIDATES = (0, 512, 1024, 1536, 2048, 3072)  # bytes ahead of each panel's stream
 PANEL_PREFETCH_ROWS = (1, 2, 4, 8)  # measured at these rows; a block of R rows takes the first >= R
+BLOCK_PANEL_ENV = "PAGEDSERVE_BLOCK_PANEL_ROWS"
+BLOCK_PANEL_ROWS = (64, 256, 1024)  # row counts at which the decoded panels are timed (block_panel_rows)
+BLOCK_PANEL_MIN_ROWS = 32  # the block kernel's rows at any measurement (block_quant.MAX_ROWS)
+BF16_CODE = 1  # abi.DTYPE_CODES[torch.bfloat16]
 NOISE = 0.05  # a prefetch must be this much faster than none to be kept
 SIZE_IN = 576
 WEIGHT_BYTES = 96 << 20
@@ -94,12 +110,15 @@ def apply(lib, folder: Path) -> dict:
         overrides[PREFETCH_ENV] = ("linear_rows_prefetch", int(os.environ[PREFETCH_ENV]))
     if os.environ.get(BLOCK_PREFETCH_ENV):
         overrides[BLOCK_PREFETCH_ENV] = ("block_quant_prefetch", int(os.environ[BLOCK_PREFETCH_ENV]))
+    if os.environ.get(BLOCK_PANEL_ENV):
+        overrides[BLOCK_PANEL_ENV] = ("block_quant_panel_rows",
+                                      max(BLOCK_PANEL_MIN_ROWS, int(os.environ[BLOCK_PANEL_ENV])))
     if os.environ.get(LAYOUT_ENV) in LAYOUTS:
         overrides[LAYOUT_ENV] = ("linear_bf16_layout", os.environ[LAYOUT_ENV])
     elif os.environ.get(LAYOUT_ENV):
         _log.warning("native_kernels_layout_ignored: %s=%r is not one of %s; the measured layout is used",
                      LAYOUT_ENV, os.environ[LAYOUT_ENV], ", ".join(LAYOUTS))
-    if len(overrides) == 3:
+    if len(overrides) == 4:
         params = {}
     else:
         path = folder / FILE_NAME
@@ -137,9 +156,16 @@ def panels_for_few_rows(lib) -> bool:
     return params.get("linear_bf16_layout") == "panels" and params.get("linear_bf16_few_rows") == "panels"
 
 
+def block_panel_rows(lib) -> int:
+    """Up to how many rows bfloat16 activations multiply kept GGUF blocks through the block kernel's
+    decoded panels rather than a dequantized copy and torch's matmul (module doc)."""
+    return int(getattr(lib, "_pagedserve_tuning", {}).get("block_quant_panel_rows", BLOCK_PANEL_MIN_ROWS))
+
+
 def measure(lib) -> dict:
     """Measures every parameter on this host; returns them."""
-    params = {**measure_prefetch(lib), **measure_block_prefetch(lib), **measure_layout(lib)}
+    params = {**measure_prefetch(lib), **measure_block_prefetch(lib), **measure_layout(lib),
+              **measure_block_panel_rows(lib)}
     lib.linear_rows_set_prefetch(int(params["linear_rows_prefetch"]))
     if params["linear_bf16_layout"] == "panels":
         weights = _projection_weights()  # packed once for both measurements
@@ -336,6 +362,47 @@ def measure_block_prefetch(lib) -> dict:
             "block_gb_per_s": {str(d): round(num_bytes / t / 1e9, 2) for d, t in times.items()}}
 
 
+def measure_block_panel_rows(lib) -> dict:
+    """Times the block kernel's decoded panels (block_quant_rows_bf16 above its exact rows) against
+    the weight dequantized to bfloat16 and torch's matmul, as a prefill multiplies kept blocks, on
+    Q4_1 weights of SmolLM2's layer shapes at BLOCK_PANEL_ROWS rows (module doc)."""
+    import torch
+
+    from pagedserve.kernels.linear import block_quant
+
+    if not lib.block_quant_rows_bf16_available():
+        return {"block_quant_panel_rows": BLOCK_PANEL_MIN_ROWS, "block_panel_ratios": {}}
+    generator = torch.Generator().manual_seed(0)
+    weights = [block_quant.BlockQuantWeight.from_codes(
+        torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=generator),
+        (torch.rand(n, k // 32, generator=generator) * 0.01).to(torch.float16),
+        (-torch.rand(n, k // 32, generator=generator) * 0.05).to(torch.float16), 4) for n, k in BLOCK_SHAPES]
+    rows_kept, ratios = BLOCK_PANEL_MIN_ROWS, {}
+    for rows in BLOCK_PANEL_ROWS:
+        inputs = [torch.randn(rows, w.in_features, generator=generator).to(torch.bfloat16) for w in weights]
+        outputs = [torch.empty(rows, w.out_features) for w in weights]
+
+        def panels_pass() -> None:
+            for x, w, y in zip(inputs, weights, outputs):
+                lib.block_quant_rows_bf16(x.data_ptr(), w.qs.data_ptr(), w.scales.data_ptr(), w.mins.data_ptr(),
+                                          y.data_ptr(), rows, w.out_features, w.in_features, w.bits)
+                y.to(torch.bfloat16)  # the rounding block_quant_linear_native does
+
+        def dequantized_pass() -> None:  # block_quant_linear_dequant, through this library (not yet loaded)
+            for x, w in zip(inputs, weights):
+                dense = torch.empty(w.out_features, w.in_features, dtype=torch.bfloat16)
+                lib.block_quant_dequantize(w.qs.data_ptr(), w.scales.data_ptr(), w.mins.data_ptr(), dense.data_ptr(),
+                                           w.out_features, w.in_features, w.bits, BF16_CODE)
+                torch.nn.functional.linear(x, dense)
+
+        by_path, _ = _paired_times("dequantized", {"dequantized": dequantized_pass, "panels": panels_pass})
+        ratios[str(rows)] = round(by_path["panels"], 3)
+        if by_path["panels"] >= 1 + NOISE:
+            break  # slower here: the dequantized copy from these rows on
+        rows_kept = rows
+    return {"block_quant_panel_rows": rows_kept, "block_panel_ratios": ratios}
+
+
 def measure_layout(lib) -> dict:
     """Times panel_linear_bf16 against oneDNN's prepacked matmul (module doc)."""
     import torch
@@ -367,6 +434,7 @@ def _read(path: Path) -> dict | None:
             return None  # measured another way, or on other pages than the worker's now: anew
         int(params["linear_rows_prefetch"])
         int(params["block_quant_prefetch"])
+        int(params["block_quant_panel_rows"])
         if params["linear_bf16_layout"] not in LAYOUTS or params["linear_bf16_few_rows"] not in ("rows", "panels"):
             return None
         if params["linear_bf16_layout"] == "panels":

@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from pagedserve.kernels import ops
+from pagedserve.kernels.native import tuning
 from pagedserve.kernels.linear import block_quant
 from pagedserve.kernels.linear.block_quant import BlockQuantWeight
 from pagedserve.kernels.native import abi
@@ -76,6 +77,35 @@ def test_dispatch_takes_the_kernel_up_to_32_rows_and_the_exact_dequantize_above(
     assert torch.equal(ops.quantized_linear(x, weight), block_quant.block_quant_linear_ref(x, weight))
 
 
+def test_bfloat16_rows_take_the_decoded_panels_up_to_the_hosts_tuned_rows(monkeypatch):
+    """Above the kernel's 32 rows, bfloat16 activations (a prompt's prefill) multiply the blocks
+    through the decoded panels up to the rows the host's tuning chose (kernels/native/tuning.py
+    block_panel_rows), the dequantized weight and torch's matmul above; both are the product with
+    the weights decoded to bfloat16, up to the order of float32 sums; float32 keeps 32 rows."""
+    weight, _ = _gguf_weight("Q4_1", 70, 352, seed=13)
+    lib = _bf16_lib(weight, 1)
+    monkeypatch.setitem(lib._pagedserve_tuning, "block_quant_panel_rows", 64)
+    dense = weight.dequantize(torch.bfloat16).double()
+    taken = []
+    native = block_quant.block_quant_linear_native
+    monkeypatch.setattr(block_quant, "block_quant_linear_native",
+                        lambda *args, **kwargs: taken.append(args[0].shape[0]) or native(*args, **kwargs))
+    for num_rows in (33, 64, 65, 150):
+        x = torch.randn(num_rows, 352, generator=torch.Generator().manual_seed(num_rows)).bfloat16()
+        y = ops.block_quant_linear(x, weight)
+        expected = F.linear(x.double(), dense)
+        assert y.dtype == torch.bfloat16
+        assert float((y.double() - expected).abs().max() / expected.abs().max()) < 2 ** -7, num_rows
+        out = torch.empty_like(y)
+        call = ops.bound_block_quant_linear(x, weight, out=out)
+        assert (call is not None) == (num_rows <= 64)
+        if call is not None:
+            call()
+            assert torch.equal(out, y)
+    assert taken == [33, 64]
+    assert block_quant.supports(torch.empty(40, 352), weight) is None  # float32 activations: 32 rows
+
+
 def test_weights_that_are_not_the_files_float16_are_refused():
     codes = torch.randint(0, 16, (16, 64))
     scales = torch.full((16, 2), 0.1)  # not a float16 value
@@ -95,7 +125,7 @@ def _bf16_rows(lib, weight, x: torch.Tensor) -> torch.Tensor:
 
 
 def _bf16_lib(weight, num_rows: int):
-    lib = block_quant.supports(torch.empty(num_rows, weight.in_features), weight)
+    lib = block_quant.supports(torch.empty(min(num_rows, block_quant.MAX_ROWS), weight.in_features), weight)
     if lib is None or not block_quant._has_bf16(lib):
         pytest.fail("the native bfloat16 block kernel is unavailable on this CPU (it needs AVX-512 BF16)")
     return lib
@@ -124,7 +154,7 @@ def test_bfloat16_rows_match_their_weights_product_before_rounding(tensor_type, 
 
 
 @pytest.mark.parametrize("tensor_type", TYPES)
-@pytest.mark.parametrize("num_rows", [9, 17, 32])
+@pytest.mark.parametrize("num_rows", [9, 17, 32, 45, 100])
 # one panel, a block of three panels and a partial one, 1.5 blocks, three blocks and one column
 @pytest.mark.parametrize("out_features", [16, 37, 70, 145])
 def test_decoded_panels_cover_every_output_column(tensor_type, num_rows, out_features):
@@ -249,7 +279,10 @@ def test_the_bound_call_writes_what_block_quant_linear_returns(tensor_type, dtyp
         x.copy_(torch.randn(3, 128, generator=generator))
         call()
         assert torch.equal(out, ops.block_quant_linear(x, weight, bias))
-    big = torch.empty(block_quant.MAX_ROWS + 1, 128, dtype=dtype)
+    lib = block_quant.supports(torch.empty(1, 128), weight)
+    rows = (tuning.block_panel_rows(lib) if dtype == torch.bfloat16 and block_quant._has_bf16(lib)
+            else block_quant.MAX_ROWS)
+    big = torch.empty(rows + 1, 128, dtype=dtype)
     assert ops.bound_block_quant_linear(big, weight, out=torch.empty(big.shape[0], 70, dtype=dtype)) is None
 
 

@@ -142,8 +142,10 @@ def test_tuning_measures_once_then_reads_its_file(tmp_path, monkeypatch):
     monkeypatch.delenv(tuning.PREFETCH_ENV, raising=False)
     monkeypatch.delenv(tuning.BLOCK_PREFETCH_ENV, raising=False)
     monkeypatch.delenv(tuning.LAYOUT_ENV, raising=False)
+    monkeypatch.delenv(tuning.BLOCK_PANEL_ENV, raising=False)
     monkeypatch.setattr(tuning, "WEIGHT_BYTES", 4 << 20)  # a quick measurement; the choice is not checked
     monkeypatch.setattr(tuning, "LAYOUT_ROWS", (4, 32))
+    monkeypatch.setattr(tuning, "BLOCK_PANEL_ROWS", (40, 48))
     try:
         measured = tuning.apply(lib, tmp_path)
         assert measured["source"] == "measured" and measured["linear_rows_prefetch"] in tuning.CANDIDATES
@@ -153,6 +155,13 @@ def test_tuning_measures_once_then_reads_its_file(tmp_path, monkeypatch):
         assert measured["block_quant_prefetch"] in tuning.CANDIDATES
         assert set(measured["block_gb_per_s"]) == {str(distance) for distance in tuning.CANDIDATES}
         assert lib.block_quant_prefetch() == measured["block_quant_prefetch"]
+        assert measured["block_quant_panel_rows"] in (tuning.BLOCK_PANEL_MIN_ROWS, 40, 48)
+        assert tuning.block_panel_rows(lib) == measured["block_quant_panel_rows"]
+        if lib.block_quant_rows_bf16_available():  # the ratios measured, up to the first slower by more than noise
+            ratios = measured["block_panel_ratios"]
+            assert list(ratios) in (["40"], ["40", "48"])
+            assert measured["block_quant_panel_rows"] == max([tuning.BLOCK_PANEL_MIN_ROWS] + [
+                int(rows) for rows, ratio in ratios.items() if ratio < 1 + tuning.NOISE])
         layout_ms = measured["layout_ms"]
         assert set(layout_ms) == {"4", "32"} and all(set(pair) == set(tuning.LAYOUTS) for pair in layout_ms.values())
         assert measured["linear_bf16_layout"] in tuning.LAYOUTS  # timings decide; the choice is not checked
@@ -169,7 +178,7 @@ def test_tuning_measures_once_then_reads_its_file(tmp_path, monkeypatch):
         _write_tuning(tmp_path, 
             '{"linear_rows_prefetch": 0, "block_quant_prefetch": 0, "linear_bf16_layout": "panels",'
             ' "linear_bf16_few_rows": "panels", "panel_prefetch": {"1": 512, "2": 1024, "4": 2048, "8": 3072},'
-            ' "source": "measured"}')
+            ' "block_quant_panel_rows": 32, "source": "measured"}')
         assert tuning.apply(lib, tmp_path)["source"] == "measured"
         if lib.panel_linear_available():  # without the panel kernel its distances are not kept
             assert [lib.panel_linear_prefetch(rows) for rows in range(1, 9)] == [512, 1024, 2048, 2048] + [3072] * 4
@@ -179,7 +188,7 @@ def test_tuning_measures_once_then_reads_its_file(tmp_path, monkeypatch):
         assert "layout_ms" in tuning.apply(lib, tmp_path)  # panels without their distances: measured anew
         _write_tuning(tmp_path, 
             '{"linear_rows_prefetch": 2048, "block_quant_prefetch": 1024, "linear_bf16_layout": "onednn",'
-            ' "linear_bf16_few_rows": "rows", "source": "measured"}')
+            ' "linear_bf16_few_rows": "rows", "block_quant_panel_rows": 200, "source": "measured"}')
         assert tuning.apply(lib, tmp_path)["linear_rows_prefetch"] == 2048 and lib.linear_rows_prefetch() == 2048
         kept = json.loads((tmp_path / tuning.FILE_NAME).read_text())
         for stale in ({"method": "fastest passes"}, {"weight_pages": "1 GiB"}, {"method": None}):
@@ -188,7 +197,16 @@ def test_tuning_measures_once_then_reads_its_file(tmp_path, monkeypatch):
         _write_tuning(tmp_path, json.dumps({key: kept[key] for key in kept if key not in ("method", "weight_pages")}))
         assert tuning.apply(lib, tmp_path)["linear_rows_prefetch"] == 2048 and lib.linear_rows_prefetch() == 2048
         assert lib.block_quant_prefetch() == 1024
-        assert tuning.linear_bf16_layout(lib) == "onednn"
+        assert tuning.linear_bf16_layout(lib) == "onednn" and tuning.block_panel_rows(lib) == 200
+        without_rows = {key: value for key, value in kept.items() if key != "block_quant_panel_rows"}
+        _write_tuning(tmp_path, json.dumps(without_rows))
+        assert "block_panel_ratios" in tuning.apply(lib, tmp_path)  # a file without the panels' rows: anew
+        _write_tuning(tmp_path, json.dumps(kept))
+        monkeypatch.setenv(tuning.BLOCK_PANEL_ENV, "8")  # never below the kernel's own rows
+        assert tuning.apply(lib, tmp_path)["source"] == tuning.BLOCK_PANEL_ENV and tuning.block_panel_rows(lib) == 32
+        monkeypatch.setenv(tuning.BLOCK_PANEL_ENV, "300")
+        assert tuning.apply(lib, tmp_path)["block_quant_panel_rows"] == 300 and tuning.block_panel_rows(lib) == 300
+        monkeypatch.delenv(tuning.BLOCK_PANEL_ENV)
         monkeypatch.setenv(tuning.PREFETCH_ENV, "4096")
         assert tuning.apply(lib, tmp_path)["source"] == tuning.PREFETCH_ENV and lib.linear_rows_prefetch() == 4096
         monkeypatch.setenv(tuning.LAYOUT_ENV, "panels")
