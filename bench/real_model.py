@@ -82,6 +82,7 @@ import torch  # noqa: E402
 from lib.gguf_convert import convert_gguf  # noqa: E402
 from lib.llama_server import default_llama_server, start_llama_server
 from lib.machine_info import machine
+from lib.one_stream import prefill_seconds, sampling, timed
 from offline_throughput import decode_phase, step_summary
 from lib.output import RESULTS_DIR, print_table, save_report, timestamp
 from pagedserve.checkpoints.smollm2 import ensure_smollm2
@@ -89,7 +90,6 @@ from pagedserve.launch.serve_process import ServeProcess
 from perf_tables import save_kept
 from roofline import BandwidthProbe, measure_limits, measure_matmul, token_limits
 from lib.step_recorder import StepRecorder
-from pagedserve.worker.cpu_share import CHECK_SECONDS
 from lib.stream_client import run_requests
 from lib.workload import BenchRequest, ModelShape
 
@@ -105,8 +105,6 @@ TARGETS = {32: {"llama.cpp best": 1.5, "hf": 1.5}, 1: {"llama.cpp best": 1.0}}
 QUANTIZED = "q4_1"  # the GGUF's own format: no dequantization, no HF run, no roofline
 ROOFLINE_TARGET = 0.75
 WARMUP_TOKENS = 8
-IDLE_PAUSE = 0.05  # seconds after a request before a bandwidth sample, for the server's threads to stop spinning
-QUIET_PAUSE = 3.0 * CHECK_SECONDS + 0.2  # seconds without a request before a sample (sampling())
 
 
 def make_workload(gguf: Path, seed: int = 0) -> list[BenchRequest]:
@@ -122,56 +120,6 @@ def make_workload(gguf: Path, seed: int = 0) -> list[BenchRequest]:
                                             tokenize=True, return_dict=False)
         requests.append(BenchRequest(list(ids), rng.randint(*OUTPUT_LENS)))
     return requests
-
-
-def timed(traces, probe: BandwidthProbe | None = None, prompt_seconds: float | None = None) -> dict:
-    """Output tokens over the time from the first submission to the last token; with a probe (requests
-    one after another, the bandwidth sampled between them), over the requests' own times, and the
-    mean of the samples as the bandwidth this run met. With prompt_seconds (one stream: the server's
-    own time for the requests' prompt phases), also the rate after the first token: every token but
-    each request's first over the requests' times less that prompt time."""
-    num_tokens = sum(trace.num_tokens for trace in traces)
-    if probe is None:
-        seconds = max(trace.finished_at for trace in traces) - min(trace.sent_at for trace in traces)
-    else:
-        seconds = sum(trace.finished_at - trace.sent_at for trace in traces)
-    run = {"seconds": seconds, "num_output_tokens": num_tokens, "tokens_per_second": num_tokens / seconds,
-           "load_average": os.getloadavg()[0]}
-    if probe is not None and prompt_seconds is not None and 0 < prompt_seconds < seconds:
-        run["prompt_seconds"] = prompt_seconds
-        run["steady_tokens_per_second"] = (num_tokens - len(traces)) / (seconds - prompt_seconds)
-    if probe is not None and probe.samples:
-        run["read_gb_per_s"] = sum(probe.samples) / len(probe.samples)
-        run["read_gb_per_s_samples"] = list(probe.samples)
-    return run
-
-
-def prefill_seconds(records: list) -> float:
-    """The scheduler's time for the steps that computed prompt tokens (schedule to processed result)."""
-    return sum(record.seconds for record in records if record.num_prefill_tokens > 0)
-
-
-def sampling(probe: BandwidthProbe, then=lambda: None):
-    """A callback for the end of each request of a one-stream run: `then`, a pause for the server's
-    threads to go idle, a bandwidth sample, a quiet pause, and another sample right before the
-    next request; the probe's samples restart with a quiet pause and one taken now.
-
-    The quiet pause keeps the samples from looking like another tenant to pagedserve's worker,
-    which about once a second measures the cores other processes used and drops to one thread
-    above half a core (worker/cpu_share.py): a sample's two threads for a tenth of a second did
-    so once. A check more than three check intervals after the last one counts nothing."""
-    probe.samples.clear()
-    time.sleep(QUIET_PAUSE)
-    probe.sample()
-
-    def on_done() -> None:
-        then()
-        time.sleep(IDLE_PAUSE)
-        probe.sample()
-        time.sleep(QUIET_PAUSE)
-        probe.sample()
-
-    return on_done
 
 
 def run_pagedserve(dtype: str, workloads: dict[int, tuple[list[BenchRequest], bool]], log_dir: Path,

@@ -45,7 +45,7 @@ chose the row kernel, whose one-sequence forward then took 1.13-1.19x the panels
 the block kernel's decoded panels (block_quant_rows.c: each column block decoded once into the
 panel layout in a buffer of the thread's, every block of 8 rows walking it) rather than through the
 whole weight dequantized to bfloat16 and torch's matmul, as a prompt's prefill otherwise does. Both
-are timed on Q4_1 weights of SmolLM2's four layer shapes at BLOCK_PANEL_ROWS rows, in turn; the
+are timed on Q4_1 weights of SmolLM2's four layer shapes at 64, 256 and 1024 rows, in turn; the
 panels are kept up to the last row count before the first at which they are slower by more than
 NOISE, at least the kernel's 32 rows. On AMD Zen 4 (2 vCPUs) the panels took 0.54x, 0.56x, 0.86x,
 0.77x and 0.97x the dequantized path's time over a layer's four projections at 33, 64, 128, 256 and
@@ -90,9 +90,7 @@ CANDIDATES = (0, 512, 1024, 2048, 4096, 8192)  # bytes ahead of the stream
 PANEL_CANDIDATES = (0, 512, 1024, 1536, 2048, 3072)  # bytes ahead of each panel's stream
 PANEL_PREFETCH_ROWS = (1, 2, 4, 8)  # measured at these rows; a block of R rows takes the first >= R
 BLOCK_PANEL_ENV = "PAGEDSERVE_BLOCK_PANEL_ROWS"
-BLOCK_PANEL_ROWS = (64, 256, 1024)  # row counts at which the decoded panels are timed (block_panel_rows)
 BLOCK_PANEL_MIN_ROWS = 32  # the block kernel's rows at any measurement (block_quant.MAX_ROWS)
-BF16_CODE = 1  # abi.DTYPE_CODES[torch.bfloat16]
 NOISE = 0.05  # a prefetch must be this much faster than none to be kept
 SIZE_IN = 576
 WEIGHT_BYTES = 96 << 20
@@ -164,8 +162,10 @@ def block_panel_rows(lib) -> int:
 
 def measure(lib) -> dict:
     """Measures every parameter on this host; returns them."""
-    params = {**measure_prefetch(lib), **measure_block_prefetch(lib), **measure_layout(lib),
-              **measure_block_panel_rows(lib)}
+    from pagedserve.kernels.native import block_tuning  # which reads this module's constants and timing
+
+    params = {**measure_prefetch(lib), **block_tuning.measure_block_prefetch(lib), **measure_layout(lib),
+              **block_tuning.measure_block_panel_rows(lib)}
     lib.linear_rows_set_prefetch(int(params["linear_rows_prefetch"]))
     if params["linear_bf16_layout"] == "panels":
         weights = _projection_weights()  # packed once for both measurements
@@ -327,80 +327,6 @@ def measure_prefetch(lib) -> dict:
     return {"linear_rows_prefetch": best, "source": "measured", "method": METHOD, "weight_pages": weight_pages(),
             "gb_per_s": {str(d): round(WEIGHT_BYTES / t / 1e9, 2) for d, t in times.items()},
             "threads": len(os.sched_getaffinity(0))}
-
-
-def measure_block_prefetch(lib) -> dict:
-    """Times block_quant_rows_bf16 at one row for every candidate distance, over 4-bit weights of
-    SmolLM2's four projection shapes, each its own allocation, WEIGHT_BYTES of codes in all (one
-    array of that size hides what the prefetch does: the hardware prefetchers ramp up once, not at
-    every projection)."""
-    import torch
-
-    if not lib.block_quant_rows_bf16_available():
-        return {"block_quant_prefetch": 0, "block_gb_per_s": {}}
-    layer_bytes = sum(n * k // 2 for n, k in BLOCK_SHAPES)
-    weights = [(_on_huge_pages(torch.full((n, k // 2), 0x5A, dtype=torch.uint8)),
-                _on_huge_pages(torch.full((n, k // 32), 0x3C00, dtype=torch.int16)),  # float16 1.0: scales
-                _on_huge_pages(torch.full((n, k // 32), 0x3C00, dtype=torch.int16)), n, k)  # and minimums
-               for _ in range(max(1, WEIGHT_BYTES // layer_bytes)) for n, k in BLOCK_SHAPES]
-    inputs = {k: torch.ones(1, k, dtype=torch.bfloat16) for _, k in BLOCK_SHAPES}
-    y = torch.empty(1, max(n for n, _ in BLOCK_SHAPES), dtype=torch.float32)
-
-    def at(distance: int):
-        def run() -> None:
-            lib.block_quant_set_prefetch(distance)
-            for codes, scales, mins, n, k in weights:
-                lib.block_quant_rows_bf16(inputs[k].data_ptr(), codes.data_ptr(), scales.data_ptr(), mins.data_ptr(),
-                                          y.data_ptr(), 1, n, k, 4)
-        return run
-
-    ratios, times = _paired_times(0, {distance: at(distance) for distance in CANDIDATES})
-    best = _best_distance(ratios)
-    lib.block_quant_set_prefetch(best)
-    num_bytes = len(weights) // len(BLOCK_SHAPES) * layer_bytes
-    return {"block_quant_prefetch": best,
-            "block_gb_per_s": {str(d): round(num_bytes / t / 1e9, 2) for d, t in times.items()}}
-
-
-def measure_block_panel_rows(lib) -> dict:
-    """Times the block kernel's decoded panels (block_quant_rows_bf16 above its exact rows) against
-    the weight dequantized to bfloat16 and torch's matmul, as a prefill multiplies kept blocks, on
-    Q4_1 weights of SmolLM2's layer shapes at BLOCK_PANEL_ROWS rows (module doc)."""
-    import torch
-
-    from pagedserve.kernels.linear import block_quant
-
-    if not lib.block_quant_rows_bf16_available():
-        return {"block_quant_panel_rows": BLOCK_PANEL_MIN_ROWS, "block_panel_ratios": {}}
-    generator = torch.Generator().manual_seed(0)
-    weights = [block_quant.BlockQuantWeight.from_codes(
-        torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=generator),
-        (torch.rand(n, k // 32, generator=generator) * 0.01).to(torch.float16),
-        (-torch.rand(n, k // 32, generator=generator) * 0.05).to(torch.float16), 4) for n, k in BLOCK_SHAPES]
-    rows_kept, ratios = BLOCK_PANEL_MIN_ROWS, {}
-    for rows in BLOCK_PANEL_ROWS:
-        inputs = [torch.randn(rows, w.in_features, generator=generator).to(torch.bfloat16) for w in weights]
-        outputs = [torch.empty(rows, w.out_features) for w in weights]
-
-        def panels_pass() -> None:
-            for x, w, y in zip(inputs, weights, outputs):
-                lib.block_quant_rows_bf16(x.data_ptr(), w.qs.data_ptr(), w.scales.data_ptr(), w.mins.data_ptr(),
-                                          y.data_ptr(), rows, w.out_features, w.in_features, w.bits)
-                y.to(torch.bfloat16)  # the rounding block_quant_linear_native does
-
-        def dequantized_pass() -> None:  # block_quant_linear_dequant, through this library (not yet loaded)
-            for x, w in zip(inputs, weights):
-                dense = torch.empty(w.out_features, w.in_features, dtype=torch.bfloat16)
-                lib.block_quant_dequantize(w.qs.data_ptr(), w.scales.data_ptr(), w.mins.data_ptr(), dense.data_ptr(),
-                                           w.out_features, w.in_features, w.bits, BF16_CODE)
-                torch.nn.functional.linear(x, dense)
-
-        by_path, _ = _paired_times("dequantized", {"dequantized": dequantized_pass, "panels": panels_pass})
-        ratios[str(rows)] = round(by_path["panels"], 3)
-        if by_path["panels"] >= 1 + NOISE:
-            break  # slower here: the dequantized copy from these rows on
-        rows_kept = rows
-    return {"block_quant_panel_rows": rows_kept, "block_panel_ratios": ratios}
 
 
 def measure_layout(lib) -> dict:

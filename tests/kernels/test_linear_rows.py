@@ -134,7 +134,7 @@ def _write_tuning(folder, text: str) -> None:
 
 
 def test_tuning_measures_once_then_reads_its_file(tmp_path, monkeypatch):
-    from pagedserve.kernels.native import tuning
+    from pagedserve.kernels.native import block_tuning, tuning
 
     lib = native_lib.load()
     before, before_blocks, tuned = lib.linear_rows_prefetch(), lib.block_quant_prefetch(), lib._pagedserve_tuning
@@ -145,7 +145,7 @@ def test_tuning_measures_once_then_reads_its_file(tmp_path, monkeypatch):
     monkeypatch.delenv(tuning.BLOCK_PANEL_ENV, raising=False)
     monkeypatch.setattr(tuning, "WEIGHT_BYTES", 4 << 20)  # a quick measurement; the choice is not checked
     monkeypatch.setattr(tuning, "LAYOUT_ROWS", (4, 32))
-    monkeypatch.setattr(tuning, "BLOCK_PANEL_ROWS", (40, 48))
+    monkeypatch.setattr(block_tuning, "BLOCK_PANEL_ROWS", (40, 48))
     try:
         measured = tuning.apply(lib, tmp_path)
         assert measured["source"] == "measured" and measured["linear_rows_prefetch"] in tuning.CANDIDATES
