@@ -235,7 +235,7 @@ def _after_first_token_section(runs: list[dict]) -> list[str]:
 
             for streams in entry["systems"].get("pagedserve", {}):
                 ours, our_limit = steady("pagedserve", streams)
-                theirs = max((steady(peer, streams) for peer in PEERS if steady(peer, streams)[0]), default=None)
+                theirs = max((pair for pair in (steady(peer, streams) for peer in PEERS) if pair[0]), default=None)
                 if not ours or not theirs:
                     continue
                 key = (dtype, int(streams))

@@ -138,26 +138,19 @@ class DecodeLayers:
         RMSNorm(residual + last output) with norm_weight [H]; into `out` [M, H] (contiguous, the
         embedding's dtype) when given. IndexError, as an embedding lookup raises, when a token id is
         outside the table."""
-        num_rows, size = token_ids.shape[0], embedding.shape[1]
-        residual, spare = torch.empty(2, num_rows, size, dtype=embedding.dtype)
         if out is None:
-            out = torch.empty(num_rows, size, dtype=embedding.dtype)
-        elif out.shape != (num_rows, size) or out.dtype != embedding.dtype or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous [{num_rows}, {size}] {embedding.dtype} tensor")
-        scratch = self._scratch(num_rows, size, embedding.dtype)  # held until the call returns
-        if not self.lib.decode_step(self.layer_array, len(self.layers), self.rows_address, token_ids.data_ptr(),
-                                    embedding.data_ptr(), embedding.shape[0], norm_weight.data_ptr(), eps,
-                                    residual.data_ptr(), out.data_ptr(), spare.data_ptr(), scratch.data_ptr()):
-            raise IndexError(f"a token id outside the embedding table of {embedding.shape[0]} rows")
+            out = torch.empty(token_ids.shape[0], embedding.shape[1], dtype=embedding.dtype)
+        self.bound_step(token_ids, embedding, norm_weight, eps, out)()
         return out
 
     def bound_step(self, token_ids: torch.Tensor, embedding: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                    out: torch.Tensor):
         """run_step(token_ids, embedding, norm_weight, eps, out) as a call without arguments, bound to
         these tensors (the caller keeps them and changes only their values), its residual stream,
-        spare output and scratch allocated once: the same native call, without the per-call
-        allocations. The buffers carry nothing from one call to the next: decode_step writes the
-        residual stream from the embeddings and every scratch value before it reads it."""
+        spare output and scratch allocated once: a decode run calls it every step without the
+        allocations (run_step binds and calls it once). The buffers carry nothing from one call to
+        the next: decode_step writes the residual stream from the embeddings and every scratch value
+        before it reads it."""
         num_rows, size = token_ids.shape[0], embedding.shape[1]
         if out.shape != (num_rows, size) or out.dtype != embedding.dtype or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous [{num_rows}, {size}] {embedding.dtype} tensor")
@@ -169,7 +162,8 @@ class DecodeLayers:
         call = partial(self.lib.decode_step, self.layer_array, len(self.layers), self.rows_address,
                        token_ids.data_ptr(), embedding.data_ptr(), embedding.shape[0], norm_weight.data_ptr(), eps,
                        residual.data_ptr(), out.data_ptr(), spare.data_ptr(), scratch.data_ptr())
-        kept = (token_ids, embedding, norm_weight, residual, out, spare, scratch)  # the pointers' tensors
+        # what the pointers point into: these tensors, and this object's step rows and their tensors
+        kept = (self, token_ids, embedding, norm_weight, residual, out, spare, scratch)
 
         def step() -> None:
             if not call():

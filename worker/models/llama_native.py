@@ -184,7 +184,6 @@ class NativeDecodeRun:
                  slots: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray, tables: list[list[int]],
                  block_size: int) -> None:
         self.model = model
-        self.step_layers = step.layers
         self.token_ids = token_ids
         # set_rows writes each step's values through memoryviews of these arrays: an item set through
         # numpy's scalar path costs twice as much with the CPU caches cold after a step's weights
