@@ -59,7 +59,9 @@ from pagedserve.kernels.attention import native as paged_attention_native
 from pagedserve.kernels.cache.index_copy import slot_mapping_has_padding, write_kv_cache_index_copy
 from pagedserve.kernels.cache.reference import copy_blocks_ref, swap_blocks_ref, write_kv_cache_ref
 from pagedserve.kernels.attention.sdpa import attend_prefills, paged_attention_sdpa, plan_sdpa_attention
-from pagedserve.kernels.attention.native import paged_decode_attention, plan_native_decodes
+from pagedserve.kernels.attention.native import (
+    paged_decode_attention, paged_prefill_attention, plan_native_rows, supports_prefill,
+)
 from pagedserve.kernels.linear import block_quant
 from pagedserve.kernels.sampling import greedy as greedy_kernel
 from pagedserve.kernels.linear.packed_weights import Int8Weight
@@ -139,21 +141,25 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query
 
 def _paged_attention_native(lib, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
                             sliding_window, k_scale, v_scale, step_plans):
-    """Decodes by the native kernel, prefill chunks by SDPA (attention/sdpa.py attend_prefills)."""
+    """Decodes by the native kernel, prefill chunks by the native prefill kernel where it takes them
+    (attention/native.py), else by SDPA (attention/sdpa.py attend_prefills)."""
     step_plans = {} if step_plans is None else step_plans
-    decodes = step_plans.get("native_decodes")
-    if decodes is None:
-        decodes = step_plans["native_decodes"] = plan_native_decodes(block_tables, seq_lens, query_start_loc)
+    rows = step_plans.get("native_rows")
+    if rows is None:
+        rows = step_plans["native_rows"] = plan_native_rows(block_tables, seq_lens, query_start_loc)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [T, nh, hs]
-    if decodes.num_seqs < seq_lens.shape[0]:
+    if rows.prefills.shape[0] and not (
+            supports_prefill(lib, query, key_cache)
+            and paged_prefill_attention(lib, query, key_cache, value_cache, out, rows, scale * k_scale,
+                                        sliding_window, v_scale)):
         key = ("sdpa_attention", key_cache.shape[1], sliding_window)
         plan = step_plans.get(key)
         if plan is None:
             plan = step_plans[key] = plan_sdpa_attention(block_tables, seq_lens, query_start_loc, key_cache.shape[1],
                                                         sliding_window)
         attend_prefills(out, query, key_cache, value_cache, plan, scale * k_scale, v_scale)
-    if decodes.num_seqs:
-        paged_decode_attention(lib, query, key_cache, value_cache, out, decodes, scale * k_scale, sliding_window,
+    if rows.num_seqs:
+        paged_decode_attention(lib, query, key_cache, value_cache, out, rows, scale * k_scale, sliding_window,
                                v_scale)
     return out
 

@@ -113,4 +113,13 @@ void paged_decode_attention(const void *query, int64_t q_stride, void *out, int6
                             int64_t block_size, float scale, int32_t sliding_window, float v_scale, int32_t dtype,
                             int32_t cache_dtype);
 
+/* prefill_attention.c: 1 when done, 0 when not (no AVX-512 BF16, an unsupported shape, no memory) */
+int32_t prefill_attention_available(void);
+int32_t paged_prefill_attention(const void *query, int64_t q_stride, void *out, int64_t out_stride,
+                                const void *key_cache, const void *value_cache, const int32_t *block_tables,
+                                int64_t max_blocks, const int32_t *seq_lens, const int32_t *query_start_loc,
+                                const int64_t *seqs, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                                int64_t head_size, int64_t block_size, float scale, int32_t sliding_window,
+                                float v_scale);
+
 #endif

@@ -146,4 +146,4 @@ def test_step_plans_are_built_once_per_block_size_and_window(assert_matches):
     plans = [key for key in step_plans if isinstance(key, tuple) and key[0] == "sdpa_attention"]
     assert sorted(key[2] or 0 for key in plans) == [0, 8]
     # with the native decode kernel, one decode list serves every window
-    assert set(step_plans) - set(plans) <= {"native_decodes"}
+    assert set(step_plans) - set(plans) <= {"native_rows"}

@@ -103,7 +103,7 @@ def test_the_library_builds_for_a_cpu_without_avx512(tmp_path, march):
     assert result.returncode == 0, result.stderr[-3000:]
     lib = ctypes.CDLL(str(target))
     assert (lib.linear_rows_available(), lib.panel_linear_available(), lib.block_quant_rows_available(),
-            lib.block_quant_rows_bf16_available()) == (0, 0, 0, 0)
+            lib.block_quant_rows_bf16_available(), lib.prefill_attention_available()) == (0, 0, 0, 0, 0)
 
 
 # --- the checks reject wrong copies ---------------------------------------------------------------
@@ -131,7 +131,9 @@ def test_a_wrong_signature_is_named(header):
                                                                 "block_quant_dequantize": I32,
                                                                 "block_quant_prefetch": I64,
                                                                 "decode_step": I32,
-                                                                "decode_layers_overlapped": I64}) == [
+                                                                "decode_layers_overlapped": I64,
+                                                                "prefill_attention_available": I32,
+                                                                "paged_prefill_attention": I32}) == [
         "block_quant_rows_bf16_available: returns int32_t in the header, void in RESTYPES"]
 
 

@@ -1,6 +1,7 @@
 """The native decode attention (kernels/attention/native.py, decode_attention.c) against the
 reference on the NaN-filled pools of build_paged_batch, alone and through ops.paged_attention,
-which sends a batch's decodes to it and its prefill chunks to SDPA."""
+which sends a batch's decodes to it and its prefill chunks to the native prefill kernel or SDPA
+(tests/kernels/test_prefill_attention_native.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from pagedserve.kernels import ops
 from pagedserve.kernels.native import library as native_lib
-from pagedserve.kernels.attention.native import NativeDecodes, paged_decode_attention, plan_native_decodes, supports
+from pagedserve.kernels.attention.native import NativeRows, paged_decode_attention, plan_native_rows, supports
 from pagedserve.kernels.attention.reference import paged_attention_ref
 from tests.kernels.conftest import build_paged_batch
 
@@ -39,7 +40,7 @@ def test_decodes_over_gqa_ratios(dtype, num_heads, num_kv_heads, assert_matches)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_batches_send_prefills_to_sdpa(dtype, assert_matches):
+def test_mixed_batches(dtype, assert_matches):
     seqs = [(0, 17), (40, 1), (15, 1), (3, 9), (0, 1), (63, 1), (31, 33), (100, 1)]
     _check(_batch(seqs, dtype=dtype), assert_matches)
     _check(_batch([(0, 20), (5, 3)], dtype=dtype), assert_matches)  # no decode at all
@@ -90,12 +91,13 @@ def test_a_sequence_gets_the_same_bits_alone_in_any_batch_and_on_any_thread_coun
     others, on one thread or two (a request's tokens must not depend on the batch it lands in)."""
     seqs = [(700, 1), (5, 1), (129, 1), (300, 1), (127, 1), (1000, 1)]
     batch = _batch(seqs, dtype=dtype, seed=4)
-    decodes = plan_native_decodes(*batch.args()[3:])
+    decodes = plan_native_rows(*batch.args()[3:])
     scale, lib = 0.125, native_lib.load()
 
     def attend(rows: list[int], threads: int) -> torch.Tensor:
         out = torch.full_like(batch.query, float("nan"))
-        chosen = NativeDecodes(torch.tensor(rows), decodes.block_tables, decodes.seq_lens, decodes.query_start_loc)
+        chosen = NativeRows(torch.tensor(rows), decodes.prefills, decodes.block_tables, decodes.seq_lens,
+                            decodes.query_start_loc)
         previous = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
@@ -118,7 +120,7 @@ def test_a_float32_cache_under_bfloat16_queries(assert_matches):
     scale = 0.125
     expected = paged_attention_ref(query, *batch.args()[1:], scale)
     out = torch.empty_like(query)
-    decodes = plan_native_decodes(*batch.args()[3:])
+    decodes = plan_native_rows(*batch.args()[3:])
     paged_decode_attention(native_lib.load(), query, batch.key_cache, batch.value_cache, out, decodes, scale,
                            None, 1.0)
     assert_matches(out, expected)
