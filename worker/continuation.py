@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from pagedserve.contracts.step_plan import ScheduledSeq, StepPlan, StepResult
+from pagedserve.contracts.step_plan import ScheduledSeq, SeqSample, StepPlan, StepResult
 
 
 def next_plan(plan: StepPlan, result: StepResult, block_size: int, in_run: bool = False) -> StepPlan | None:
@@ -60,27 +60,42 @@ def next_plan(plan: StepPlan, result: StepResult, block_size: int, in_run: bool 
 def run_steps(result: StepResult, plan: StepPlan, block_size: int,
               try_execute: Callable[[StepPlan], StepResult | None],
               should_end: Callable[[], bool],
-              send: Callable[[StepResult], None] | None = None) -> tuple[StepResult, StepPlan, StepResult]:
+              send: Callable[[StepResult], None] | None = None,
+              steps_after: Callable[[StepResult], Callable | None] | None = None,
+              ) -> tuple[StepResult, StepPlan, StepResult]:
     """`result` (of `plan`'s first step) with the later steps of its decode run (module doc) when
     plan is one, computed by try_execute (None: that step failed, which ends the run); the run also
     ends when should_end() (a message from the scheduler waits: a request arrived or left). Also
     returns the last step computed and its own result, which the step after the run follows.
 
     A run that streams its steps (StepPlan.streams_steps) hands each step's result to `send` as
-    soon as it is computed (StepResult.run_step), and returns the result that ends the run."""
+    soon as it is computed (StepResult.run_step), and returns the result that ends the run.
+
+    steps_after(result), where it gives a call (ModelRunner.steps_after: the kept decode run
+    computed result), computes the later steps instead of try_execute: the same steps from the
+    same tokens, without a plan per step (the last one is built at the end)."""
     streams = send is not None and plan.streams_steps and plan.num_steps > 1
     if streams:
         send(replace(result, run_step=1))
+    advance = steps_after(result) if steps_after is not None and plan.num_steps > 1 else None
     last, last_result, num_steps = plan, result, 1
     samples, forward_seconds = result.samples, result.forward_seconds
+    fed: list[int] | None = None  # the tokens the last step fed, where `advance` computed it
     while num_steps < plan.num_steps and not should_end():
-        following = next_plan(last, last_result, block_size, in_run=True)
-        if following is None:
-            break
-        following.step_id = plan.step_id
-        step_result = try_execute(following)
-        if step_result is None or step_result.failures or len(step_result.samples) != len(plan.seqs):
-            break
+        if advance is not None:
+            step = _step_through(advance, plan, last_result)
+            if step is None:
+                break
+            fed, step_result = step
+        else:
+            following = next_plan(last, last_result, block_size, in_run=True)
+            if following is None:
+                break
+            following.step_id = plan.step_id
+            step_result = try_execute(following)
+            if step_result is None or step_result.failures or len(step_result.samples) != len(plan.seqs):
+                break
+            last = following
         if streams:
             send(replace(step_result, run_step=num_steps + 1))
         else:
@@ -88,12 +103,38 @@ def run_steps(result: StepResult, plan: StepPlan, block_size: int,
                 samples = list(samples)
             samples += step_result.samples
         forward_seconds += step_result.forward_seconds
-        last, last_result, num_steps = following, step_result, num_steps + 1
+        last_result, num_steps = step_result, num_steps + 1
+    if fed is not None:
+        last = _plan_at(plan, fed, num_steps - 1)
     if streams:
         result = StepResult(plan.step_id, [], forward_seconds, plan.epoch, num_steps=num_steps)
     elif num_steps > 1:
         result = StepResult(plan.step_id, samples, forward_seconds, plan.epoch, num_steps=num_steps)
     return result, last, last_result
+
+
+def _step_through(advance: Callable, plan: StepPlan, last_result: StepResult) -> tuple[list[int], StepResult] | None:
+    """The step after last_result through `advance` (run_steps): the tokens fed and its result, or
+    None where next_plan would derive no step (a token that may end its sequence) or advance
+    computed none."""
+    fed = [sample.token_id for sample in last_result.samples]
+    if any(token in plan.end_token_ids for token in fed):
+        return None
+    computed = advance(fed)
+    if computed is None:
+        return None
+    ids, logprobs, forward_seconds = computed
+    samples = [SeqSample(seq_id=sample.seq_id, token_id=token_id, logprob=logprob)
+               for sample, token_id, logprob in zip(last_result.samples, ids, logprobs)]
+    return fed, StepResult(step_id=plan.step_id, samples=samples, forward_seconds=forward_seconds, epoch=plan.epoch)
+
+
+def _plan_at(plan: StepPlan, fed: list[int], offset: int) -> StepPlan:
+    """The plan next_plan derives for a run's step `offset` positions after plan's, feeding `fed`."""
+    seqs = [ScheduledSeq(seq.seq_id, [token], seq.start_position + offset, seq.block_table, seq.sample)
+            for seq, token in zip(plan.seqs, fed)]
+    return StepPlan(step_id=plan.step_id, seqs=seqs, epoch=plan.epoch, continuable=plan.continuable,
+                    end_token_ids=plan.end_token_ids)
 
 
 def is_same_step(ahead: StepPlan, plan: StepPlan) -> bool:

@@ -22,11 +22,17 @@ length into the kept input, makes the native call for the whole model, the LM he
 greedy kernel's, picked once per run, and wraps the samples: the kernels and the order of the
 full step, so the same tokens and log probabilities (tests/worker/test_decode_run.py), for a
 fraction of its Python and allocations.
+
+The later steps of a decode run (continuation.py run_steps) need no plan each: steps_after hands
+the worker a call that feeds each row the token it just sampled one position on, as the plan
+next_plan would derive and the same inputs, without building that plan, checking it (accepts) and
+wrapping its samples.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from pagedserve.contracts.step_plan import SampleSpec, ScheduledSeq, SeqSample, StepPlan, StepResult
 from pagedserve.kernels import ops
@@ -60,6 +66,8 @@ class DecodeRun:
         self.specs: list[SampleSpec] = [seq.sample for seq in seqs]
         self.tables = native.tables
         self._greedy = ops.bound_greedy(native.logits) if native.logits is not None else None
+        self._positions: list[int] = []  # of the last step computed
+        self._last_result: StepResult | None = None  # of the last step computed through a plan
 
     @classmethod
     def for_plan(cls, model, kv_caches: list, plan: StepPlan, block_size: int) -> "DecodeRun | None":
@@ -91,12 +99,36 @@ class DecodeRun:
         """plan's result (the caller checked accepts), or None when a position is outside its
         sequence's blocks or the rotary table (the full step then reports it)."""
         seqs = plan.seqs
-        if not self.native.set_rows([seq.token_ids[0] for seq in seqs], [seq.start_position for seq in seqs]):
+        positions = [seq.start_position for seq in seqs]
+        self._last_result = None
+        computed = self._step([seq.token_ids[0] for seq in seqs], positions)
+        if computed is None:
             return None
+        ids, logprobs, forward_seconds = computed
+        samples = [SeqSample(seq_id=seq_id, token_id=token_id, logprob=logprob)
+                   for seq_id, token_id, logprob in zip(self.seq_ids, ids, logprobs)]
+        result = StepResult(step_id=plan.step_id, samples=samples, forward_seconds=forward_seconds, epoch=plan.epoch)
+        self._last_result = result
+        return result
+
+    def steps_after(self, result: StepResult) -> Callable[[list[int]], tuple[list[int], list[float], float] | None] | None:
+        """Where `result` is the last step this run computed (through a plan), the steps after it:
+        a call taking the token each row feeds (in the plan's order) and giving the next step's
+        (token ids, log probabilities, forward seconds), one position on from the step before; or
+        None from a step whose position would be outside a sequence's blocks or the rotary table
+        (nothing computed). None where result is not this run's last."""
+        return self._next_step if result is not None and result is self._last_result else None
+
+    def _next_step(self, token_ids: list[int]) -> tuple[list[int], list[float], float] | None:
+        self._last_result = None
+        return self._step(token_ids, [position + 1 for position in self._positions])
+
+    def _step(self, token_ids: list[int], positions: list[int]) -> tuple[list[int], list[float], float] | None:
+        if not self.native.set_rows(token_ids, positions):
+            return None
+        self._positions = positions
         started = time.perf_counter()
         logits = self.native.step()
         forward_seconds = time.perf_counter() - started
         ids, logprobs = self._greedy() if self._greedy is not None else ops.greedy(logits)
-        samples = [SeqSample(seq_id=seq_id, token_id=token_id, logprob=logprob)
-                   for seq_id, token_id, logprob in zip(self.seq_ids, ids, logprobs)]
-        return StepResult(step_id=plan.step_id, samples=samples, forward_seconds=forward_seconds, epoch=plan.epoch)
+        return ids, logprobs, forward_seconds

@@ -328,6 +328,12 @@ class ModelRunner:
         with torch.inference_mode():
             return run(plan)
 
+    def steps_after(self, result: StepResult):
+        """The later steps of a decode run through the kept decode run, where it computed `result`
+        (DecodeRun.steps_after; continuation.py run_steps), else None."""
+        run = self._decode_run
+        return run.steps_after(result) if run is not None else None
+
     def _execute_step(self, plan: StepPlan, receive_masks: Callable[[], bytes] | None = None) -> StepResult:
         """Block operations, then the forward (the draft model's first when it proposes the drafts);
         rank 0 returns the samples, other ranks none. forward_seconds covers the draft forwards too."""

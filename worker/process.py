@@ -248,6 +248,23 @@ def _serve_plans(config, runner, sub, pusher, state, log, cpu_share=None, layout
             log.debug("step_ahead_failed", step_id=plan.step_id, exc_info=True)
             return None
 
+    def steps_after(result: StepResult):
+        """The decode run's later steps straight through the runner (ModelRunner.steps_after), what
+        fails dropped as try_execute drops it."""
+        advance = runner.steps_after(result)
+        if advance is None:
+            return None
+
+        def guarded(token_ids: list[int]):
+            try:
+                return advance(token_ids)
+            except WorkerStopped:
+                raise
+            except Exception:
+                log.debug("step_in_run_failed", exc_info=True)
+                return None
+        return guarded
+
     while True:
         message.ParseFromString(sub.recv())
         kind = message.WhichOneof("kind")
@@ -297,7 +314,7 @@ def _serve_plans(config, runner, sub, pusher, state, log, cpu_share=None, layout
         if computes_ahead and plan.num_steps > 1:  # a decode run: its later steps now (continuation.py)
             with torch.inference_mode():  # once for the run, not per step (ModelRunner._execute_in_run)
                 result, last, last_result = run_steps(result, plan, runner.block_size, try_execute, has_message,
-                                                      lambda step: pusher.send(encode_result(step)))
+                                                      lambda step: pusher.send(encode_result(step)), steps_after)
         if config.rank == 0:
             pusher.send(encode_result(result))
         if (computes_ahead and not has_message()  # a plan that is here already needs no guess

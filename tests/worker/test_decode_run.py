@@ -5,6 +5,8 @@ plans, and every sample (token and log probability) must be equal bit for bit.""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from gguf_fixtures import write_all_kept
@@ -15,7 +17,7 @@ from pagedserve.kernels import ops
 from pagedserve.kernels.linear import native_rows
 from pagedserve.kernels.native import library as native_lib
 from pagedserve.worker import model_runner as model_runner_module
-from pagedserve.worker.continuation import next_plan
+from pagedserve.worker.continuation import next_plan, run_steps
 from pagedserve.worker.model_input import PlanError
 from pagedserve.worker.model_runner import ModelRunner
 
@@ -251,3 +253,40 @@ def test_blocks_outside_the_pool_raise_the_full_steps_error(checkpoint_dir):
         with pytest.raises(PlanError):
             kept.execute(bad)
     assert run.tables == [[1]]
+
+
+@pytest.mark.parametrize("streams", [False, True])
+def test_a_decode_runs_steps_straight_through_the_kept_run_are_the_plans_steps(checkpoint_dir, streams):
+    """run_steps through ModelRunner.steps_after (no plan per step) against run_steps by plans on a
+    second runner: the same samples, streamed results, last plan and last result; the run ends at
+    the first sequence's last block as next_plan ends it, and steps_after gives nothing for a
+    result the kept run did not compute."""
+    path = checkpoint_dir("llama-gqa-untied")
+    by_plans, straight = _runner(path), _runner(path)
+    prompts = make_prompts(seed=4, lengths=(9, 21, 30))
+    tables = [[8 * i + j for j in range(len(prompt) // BLOCK + 2)] for i, prompt in enumerate(prompts)]
+    plan = _prefill((by_plans, straight), prompts, tables, SampleSpec())
+    plan.num_steps, plan.streams_steps = 40, streams
+    room = min(len(table) * BLOCK - len(prompt) for prompt, table in zip(prompts, tables))
+    outcomes = []
+    for runner, steps_after in ((by_plans, None), (straight, "runner")):
+        first = runner.execute(plan)
+        sent, executed = [], []
+
+        def try_execute(step, runner=runner):
+            executed.append(step.seqs[0].start_position)
+            return runner.execute(step)
+
+        outcomes.append((run_steps(first, plan, BLOCK, try_execute, lambda: False, sent.append,
+                                   runner.steps_after if steps_after else None), sent, executed))
+    (result, last, last_result), sent, executed = outcomes[0]
+    (result_through, last_through, last_result_through), sent_through, executed_through = outcomes[1]
+    assert len(executed) == room - 1 and not executed_through  # the later steps by plans, or none
+    untimed = dataclasses.replace(result_through, forward_seconds=result.forward_seconds)  # the times differ
+    assert untimed == result and result.num_steps == room
+    assert last_through == last and last.seqs[0].start_position == plan.seqs[0].start_position + room - 1
+    assert last_result_through.samples == last_result.samples
+    assert [step.samples for step in sent_through] == [step.samples for step in sent]
+    assert [step.run_step for step in sent_through] == ([*range(1, room + 1)] if streams else [])
+    assert next_plan(last_through, last_result_through, BLOCK) is None  # the block ends there
+    assert straight.steps_after(by_plans.execute(last)) is None
