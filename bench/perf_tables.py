@@ -291,22 +291,28 @@ def _command_shape(command: str) -> str:
 
 
 def guidellm_chat_section(cpu: str, reports: list[dict]) -> list[str]:
+    """A row per shape and concurrency: medians over the runs. A server that completed no request
+    within a point has no figures there (guidellm's zeros are not times), nor has the point a ratio."""
     values: dict[tuple, list[float]] = defaultdict(list)  # (prompt, output, streams, system, figure) -> runs
+    incomplete: dict[tuple, int] = defaultdict(int)  # (prompt, output, streams, system) -> runs
     for report in reports:
         for point in report["points"]:
             key = (point["prompt_tokens"], point["output_tokens"], point["concurrency"])
             for system, figures in point["systems"].items():
+                if figures.get("num_completed", 1) == 0:
+                    incomplete[(*key, system)] += 1
+                    continue
                 for figure in ("output_tokens_per_second", "ttft_p50_ms", "itl_p50_ms"):
                     values[(*key, system, figure)].append(figures[figure])
             ratio = (point.get("ratios") or {}).get("output_tokens_per_second")
-            if ratio is not None:
+            if ratio is not None and all(figures.get("num_completed", 1) for figures in point["systems"].values()):
                 values[(*key, "ratio", "output_tokens_per_second")].append(ratio)
 
     def median(key: tuple, system: str, figure: str, digits: int = 1) -> str:
         return _fmt(_median(values.get((*key, system, figure), [])), digits)
 
     rows = []
-    for key in sorted({key[:3] for key in values}):
+    for key in sorted({key[:3] for key in values} | {key[:3] for key in incomplete}):
         ratio = _median(values.get((*key, "ratio", "output_tokens_per_second"), []))
         rows.append([f"{key[0]}x{key[1]}", str(key[2]), median(key, "pagedserve", "output_tokens_per_second"),
                      median(key, "llama.cpp", "output_tokens_per_second"), "" if ratio is None else f"{ratio:.2f}x",
@@ -321,7 +327,10 @@ def guidellm_chat_section(cpu: str, reports: list[dict]) -> list[str]:
             f"{_dates(reports)}; medians; ratio = pagedserve / llama.cpp output tokens/s.", "",
             *_table(["shape", "streams", "pagedserve tok/s", "llama.cpp tok/s", "ratio",
                      "TTFT p50 ms (pagedserve / llama.cpp)", "ITL p50 ms (pagedserve / llama.cpp)"], rows), "",
-            *(f"- {command}" for command in commands), *(f"- {budget}" for budget in budgets), ""]
+            *(f"- {command}" for command in commands), *(f"- {budget}" for budget in budgets),
+            *(f"- {system} at {prompt}x{output}, {streams} streams: no request completed within the point in "
+              f"{count} of the runs (no figures)" for (prompt, output, streams, system), count in sorted(incomplete.items())),
+            ""]
 
 
 SECTIONS = {"limits": limits_section, "real_model": real_model_section, "gguf_greedy": gguf_greedy_section,

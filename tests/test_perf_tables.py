@@ -104,6 +104,21 @@ def test_guidellm_table_takes_medians_of_figures_and_ratios(tmp_path):
     assert page.count("- llama.cpp: llama-server -m m.gguf -t 2") == 1
 
 
+def test_guidellm_table_leaves_out_a_server_that_completed_nothing(tmp_path):
+    """guidellm gives zeros for the times of a point where no request completed: those are no
+    figures, and the point has no ratio; the table says which server and how often."""
+    tables = _perf_tables()
+    for date, completed in (("20261101T000000Z", 4), ("20261102T000000Z", 0)):
+        report = _guidellm_chat(date, 100.0, 50.0 if completed else 1.0)
+        point = report["points"][0]
+        point["systems"]["llama.cpp"].update(num_completed=completed, ttft_p50_ms=0.0 if not completed else 100.0)
+        point["ratios"]["output_tokens_per_second"] = 100.0 / point["systems"]["llama.cpp"]["output_tokens_per_second"]
+        tables.save_kept("guidellm_chat", report, tmp_path)
+    page = tables.render(tables.load_kept(tmp_path))
+    assert "| 256x64 | 8 | 100.0 | 50.0 | 2.00x | 100 / 100 | 10.0 / 10.0 |" in page  # the 0 and 100x left out
+    assert "- llama.cpp at 256x64, 8 streams: no request completed within the point in 1 of the runs" in page
+
+
 def test_kept_results_are_tracked_and_the_others_ignored():
     def ignored(path: str) -> bool:
         return subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT).returncode == 0
