@@ -24,9 +24,9 @@ full step, so the same tokens and log probabilities (tests/worker/test_decode_ru
 fraction of its Python and allocations.
 
 The later steps of a decode run (continuation.py run_steps) need no plan each: steps_after hands
-the worker a call that feeds each row the token it just sampled one position on, as the plan
-next_plan would derive and the same inputs, without building that plan, checking it (accepts) and
-wrapping its samples.
+the worker a call that feeds each row the token it just sampled one position on: the inputs of
+the plan next_plan would derive, without building that plan, checking it (accepts) and wrapping
+its result here.
 """
 
 from __future__ import annotations
