@@ -27,6 +27,7 @@ import secrets
 import signal
 import threading
 import time
+from collections.abc import Callable
 from functools import partial
 
 import zmq
@@ -237,33 +238,26 @@ def _serve_plans(config, runner, sub, pusher, state, log, cpu_share=None, layout
     def has_message() -> bool:
         return bool(poller.poll(0))
 
-    def try_execute(plan: StepPlan) -> StepResult | None:
-        """A step no plan asked for yet: one computed ahead, or a later step of a decode run. What
-        fails is dropped (None); the plan itself, when it comes, runs again and reports it."""
-        try:
-            return runner.execute(plan)
-        except WorkerStopped:
-            raise
-        except Exception:
-            log.debug("step_ahead_failed", step_id=plan.step_id, exc_info=True)
-            return None
-
-    def steps_after(result: StepResult):
-        """The decode run's later steps straight through the runner (ModelRunner.steps_after), what
-        fails dropped as try_execute drops it."""
-        advance = runner.steps_after(result)
-        if advance is None:
-            return None
-
-        def guarded(token_ids: list[int]):
+    def dropping_failures(call: Callable, event: str) -> Callable:
+        """call for a step no plan asked for yet (one computed ahead, a later step of a decode run):
+        what fails is dropped (None) and logged at debug as `event`; the plan itself, when it comes,
+        runs again and reports it."""
+        def guarded(*args):
             try:
-                return advance(token_ids)
+                return call(*args)
             except WorkerStopped:
                 raise
             except Exception:
-                log.debug("step_in_run_failed", exc_info=True)
+                log.debug(event, exc_info=True)
                 return None
         return guarded
+
+    try_execute = dropping_failures(runner.execute, "step_ahead_failed")
+
+    def steps_after(result: StepResult) -> Callable | None:
+        """The decode run's later steps straight through the runner (ModelRunner.steps_after)."""
+        advance = runner.steps_after(result)
+        return dropping_failures(advance, "step_in_run_failed") if advance is not None else None
 
     while True:
         message.ParseFromString(sub.recv())

@@ -80,17 +80,7 @@ def supports_prefill(lib, query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     """Whether paged_prefill_attention takes a call that `supports` took (module doc)."""
     head_size = query.shape[2]
     return (query.dtype == key_cache.dtype == torch.bfloat16 and head_size % 32 == 0
-            and head_size <= MAX_PREFILL_HEAD_SIZE and _prefill_available(lib))
-
-
-_available: dict[int, bool] = {}
-
-
-def _prefill_available(lib) -> bool:
-    found = _available.get(id(lib))
-    if found is None:
-        found = _available[id(lib)] = bool(lib.prefill_attention_available())
-    return found
+            and head_size <= MAX_PREFILL_HEAD_SIZE and native_lib.has_kernel(lib, "prefill_attention"))
 
 
 def paged_prefill_attention(lib, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

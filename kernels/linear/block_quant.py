@@ -126,12 +126,7 @@ def supports(x: torch.Tensor, weight: BlockQuantWeight):
     if not (x.device.type == "cpu" and x.dim() == 2 and 0 < x.shape[0] and weight.qs.device.type == "cpu"):
         return None
     lib = native_lib.load()
-    if lib is None:
-        return None
-    available = getattr(lib, "_pagedserve_block_quant_rows", None)
-    if available is None:
-        available = lib._pagedserve_block_quant_rows = bool(lib.block_quant_rows_available())
-    if not available:
+    if lib is None or not native_lib.has_kernel(lib, "block_quant_rows"):
         return None
     if x.shape[0] <= MAX_ROWS:
         return lib
@@ -182,10 +177,7 @@ def bound_block_quant_linear(x: torch.Tensor, weight: BlockQuantWeight, bias: to
 
 
 def _has_bf16(lib) -> bool:
-    available = getattr(lib, "_pagedserve_block_quant_rows_bf16", None)
-    if available is None:
-        available = lib._pagedserve_block_quant_rows_bf16 = bool(lib.block_quant_rows_bf16_available())
-    return available
+    return native_lib.has_kernel(lib, "block_quant_rows_bf16")
 
 
 def block_quant_linear_dequant(x: torch.Tensor, weight: BlockQuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

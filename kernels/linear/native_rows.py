@@ -44,14 +44,7 @@ def supports(x: torch.Tensor, weight: torch.Tensor, max_rows: int = MAX_ROWS):
 def library():
     """The native library where it has the row kernels (AVX-512 BF16), else None."""
     lib = native_lib.load()
-    return lib if lib is not None and _available(lib) else None
-
-
-def _available(lib) -> bool:
-    flag = getattr(lib, "_pagedserve_linear_rows", None)
-    if flag is None:
-        flag = lib._pagedserve_linear_rows = bool(lib.linear_rows_available())
-    return flag
+    return lib if lib is not None and native_lib.has_kernel(lib, "linear_rows") else None
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lib=None) -> torch.Tensor:

@@ -83,12 +83,7 @@ def unpack(panels: PanelWeight) -> torch.Tensor:
 def library():
     """The native library where it has the panel kernel (AVX-512 BF16), else None."""
     lib = native_lib.load()
-    if lib is None:
-        return None
-    flag = getattr(lib, "_pagedserve_panel_linear", None)
-    if flag is None:
-        flag = lib._pagedserve_panel_linear = bool(lib.panel_linear_available())
-    return lib if flag else None
+    return lib if lib is not None and native_lib.has_kernel(lib, "panel_linear") else None
 
 
 def panel_linear(x: torch.Tensor, panels: PanelWeight, bias: torch.Tensor | None, lib=None) -> torch.Tensor:

@@ -174,6 +174,16 @@ def _load_cached() -> ctypes.CDLL | None:
     return lib
 
 
+def has_kernel(lib: ctypes.CDLL, kernel: str) -> bool:
+    """Whether lib's `<kernel>_available()` says this build has the kernel (those that need AVX-512 or
+    its BF16 extension), asked once per library and kept on it."""
+    flag = getattr(lib, f"_pagedserve_{kernel}", None)
+    if flag is None:
+        flag = bool(getattr(lib, f"{kernel}_available")())
+        setattr(lib, f"_pagedserve_{kernel}", flag)
+    return flag
+
+
 def load() -> ctypes.CDLL | None:
     """The compiled library (built on first use), or None where disabled or unavailable."""
     return _load_cached() if is_enabled() else None
