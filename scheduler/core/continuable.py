@@ -30,12 +30,13 @@ A continuable plan (StepPlan.continuable) also lets the worker compute, before t
 arrives, the step after its last one (worker/continuation.py): used when the plan confirms it, a
 whole forward the next plan waits for when it does not.
 
-Blocks ahead: a predictable decode whose held blocks leave its run fewer than MAX_RUN_STEPS
-positions, and fewer than its answer has to go, gets its next block in the same plan
-(wants_block_ahead), when nothing waits and the pool keeps a free block for every running group
-besides. Runs then cross block boundaries instead of ending at each sequence's block end (with
-32 sequences one crosses nearly every step). The block is the sequence's alone and is used within
-MAX_RUN_STEPS steps, or freed with the sequence.
+Blocks ahead: a predictable decode whose held blocks leave no more than MAX_RUN_STEPS positions
+(a run and the step computed after it), and fewer than its answer has to go, gets its next block
+in the same plan (wants_block_ahead), when nothing waits and the pool keeps a free block for every
+running group besides. Runs then cross block boundaries instead of ending at each sequence's block
+end (with 32 sequences one crosses nearly every step), and a run that fills its blocks to their
+end still has its step after it computed ahead. The block is the sequence's alone and is used
+within MAX_RUN_STEPS + 1 steps, or freed with the sequence.
 """
 
 from __future__ import annotations
@@ -86,14 +87,15 @@ def has_static_decode_spec(group: SequenceGroup, spec: SampleSpec) -> bool:
 
 
 def wants_block_ahead(group: SequenceGroup, seq: Sequence, position: int, block_size: int) -> bool:
-    """Whether a decode at `position` would make a longer run with its next block (module doc): it
-    holds none beyond the block of `position`, which leaves fewer than MAX_RUN_STEPS positions from
-    this one and fewer than the tokens its answer has to go, its last one included (a run that is
-    not continuable takes it; a continuable one stops before it, and the step of the last token
-    then uses the block)."""
+    """Whether a decode at `position` would make a longer run with its next block, or have the step
+    after its run computed ahead (module doc): it holds none beyond the block of `position`, which
+    leaves no more than MAX_RUN_STEPS positions from this one (a run of MAX_RUN_STEPS that fills
+    them leaves the step after it in the next block) and fewer than the tokens its answer has to
+    go, its last one included (a run that is not continuable takes it; a continuable one stops
+    before it, and the step of the last token then uses the block)."""
     num_held = len(seq.block_table) * block_size - position
     return (len(seq.block_table) == position // block_size + 1  # none held ahead yet
-            and num_held < MAX_RUN_STEPS and num_held < _num_run_tokens_left(group, seq, through_last=True))
+            and num_held <= MAX_RUN_STEPS and num_held < _num_run_tokens_left(group, seq, through_last=True))
 
 
 def _num_run_tokens_left(group: SequenceGroup, seq: Sequence, through_last: bool) -> int:

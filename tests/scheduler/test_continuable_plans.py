@@ -14,6 +14,7 @@ from pagedserve.contracts.request_types import Request
 from pagedserve.contracts.sampling_params import SamplingParams
 from pagedserve.contracts.step_plan import SeqSample, StepResult
 from pagedserve.scheduler.core.config import SchedulerConfig
+from pagedserve.scheduler.core.continuable import MAX_RUN_STEPS
 from pagedserve.scheduler.core.scheduler import Scheduler
 
 BLOCK_SIZE = 4
@@ -70,6 +71,23 @@ def test_a_lone_decode_is_continuable_to_its_last_token_with_its_next_block_ahea
         assert plan.num_steps == min(len(seq.block_table) * BLOCK_SIZE - seq.start_position, 14 - seq.start_position)
     assert plans[-1].num_steps == 1
     assert len(set(plans[-1].seqs[0].block_table)) == 4  # positions 0 .. 14: no block beyond
+
+
+def test_a_continuable_run_leaves_the_step_after_it_in_its_blocks():
+    # blocks of 8 and 16 positions: a run of MAX_RUN_STEPS can fill a block to its end, and the
+    # step the worker computes after it then needs the next block in the run's own plan
+    for block_size in (8, 16):
+        scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=64, max_model_len=256, block_size=block_size,
+                                              max_num_seqs=4, max_num_batched_tokens=256))
+        scheduler.add_request(_request("a", prompt_len=6, max_tokens=60))
+        plans = []
+        _run(scheduler, 70, plans=plans)
+        runs = [plan for plan in plans if plan.continuable]
+        assert len(runs) == 58 and max(plan.num_steps for plan in runs) == MAX_RUN_STEPS
+        for plan in runs:
+            (seq,) = plan.seqs
+            assert seq.start_position + plan.num_steps < len(seq.block_table) * block_size, (block_size, plan)
+        scheduler.check_invariants()
 
 
 def test_no_block_ahead_while_a_request_waits_or_the_pool_is_short():
