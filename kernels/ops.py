@@ -53,6 +53,7 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
+from pagedserve.kernels.layer import decode_run
 from pagedserve.kernels.layer import native as layer_ops_native
 from pagedserve.kernels.layer import reference as layer_ops_ref
 from pagedserve.kernels.attention import native as paged_attention_native
@@ -337,6 +338,15 @@ def bound_greedy(logits):
         return None
     lib = greedy_kernel.supports(logits)
     return greedy_kernel.BoundGreedy(logits, lib) if lib is not None else None
+
+
+def bound_decode_run_steps(layers_call, head, greedy, rows, table_lens, block_size: int, limit: int):
+    """A decode run's later steps in one native call (kernels/layer/decode_run.py DecodeRunSteps) over
+    its bound calls and kept arrays, or None where the native loop does not make these calls: the
+    caller then calls them step by step."""
+    lib = greedy.lib if greedy is not None else None
+    return decode_run.DecodeRunSteps.bind(lib, layers_call, head, greedy, rows, table_lens, block_size, limit) \
+        if lib is not None and os.environ.get(KERNELS_ENV) != "reference" else None
 
 
 def panels_for_few_rows() -> bool:

@@ -73,11 +73,15 @@ def run_steps(result: StepResult, plan: StepPlan, block_size: int,
 
     steps_after(result), where it gives a call (ModelRunner.steps_after: the kept decode run
     computed result), computes the later steps instead of try_execute: the same steps from the
-    same tokens, without a plan per step (the last one is built at the end)."""
+    same tokens, without a plan per step (the last one is built at the end). Where that call has a
+    `many` (worker/decode_run.py LaterSteps) and the run does not stream, all of them in one call,
+    which checks for a waiting message itself (its own poll stands for should_end)."""
     streams = send is not None and plan.streams_steps and plan.num_steps > 1
     if streams:
         send(replace(result, run_step=1))
     advance = steps_after(result) if steps_after is not None and plan.num_steps > 1 else None
+    if advance is not None and not streams and getattr(advance, "many", None) is not None:
+        return _steps_in_one_call(advance.many, result, plan)
     last, last_result, num_steps = plan, result, 1
     samples, forward_seconds = result.samples, result.forward_seconds
     fed: list[int] | None = None  # the tokens the last step fed, where `advance` computed it
@@ -111,6 +115,28 @@ def run_steps(result: StepResult, plan: StepPlan, block_size: int,
     elif num_steps > 1:
         result = StepResult(plan.step_id, samples, forward_seconds, plan.epoch, num_steps=num_steps)
     return result, last, last_result
+
+
+def _steps_in_one_call(many: Callable, result: StepResult, plan: StepPlan) -> tuple[StepResult, StepPlan, StepResult]:
+    """run_steps' later steps of a run that does not stream, through `many` (LaterSteps.many): the
+    same samples, result, last plan and last result as its loop gives."""
+    fed = [sample.token_id for sample in result.samples]
+    computed = many(fed, plan.num_steps - 1, plan.end_token_ids)
+    ids, logprobs, seconds = computed if computed is not None else ([], [], [])
+    num_rows = len(plan.seqs)
+    num_later = len(ids) // num_rows
+    if not num_later:
+        return result, plan, result
+    seq_ids = [sample.seq_id for sample in result.samples]
+    samples = list(result.samples)
+    samples += [SeqSample(seq_id=seq_id, token_id=token_id, logprob=logprob)
+                for seq_id, token_id, logprob in zip(seq_ids * num_later, ids, logprobs)]
+    last_fed = ids[-2 * num_rows:-num_rows] if num_later > 1 else fed
+    last_result = StepResult(step_id=plan.step_id, samples=samples[-num_rows:], forward_seconds=seconds[-1],
+                             epoch=plan.epoch)
+    total = StepResult(plan.step_id, samples, result.forward_seconds + sum(seconds), plan.epoch,
+                       num_steps=num_later + 1)
+    return total, _plan_at(plan, last_fed, num_later), last_result
 
 
 def _step_through(advance: Callable, plan: StepPlan, last_result: StepResult) -> tuple[list[int], StepResult] | None:

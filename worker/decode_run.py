@@ -26,13 +26,15 @@ fraction of its Python and allocations.
 The later steps of a decode run (continuation.py run_steps) need no plan each: steps_after hands
 the worker a call that feeds each row the token it just sampled one position on: the inputs of
 the plan next_plan would derive, without building that plan, checking it (accepts) and wrapping
-its result here.
+its result here. Where the native library makes the run's calls (its LM head in panels, rows or
+GGUF blocks), the call's `many` computes up to all of a run's later steps in one native call
+(kernels/layer/decode_run.py): the same calls in the same order, without the Python between the
+steps, which runs with the CPU caches just flushed by the weights.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 from pagedserve.contracts.step_plan import SampleSpec, ScheduledSeq, SeqSample, StepPlan, StepResult
 from pagedserve.kernels import ops
@@ -66,6 +68,7 @@ class DecodeRun:
         self.specs: list[SampleSpec] = [seq.sample for seq in seqs]
         self.tables = native.tables
         self._greedy = ops.bound_greedy(native.logits) if native.logits is not None else None
+        self._steps = native.bind_steps(self._greedy) if self._greedy is not None else None
         self._positions: list[int] = []  # of the last step computed
         self._last_result: StepResult | None = None  # of the last step computed through a plan
 
@@ -111,24 +114,65 @@ class DecodeRun:
         self._last_result = result
         return result
 
-    def steps_after(self, result: StepResult) -> Callable[[list[int]], tuple[list[int], list[float], float] | None] | None:
-        """Where `result` is the last step this run computed (through a plan), the steps after it:
-        a call taking the token each row feeds (in the plan's order) and giving the next step's
-        (token ids, log probabilities, forward seconds), one position on from the step before; or
-        None from a step whose position would be outside a sequence's blocks or the rotary table
-        (nothing computed). None where result is not this run's last."""
-        return self._next_step if result is not None and result is self._last_result else None
+    def steps_after(self, result: StepResult) -> "LaterSteps | None":
+        """Where `result` is the last step this run computed (through a plan), the steps after it
+        (LaterSteps); None where result is not this run's last."""
+        return LaterSteps(self) if result is not None and result is self._last_result else None
+
+    def _many(self, token_ids: list[int], num_steps: int, end_token_ids: list[int],
+              poll: tuple[int, int] | None = None) -> tuple[list[int], list[float], list[float]]:
+        self._last_result = None
+        ids, logprobs, forward_seconds = self._steps.run(token_ids, num_steps, end_token_ids, poll)
+        count = len(ids) // len(self.seq_ids)
+        self._positions = [position + count for position in self._positions]
+        return ids, logprobs, forward_seconds
 
     def _next_step(self, token_ids: list[int]) -> tuple[list[int], list[float], float] | None:
         self._last_result = None
         return self._step(token_ids, [position + 1 for position in self._positions])
 
     def _step(self, token_ids: list[int], positions: list[int]) -> tuple[list[int], list[float], float] | None:
+        _a = time.perf_counter()
         if not self.native.set_rows(token_ids, positions):
             return None
         self._positions = positions
         started = time.perf_counter()
         logits = self.native.step()
         forward_seconds = time.perf_counter() - started
+        _b = time.perf_counter()
         ids, logprobs = self._greedy() if self._greedy is not None else ops.greedy(logits)
+        _c = time.perf_counter()
+        global _PREV
+        if _TL is not None:
+            _TL.write(f"{_a:.7f} {started:.7f} {_b:.7f} {_c:.7f} {_PREV:.7f}\n")
+        _PREV = _c
         return ids, logprobs, forward_seconds
+
+
+import os as _os
+_TL = open(f"/tmp/q/st-{_os.getpid()}.txt", "w", buffering=1) if _os.environ.get("PS_TL") else None
+_PREV = 0.0
+
+
+
+class LaterSteps:
+    """The steps of a decode run after the one it computed last (DecodeRun.steps_after).
+
+    Called with the token each row feeds (in the plan's order): the next step's (token ids, log
+    probabilities, forward seconds), one position on from the step before; or None from a step
+    whose position would be outside a sequence's blocks or the rotary table (nothing computed).
+
+    many (None where the native loop does not make the run's calls): many(token_ids, num_steps,
+    end_token_ids, poll) computes up to num_steps such steps in one native call, the first feeding
+    token_ids and each later one the tokens the one before sampled; it stops before a step that
+    would feed one of end_token_ids, when poll (a zmq_poll function's address and a poll item's,
+    or None) finds a message waiting, or where the call above would compute nothing. It gives
+    every step's ids and log probabilities, row after row and step after step, and each step's
+    forward seconds."""
+
+    def __init__(self, run: DecodeRun) -> None:
+        self._run = run
+        self.many = run._many if run._steps is not None else None
+
+    def __call__(self, token_ids: list[int]) -> tuple[list[int], list[float], float] | None:
+        return self._run._next_step(token_ids)

@@ -43,6 +43,7 @@ from pagedserve.worker.continuation import is_same_step, next_plan, run_steps
 from pagedserve.worker import resident_memory
 from pagedserve.worker.cpu_share import CpuShare
 from pagedserve.worker.memory_budget import exceeds_available, plan_memory
+from pagedserve.worker.message_poll import NativePoll
 from pagedserve.worker.rendezvous import init_process_group
 from pagedserve.worker.layers.tensor_parallel import CollectiveError
 from pagedserve.worker.config import WorkerConfig
@@ -254,10 +255,18 @@ def _serve_plans(config, runner, sub, pusher, state, log, cpu_share=None, layout
 
     try_execute = dropping_failures(runner.execute, "step_ahead_failed")
 
+    native_poll = NativePoll.for_socket(sub)  # has_message as a C call, for a run's steps in one native call
+
     def steps_after(result: StepResult) -> Callable | None:
-        """The decode run's later steps straight through the runner (ModelRunner.steps_after)."""
+        """The decode run's later steps straight through the runner (ModelRunner.steps_after), all in
+        one native call where it can (`many`) and the message check can be made from C."""
         advance = runner.steps_after(result)
-        return dropping_failures(advance, "step_in_run_failed") if advance is not None else None
+        if advance is None:
+            return None
+        guarded = dropping_failures(advance, "step_in_run_failed")
+        guarded.many = (dropping_failures(partial(advance.many, poll=native_poll.args), "step_in_run_failed")
+                        if advance.many is not None and native_poll is not None else None)
+        return guarded
 
     while True:
         message.ParseFromString(sub.recv())

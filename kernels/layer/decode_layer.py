@@ -170,6 +170,7 @@ class DecodeLayers:
                 raise IndexError(f"a token id outside the embedding table of {embedding.shape[0]} rows")
 
         step.kept = kept
+        step.args = call.args  # decode_step's arguments (kernels/layer/decode_run.py)
         return step
 
     def _scratch(self, num_rows: int, size: int, dtype: torch.dtype) -> torch.Tensor:

@@ -173,6 +173,8 @@ def bound_block_quant_linear(x: torch.Tensor, weight: BlockQuantWeight, bias: to
     def run() -> None:
         call()
         out.copy_(y + bias32 if bias32 is not None else y)  # _finish's sum and rounding
+    if bias32 is None and out.dtype == torch.bfloat16:
+        run.rounds_into = (call, out)  # the kernel's call, then y rounded into out (kernels/layer/decode_run.py)
     return run
 
 

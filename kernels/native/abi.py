@@ -8,6 +8,7 @@ system C compiler).
     LayerWeights    struct layer_weights: one decoder layer's weight and cache pointers and sizes
     BlockLinear     struct block_linear: a projection's GGUF blocks, for a layer that keeps them
     StepRows        struct step_rows: one decode step's rows, shared by every layer of the step
+    DecodeRun       struct decode_run: a decode run's buffers and kernels, for its later steps in one call
 """
 
 from __future__ import annotations
@@ -40,4 +41,15 @@ class StepRows(ctypes.Structure):
                                         "query_start_loc", "seqs")] + [("num_rows", _I64), ("max_blocks", _I64)]
 
 
-STRUCTURES = {"layer_weights": LayerWeights, "step_rows": StepRows, "block_linear": BlockLinear}  # C struct name -> ctypes mirror
+class DecodeRun(ctypes.Structure):
+    _fields_ = [(name, _P) for name in (
+        "layers", "rows", "token_ids", "embedding", "final_norm", "residual", "hidden", "spare", "scratch",
+        "table_lens", "head_weight", "head_bias", "head_scales", "head_mins", "head_out32", "logits", "ids",
+        "logprobs", "end_tokens", "poll", "poll_item")] + [
+        (name, _I64) for name in ("num_layers", "vocab", "head_kind", "head_out", "head_in", "head_bits",
+                                  "logits_vocab", "logits_stride", "num_end_tokens", "block_size", "limit")] + [
+        ("eps", _F32)]
+
+
+STRUCTURES = {"layer_weights": LayerWeights, "step_rows": StepRows, "block_linear": BlockLinear,
+              "decode_run": DecodeRun}  # C struct name -> ctypes mirror

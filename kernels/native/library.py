@@ -56,6 +56,7 @@ SIGNATURES = {  # exported function -> argument types, as pagedserve_cpu.h decla
     "add_rms_norm": (P, P, P, P, I64, I64, F32, I32, I32),
     "rotary_write_kv": (P, P, P, P, P, P, I64, I64, I64, I64, I64, I64, I32, I32),
     "silu_mul": (P, P, I64, I64, I64, I32),
+    "decode_run_steps": (P, P, I64, P, P, P),
     "greedy_rows": (P, I64, I64, I64, I32, P, P),
     "linear_rows_bf16": (P, P, P, P, I64, I64, I64),
     "linear_rows_available": (),
@@ -85,7 +86,7 @@ SIGNATURES = {  # exported function -> argument types, as pagedserve_cpu.h decla
 RESTYPES = {"linear_rows_available": I32, "linear_rows_prefetch": I64, "panel_linear_available": I32,
             "panel_linear_prefetch": I64, "block_quant_rows_available": I32, "block_quant_rows_bf16_available": I32,
             "block_quant_dequantize": I32, "block_quant_prefetch": I64, "decode_step": I32,
-            "decode_layers_overlapped": I64, "prefill_attention_available": I32, "paged_prefill_attention": I32}  # the others return void
+            "decode_layers_overlapped": I64, "decode_run_steps": I64, "prefill_attention_available": I32, "paged_prefill_attention": I32}  # the others return void
 
 
 class NativeBuildError(RuntimeError):

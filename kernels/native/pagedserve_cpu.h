@@ -105,6 +105,35 @@ int32_t decode_step(const struct layer_weights **layers, int64_t num_layers, con
                     const int64_t *token_ids, const void *embedding, int64_t vocab, const void *final_norm,
                     float eps, void *residual, void *out, void *spare, void *scratch);
 
+/* decode_run.c: a decode run's later steps in one call (worker/decode_run.py runs them one by one:
+ * its reference). head_kind 0: panel_linear_bf16 (head_weight the panels), 1: linear_rows_bf16,
+ * 2: block_quant_rows_bf16 (head_weight the codes, head_scales, head_mins) into head_out32, then
+ * rounded into the bfloat16 logits [M, logits_stride]. poll: a function int (void *items, int count,
+ * long timeout) called as poll(poll_item, 1, 0) before each step (non-zero ends the run), or NULL. */
+struct decode_run {
+    const struct layer_weights **layers;
+    const struct step_rows *rows;
+    int64_t *token_ids;
+    const void *embedding, *final_norm;
+    void *residual, *hidden, *spare, *scratch;
+    const int64_t *table_lens;
+    const void *head_weight, *head_bias, *head_scales, *head_mins;
+    float *head_out32;
+    void *logits;
+    int64_t *ids;
+    float *logprobs;
+    const int64_t *end_tokens;
+    const void *poll;
+    void *poll_item;
+    int64_t num_layers, vocab, head_kind, head_out, head_in, head_bits, logits_vocab, logits_stride;
+    int64_t num_end_tokens, block_size, limit;
+    float eps;
+};
+/* the steps computed (up to num_steps), feeding `fed` [M] to the first: ids and logprobs
+ * [steps, M], nanoseconds [steps] of each step's forward and head */
+int64_t decode_run_steps(const struct decode_run *run, const int64_t *fed, int64_t num_steps, int64_t *ids,
+                         float *logprobs, int64_t *nanoseconds);
+
 /* decode_attention.c */
 void paged_decode_attention(const void *query, int64_t q_stride, void *out, int64_t out_stride, const void *key_cache,
                             const void *value_cache, const int32_t *block_tables, int64_t max_blocks,

@@ -53,7 +53,7 @@ class BoundGreedy:
         rows, vocab = logits.shape
         self.ids = torch.empty(rows, dtype=torch.int64)
         self.logprobs = torch.empty(rows, dtype=torch.float32)
-        self.logits = logits
+        self.logits, self.lib = logits, lib
         self._ids, self._logprobs = self.ids.numpy(), self.logprobs.numpy()
         self._call = partial(lib.greedy_rows, logits.data_ptr(), rows, vocab, logits.stride(0),
                              DTYPE_CODES[logits.dtype], self.ids.data_ptr(), self.logprobs.data_ptr())

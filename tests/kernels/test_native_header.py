@@ -132,6 +132,7 @@ def test_a_wrong_signature_is_named(header):
                                                                 "block_quant_prefetch": I64,
                                                                 "decode_step": I32,
                                                                 "decode_layers_overlapped": I64,
+                                                                "decode_run_steps": I64,
                                                                 "prefill_attention_available": I32,
                                                                 "paged_prefill_attention": I32}) == [
         "block_quant_rows_bf16_available: returns int32_t in the header, void in RESTYPES"]
@@ -171,7 +172,8 @@ def test_a_wrong_structure_is_named(header, layouts):
         "struct layer_weights: sizeof 240 in C, 236 in Packed"]
     assert structure_mismatches(header, {"step_rows": abi.StepRows}, layouts) == [
         "struct block_linear: in the header, no ctypes Structure",
-        "struct layer_weights: in the header, no ctypes Structure"]
+        "struct layer_weights: in the header, no ctypes Structure",
+        "struct decode_run: in the header, no ctypes Structure"]
 
 
 def test_a_wrong_header_is_caught_or_refused(tmp_path):

@@ -6,6 +6,7 @@ plans, and every sample (token and log probability) must be equal bit for bit.""
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import pytest
 import torch
@@ -255,15 +256,24 @@ def test_blocks_outside_the_pool_raise_the_full_steps_error(checkpoint_dir):
     assert run.tables == [[1]]
 
 
+def _path(name: str, checkpoint_dir, tmp_path_factory):
+    return write_all_kept(tmp_path_factory, seed=41) if name == "gguf-kept" else checkpoint_dir(name)
+
+
+@pytest.mark.parametrize("name,lengths", [("llama-gqa-untied", (9, 21, 30)), ("qwen2-bias-tied", (13,)),
+                                          ("gguf-kept", (11,)), ("gguf-kept", (11, 26))])
 @pytest.mark.parametrize("streams", [False, True])
-def test_a_decode_runs_steps_straight_through_the_kept_run_are_the_plans_steps(checkpoint_dir, streams):
-    """run_steps through ModelRunner.steps_after (no plan per step) against run_steps by plans on a
-    second runner: the same samples, streamed results, last plan and last result; the run ends at
-    the first sequence's last block as next_plan ends it, and steps_after gives nothing for a
-    result the kept run did not compute."""
-    path = checkpoint_dir("llama-gqa-untied")
+def test_a_decode_runs_steps_straight_through_the_kept_run_are_the_plans_steps(checkpoint_dir, tmp_path_factory,
+                                                                                streams, name, lengths):
+    """run_steps through ModelRunner.steps_after (no plan per step; whole answers: every later step
+    in one native call, kernels/native/decode_run.c) against run_steps by plans on a second runner:
+    the same samples, streamed results, last plan and last result; the run ends at the first
+    sequence's last block as next_plan ends it, and steps_after gives nothing for a result the kept
+    run did not compute. The LM heads: dense bfloat16 (its panels or rows), tied to the embedding,
+    and GGUF Q8_0 blocks rounded into bfloat16 logits."""
+    path = _path(name, checkpoint_dir, tmp_path_factory)
     by_plans, straight = _runner(path), _runner(path)
-    prompts = make_prompts(seed=4, lengths=(9, 21, 30))
+    prompts = make_prompts(seed=4, lengths=lengths)
     tables = [[8 * i + j for j in range(len(prompt) // BLOCK + 2)] for i, prompt in enumerate(prompts)]
     plan = _prefill((by_plans, straight), prompts, tables, SampleSpec())
     plan.num_steps, plan.streams_steps = 40, streams
@@ -277,8 +287,9 @@ def test_a_decode_runs_steps_straight_through_the_kept_run_are_the_plans_steps(c
             executed.append(step.seqs[0].start_position)
             return runner.execute(step)
 
-        outcomes.append((run_steps(first, plan, BLOCK, try_execute, lambda: False, sent.append,
-                                   runner.steps_after if steps_after else None), sent, executed))
+        with torch.inference_mode():  # as the worker runs a run (worker/process.py)
+            outcomes.append((run_steps(first, plan, BLOCK, try_execute, lambda: False, sent.append,
+                                       runner.steps_after if steps_after else None), sent, executed))
     (result, last, last_result), sent, executed = outcomes[0]
     (result_through, last_through, last_result_through), sent_through, executed_through = outcomes[1]
     assert len(executed) == room - 1 and not executed_through  # the later steps by plans, or none
@@ -290,3 +301,84 @@ def test_a_decode_runs_steps_straight_through_the_kept_run_are_the_plans_steps(c
     assert [step.run_step for step in sent_through] == ([*range(1, room + 1)] if streams else [])
     assert next_plan(last_through, last_result_through, BLOCK) is None  # the block ends there
     assert straight.steps_after(by_plans.execute(last)) is None
+    assert straight._decode_run._steps is not None  # the one-call path was there to take
+
+
+def _run_both(by_plans, straight, plan, poll=None):
+    """run_steps of plan (a decode run that does not stream) by plans, and through the kept run in
+    one native call, its message check `poll`."""
+    outcomes = []
+    for runner, through in ((by_plans, False), (straight, True)):
+        first = runner.execute(plan)
+        steps_after = None
+        if through:
+            def steps_after(result, runner=runner):
+                advance = runner.steps_after(result)
+                assert advance.many is not None
+                advance.many = partial(advance.many, poll=poll)
+                return advance
+        with torch.inference_mode():
+            outcomes.append(run_steps(first, plan, BLOCK, runner.execute, lambda: False, None, steps_after))
+    (result, last, last_result), (result_through, last_through, last_result_through) = outcomes
+    assert dataclasses.replace(result_through, forward_seconds=result.forward_seconds) == result
+    assert last_through == last and last_result_through.samples == last_result.samples
+    return result
+
+
+def test_a_run_in_one_call_ends_after_a_step_that_sampled_an_end_token(checkpoint_dir):
+    """An end token (EOS, a stop token) sampled by any row ends the run after that step, as the
+    loop ends it; the step after the run then runs through a plan, from the same state."""
+    path = checkpoint_dir("llama-gqa-untied")
+    by_plans, straight = _runner(path), _runner(path)
+    prompts = make_prompts(seed=7, lengths=(10, 19))
+    tables = [[8 * i + j for j in range(4)] for i in range(len(prompts))]
+    plan = _prefill((by_plans, straight), prompts, tables, SampleSpec())
+    plan.num_steps = 8
+    free = _run_both(by_plans, straight, plan)  # no end token: all 8 steps
+    assert free.num_steps == 8
+    tokens = [sample.token_id for sample in free.samples]
+    end = tokens[2 * 2 + 1]  # the second row's sample in the run's third step
+    ends_at = tokens.index(end) // 2 + 1  # the steps up to the first that sampled it
+    by_plans, straight = _runner(path), _runner(path)
+    plan = _prefill((by_plans, straight), prompts, tables, SampleSpec())
+    plan.num_steps, plan.end_token_ids = 8, [end]
+    ended = _run_both(by_plans, straight, plan)
+    assert ended.num_steps == ends_at <= 3 and ended.samples == free.samples[:2 * ends_at]
+
+
+def test_a_run_in_one_call_computes_nothing_while_a_message_waits(checkpoint_dir):
+    """A message waiting on the worker's plan socket (worker/message_poll.py, zmq_poll from C) ends
+    the run before its first later step, as the loop's should_end does; without one the run goes on."""
+    import zmq
+
+    from pagedserve.worker.message_poll import NativePoll
+
+    path = checkpoint_dir("llama-gqa-untied")
+    context = zmq.Context()
+    sender, receiver = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
+    try:
+        sender.bind("inproc://plans")
+        receiver.connect("inproc://plans")
+        poll = NativePoll.for_socket(receiver)
+        assert poll is not None
+        prompts = make_prompts(seed=8, lengths=(12,))
+        for waiting in (False, True):
+            if waiting:
+                sender.send(b"end run")
+                assert receiver.poll(1000)
+            by_plans, straight = _runner(path), _runner(path)
+            plan = _prefill((by_plans, straight), prompts, [[1, 2]], SampleSpec())
+            plan.num_steps = 6
+            first = straight.execute(plan)
+            advance = straight.steps_after(first)
+            advance.many = partial(advance.many, poll=poll.args)
+            result, last, last_result = run_steps(first, plan, BLOCK, straight.execute, lambda: False, None,
+                                                  lambda result: advance)
+            assert result.num_steps == (1 if waiting else 6)
+            if waiting:
+                assert result is first and last is plan and last_result is first
+        assert receiver.recv() == b"end run"  # the check read nothing
+    finally:
+        sender.close(0)
+        receiver.close(0)
+        context.term()

@@ -190,7 +190,9 @@ class NativeDecodeRun:
         self._tokens, self._positions, self._slots, self._seq_lens = (
             memoryview(array) for array in (token_ids.numpy(), positions, slots, seq_lens))
         self._block_tables = block_tables  # [rows, max_blocks]: what DecodeLayers reads the tables from
+        self._row_arrays = (positions, slots, seq_lens, block_tables)
         self.tables, self.block_size = tables, block_size
+        self._table_lens = np.array([len(table) for table in tables], dtype=np.int64)
         self._limit = model.max_positions  # the rotary table's length, fixed with the model
         self.max_blocks = block_tables.shape[1]
         weight = model.embed_tokens.weight
@@ -241,6 +243,7 @@ class NativeDecodeRun:
         kept = self.tables[row]
         self._block_tables[row, len(kept):len(table)] = table[len(kept):]
         self.tables[row] = list(table)
+        self._table_lens[row] = len(table)
 
     def set_rows(self, token_ids: list[int], positions: list[int]) -> bool:
         """The next step's token and position of each row; False, having changed nothing the step
@@ -256,6 +259,15 @@ class NativeDecodeRun:
             self._slots[row] = table[position // block_size] * block_size + position % block_size
             self._seq_lens[row] = position + 1
         return True
+
+    def bind_steps(self, greedy):
+        """Several steps in one native call (ops.bound_decode_run_steps: set_rows, step and `greedy`,
+        BoundGreedy over self.logits, one step after another in C), or None where it does not make
+        these calls."""
+        if self._head is None:
+            return None
+        return ops.bound_decode_run_steps(self._layers, self._head, greedy, self._row_arrays, self._table_lens,
+                                          self.block_size, self._limit)
 
     def step(self) -> torch.Tensor:
         """The logits [rows, vocab] of the step set_rows set: self.logits, where the head's kernel is
