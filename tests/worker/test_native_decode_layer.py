@@ -83,6 +83,63 @@ def test_native_layers_give_the_per_op_logits(checkpoint_dir, monkeypatch, name,
     assert (native - exact).abs().max() <= 2 * (per_op - exact).abs().max() + 0.01 * scale
 
 
+def _chunk_logits(runner: ModelRunner, prompts: list[list[int]], cached: list[int], native: bool,
+                  monkeypatch) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
+    """Each prompt's first `cached` tokens through the per-op path; then one step of the rest of
+    every prompt but its last token (prefill chunks, one token each where a prompt leaves one),
+    native layers allowed or not; then one decode step of the last tokens through the per-op path,
+    which reads the K/V the chunks wrote. The logits of the two steps, and which took the native
+    layers."""
+    tables = [[8 * i + j for j in range(-(-len(prompt) // 16))] for i, prompt in enumerate(prompts)]
+    taken, index = [], []
+
+    def for_step(cls, *args):
+        step = FOR_STEP(cls, *args) if native and len(index) == 2 else None
+        taken.append(step is not None)
+        return step
+
+    monkeypatch.setattr(llama_native.NativeDecodeStep, "for_step", classmethod(for_step))
+    model = runner.model
+    steps = [[(prompt[:count], 0) for prompt, count in zip(prompts, cached)],
+             [(prompt[count:-1], count) for prompt, count in zip(prompts, cached)],
+             [(prompt[-1:], len(prompt) - 1) for prompt in prompts]]
+    logits = []
+    for step in steps:
+        index.append(len(index))
+        seqs = [ScheduledSeq(seq_id=i, token_ids=tokens, start_position=start, block_table=table, sample=SampleSpec())
+                for i, ((tokens, start), table) in enumerate(zip(step, tables)) if tokens]
+        if not seqs:
+            continue  # nothing cached
+        inputs = build_model_input(seqs, block_size=16, num_blocks=runner.cache.num_gpu_blocks,
+                                   max_positions=model.max_positions, device=runner.device)
+        with torch.inference_mode():
+            logits.append(model.compute_logits(model(inputs.token_ids, inputs.metadata, runner.cache.gpu_cache)))
+    return logits[-2].float(), logits[-1].float(), taken
+
+
+@pytest.mark.parametrize("name", ["llama-gqa-untied", "mistral-window-48"])
+@pytest.mark.parametrize("lengths,cached", [((22,), (0,)), ((12, 40, 9), (3, 30, 7)), ((60,), (49,))])
+def test_prefill_chunks_take_a_row_per_token(checkpoint_dir, monkeypatch, name, lengths, cached):
+    """In bfloat16 a step of prefill chunks (after cached prefixes, beside one-token chunks) of up
+    to MAX_PACKED_ROWS tokens takes the native layers, a row per token attending as a decode at its
+    position: its logits and the K/V it wrote (read by the next decode) as close to the per-op
+    path's as decodes are (test_native_layers_give_the_per_op_logits), the same greedy tokens; the
+    same step in float32 keeps the per-op path."""
+    prompts = make_prompts(seed=sum(lengths), lengths=lengths)
+    bf16 = _runner(checkpoint_dir(name), "bfloat16")
+    chunk, decode, taken = _chunk_logits(bf16, prompts, list(cached), True, monkeypatch)
+    assert taken == [False, True, False][-len(taken):]
+    chunk_per_op, decode_per_op, _ = _chunk_logits(bf16, prompts, list(cached), False, monkeypatch)
+    float32 = _runner(checkpoint_dir(name), "float32")
+    chunk_exact, decode_exact, taken = _chunk_logits(float32, prompts, list(cached), True, monkeypatch)
+    assert not any(taken)
+    for native, per_op, exact in ((chunk, chunk_per_op, chunk_exact), (decode, decode_per_op, decode_exact)):
+        scale = exact.abs().max()
+        assert (native - per_op).abs().max() <= 0.03 * scale
+        assert torch.equal(native.argmax(-1), per_op.argmax(-1))
+        assert (native - exact).abs().max() <= 2 * (per_op - exact).abs().max() + 0.01 * scale
+
+
 def test_a_float32_cache_under_a_bfloat16_model(checkpoint_dir, monkeypatch):
     prompts = make_prompts(seed=3, lengths=(40,))
     runner = _runner(checkpoint_dir("llama-gqa-untied"), "bfloat16", kv_cache_dtype="float32")

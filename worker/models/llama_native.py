@@ -12,8 +12,11 @@ measurements).
     run = NativeDecodeRun.for_rows(model, kv_caches, block_tables, block_size)  # None: forward computes
     run.set_rows(token_ids, positions); logits = run.step()  # the same rows again, one position on
 
-It applies when every row of the step is a one-token decode, there are at most MAX_ROWS (4) of
-them (MAX_PACKED_ROWS, 32, when every projection is in bfloat16 panels or GGUF blocks, whose
+It applies when every row of the step is a one-token decode, or, in bfloat16, a token of a short
+prefill chunk (or of a decode with draft tokens to verify): such a token is a row of its own,
+which attends as a decode at its position does (its sequence's table, its position + 1 as its
+length; each layer writes every row's K/V before any row attends, so the chunk is causal). There
+are at most MAX_ROWS (4) rows (MAX_PACKED_ROWS, 32, when every projection is in bfloat16 panels or GGUF blocks, whose
 kernels the per-op path calls at any row count too), the model is bfloat16 or float32 on one CPU
 rank whose linear layers are dense, in panels or keep a GGUF file's blocks (--quantization auto:
 Q4_0, Q4_1, Q8_0; int8/int4 packs are not taken), the caches hold the model's dtype or float32,
@@ -133,11 +136,20 @@ class NativeDecodeStep:
     def for_step(cls, model, metadata, kv_caches) -> "NativeDecodeStep | None":
         num_rows = metadata.num_tokens
         dtype = model.rotary.cos_sin.dtype
-        if not (0 < num_rows <= MAX_PACKED_ROWS and metadata.num_seqs == num_rows and model.tp.world_size == 1
-                and model.rotary.cos_sin.device.type == "cpu"):
+        chunks = metadata.num_seqs < num_rows  # prefill chunks or drafts: a row per token (module doc)
+        if not (0 < num_rows <= MAX_PACKED_ROWS and (not chunks or dtype == torch.bfloat16)
+                and model.tp.world_size == 1 and model.rotary.cos_sin.device.type == "cpu"):
             return None
         lib = ops.decode_layer_library()
-        if lib is None or metadata.query_start_loc.tolist() != list(range(num_rows + 1)):
+        if lib is None:
+            return None
+        block_tables, seq_lens = metadata.block_tables, metadata.seq_lens
+        if chunks:
+            starts = metadata.query_start_loc
+            seq_of_row = torch.repeat_interleave(torch.arange(metadata.num_seqs), starts[1:] - starts[:-1])
+            block_tables = block_tables.index_select(0, seq_of_row)
+            seq_lens = (metadata.positions + 1).to(torch.int32)
+        elif metadata.query_start_loc.tolist() != list(range(num_rows + 1)):
             return None
         layers = _model_layer_weights(model, kv_caches, dtype)
         if layers is None or (num_rows > MAX_ROWS and not all(map(_is_packed, layers[0]))):
@@ -145,8 +157,7 @@ class NativeDecodeStep:
         model.rotary.check_positions(metadata.positions, metadata.step_plans)
         layer_weights, addresses = layers
         return cls(model, ops.DecodeLayers(lib, layer_weights, model.rotary.cos_sin, metadata.positions,
-                                           metadata.slot_mapping, metadata.block_tables, metadata.seq_lens,
-                                           addresses))
+                                           metadata.slot_mapping, block_tables, seq_lens, addresses))
 
     def run(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [M, H] (the embeddings) -> (last layer's output, residual stream), as the layer loop returns."""
