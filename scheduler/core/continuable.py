@@ -34,8 +34,9 @@ Blocks ahead: a predictable decode whose held blocks leave no more than MAX_RUN_
 (a run and the step computed after it), and fewer than its answer has to go, gets its next block
 in the same plan (wants_block_ahead), when nothing waits and the pool keeps a free block for every
 running group besides. Runs then cross block boundaries instead of ending at each sequence's block
-end (with 32 sequences one crosses nearly every step), and a run that fills its blocks to their
-end still has its step after it computed ahead. The block is the sequence's alone and is used
+end (with 32 sequences one crosses nearly every step), and, with blocks of MAX_RUN_STEPS
+positions or more (the default 16), a run that fills its blocks to their end still has its step
+after it computed ahead. The block is the sequence's alone and is used
 within MAX_RUN_STEPS + 1 steps, or freed with the sequence.
 """
 
@@ -68,8 +69,13 @@ MAX_RUN_SEQS = 32
 # At most this many steps in a decode run: the scheduler's cost per token falls as 1 / steps. A
 # request that arrives (or is cancelled) during a run ends it after its current step (EndRun,
 # scheduler/worker_link.py), so its prefill waits for one step, as it would without runs; the cap
-# bounds what a lost EndRun could cost (8 steps of SmolLM2 at one stream on a 2-core CPU: 50-90 ms).
-MAX_RUN_STEPS = 8
+# bounds what a lost EndRun could cost (16 steps of SmolLM2 at one stream on a 2-core CPU:
+# 100-180 ms) and the steps a stop string found by the scheduler leaves computed for nothing. With
+# a run's later steps in one native call (worker/decode_run.py), what a token still pays at its
+# edges is mostly per plan: at one stream on a 2-core AMD EPYC runs of 16 spent 1.3-2.3 % of the
+# steps' time outside the forwards where runs of 8 spent 1.8-3.8 % (four alternated pairs each in
+# bfloat16 and with Q4_1 blocks, through `serve`).
+MAX_RUN_STEPS = 16
 
 
 def is_predictable_decode(group: SequenceGroup, seq: Sequence, spec: SampleSpec, next_position: int,

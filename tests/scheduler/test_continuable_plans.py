@@ -74,9 +74,10 @@ def test_a_lone_decode_is_continuable_to_its_last_token_with_its_next_block_ahea
 
 
 def test_a_continuable_run_leaves_the_step_after_it_in_its_blocks():
-    # blocks of 8 and 16 positions: a run of MAX_RUN_STEPS can fill a block to its end, and the
-    # step the worker computes after it then needs the next block in the run's own plan
-    for block_size in (8, 16):
+    # blocks of MAX_RUN_STEPS positions or more (16, the default, and 32): a run of MAX_RUN_STEPS
+    # can fill a block to its end, and the step the worker computes after it then needs the next
+    # block in the run's own plan
+    for block_size in (16, 32):
         scheduler = Scheduler(SchedulerConfig(num_gpu_blocks=64, max_model_len=256, block_size=block_size,
                                               max_num_seqs=4, max_num_batched_tokens=256))
         scheduler.add_request(_request("a", prompt_len=6, max_tokens=60))
