@@ -75,13 +75,17 @@ def run_steps(result: StepResult, plan: StepPlan, block_size: int,
     computed result), computes the later steps instead of try_execute: the same steps from the
     same tokens, without a plan per step (the last one is built at the end). Where that call has a
     `many` (worker/decode_run.py LaterSteps) and the run does not stream, all of them in one call,
-    which checks for a waiting message itself (its own poll stands for should_end)."""
+    which checks for a waiting message itself (its own poll stands for should_end). A run that
+    streams keeps a call per step: one native call per step measured no shorter at its edges
+    through `serve` (one stream, four alternated pairs, bfloat16 and Q4_1), where the frontend's
+    and the client's work for each token share the cores."""
     streams = send is not None and plan.streams_steps and plan.num_steps > 1
     if streams:
         send(replace(result, run_step=1))
     advance = steps_after(result) if steps_after is not None and plan.num_steps > 1 else None
-    if advance is not None and not streams and getattr(advance, "many", None) is not None:
-        return _steps_in_one_call(advance.many, result, plan)
+    many = getattr(advance, "many", None)
+    if many is not None and not streams:
+        return _steps_in_one_call(many, result, plan)
     last, last_result, num_steps = plan, result, 1
     samples, forward_seconds = result.samples, result.forward_seconds
     fed: list[int] | None = None  # the tokens the last step fed, where `advance` computed it

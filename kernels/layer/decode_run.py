@@ -43,16 +43,27 @@ def _head_fields(head) -> dict | None:
 
 
 class DecodeRunSteps:
-    """decode_run_steps over a decode run's kept buffers (module doc)."""
+    """decode_run_steps over a decode run's kept buffers (module doc). Its inputs and outputs are
+    kept between calls and written and read through memoryviews: the call comes right after the
+    weights have flushed the CPU caches, where numpy's conversions cost tens of microseconds each."""
 
     def __init__(self, lib, run: DecodeRun, num_rows: int, kept: tuple) -> None:
         self._lib, self._run, self._kept = lib, run, kept
         self._address = ctypes.addressof(run)
         self.num_rows = num_rows
         self._fed = np.zeros(num_rows, dtype=np.int64)
-        self._end_tokens = np.zeros(0, dtype=np.int64)
-        self._ids = self._logprobs = self._nanoseconds = None
+        self._fed_view, self._fed_address = memoryview(self._fed), self._fed.ctypes.data
+        self._end_tokens: list[int] | None = None  # those run.end_tokens points to
+        self._poll: tuple[int, int] | None = None
         self._capacity = 0
+        self._grow(1)
+
+    def _grow(self, num_steps: int) -> None:
+        self._capacity = num_steps
+        self._outputs = (np.zeros(num_steps * self.num_rows, dtype=np.int64),
+                         np.zeros(num_steps * self.num_rows, dtype=np.float32), np.zeros(num_steps, dtype=np.int64))
+        self._views = [memoryview(array) for array in self._outputs]
+        self._addresses = [array.ctypes.data for array in self._outputs]
 
     @classmethod
     def bind(cls, lib, layers_call, head, greedy, rows: tuple[np.ndarray, ...], table_lens: np.ndarray,
@@ -84,23 +95,26 @@ class DecodeRunSteps:
     def run(self, fed: list[int], num_steps: int, end_token_ids: list[int],
             poll: tuple[int, int] | None = None) -> tuple[list[int], list[float], list[float]]:
         """Up to num_steps steps, the first feeding `fed` (a token per row): (ids, logprobs) of every
-        step computed, row after row and step after step, and each step's forward seconds. It stops before a
-        step when poll (a zmq_poll-like function's address and its item's) says a message waits, when a
-        token fed is one of end_token_ids, when a row's next position is outside its blocks or the
-        rotary table, and after a token outside the embedding table (that step computes nothing)."""
+        step computed, row after row and step after step, and each step's forward seconds. It stops
+        before a step when poll (a zmq_poll-like function's address and its item's) says a message
+        waits, when a token fed is one of end_token_ids, when a row's next position is outside its
+        blocks or the rotary table, and after a token outside the embedding table (that step computes
+        nothing)."""
         if num_steps > self._capacity:
-            self._capacity = num_steps
-            self._ids = np.zeros(num_steps * self.num_rows, dtype=np.int64)
-            self._logprobs = np.zeros(num_steps * self.num_rows, dtype=np.float32)
-            self._nanoseconds = np.zeros(num_steps, dtype=np.int64)
-        if len(end_token_ids) > len(self._end_tokens):
-            self._end_tokens = np.zeros(len(end_token_ids), dtype=np.int64)
-        self._end_tokens[:len(end_token_ids)] = end_token_ids
-        self._fed[:] = fed
+            self._grow(num_steps)
         run = self._run
-        run.end_tokens, run.num_end_tokens = self._end_tokens.ctypes.data, len(end_token_ids)
-        run.poll, run.poll_item = poll if poll is not None else (None, None)
-        count = self._lib.decode_run_steps(self._address, self._fed.ctypes.data, num_steps, self._ids.ctypes.data,
-                                           self._logprobs.ctypes.data, self._nanoseconds.ctypes.data)
+        if end_token_ids != self._end_tokens:
+            self._end_tokens = list(end_token_ids)
+            self._end_array = np.array(self._end_tokens, dtype=np.int64)
+            run.end_tokens, run.num_end_tokens = self._end_array.ctypes.data, len(self._end_tokens)
+        if poll != self._poll:
+            self._poll = poll
+            run.poll, run.poll_item = poll if poll is not None else (None, None)
+        view = self._fed_view
+        for row, token in enumerate(fed):
+            view[row] = token
+        ids, logprobs, nanoseconds = self._addresses
+        count = self._lib.decode_run_steps(self._address, self._fed_address, num_steps, ids, logprobs, nanoseconds)
         size = count * self.num_rows
-        return self._ids[:size].tolist(), self._logprobs[:size].tolist(), (self._nanoseconds[:count] / 1e9).tolist()
+        ids, logprobs, nanoseconds = self._views
+        return ids[:size].tolist(), logprobs[:size].tolist(), [ns / 1e9 for ns in nanoseconds[:count].tolist()]
