@@ -132,27 +132,14 @@ class DecodeRun:
         return self._step(token_ids, [position + 1 for position in self._positions])
 
     def _step(self, token_ids: list[int], positions: list[int]) -> tuple[list[int], list[float], float] | None:
-        _a = time.perf_counter()
         if not self.native.set_rows(token_ids, positions):
             return None
         self._positions = positions
         started = time.perf_counter()
         logits = self.native.step()
         forward_seconds = time.perf_counter() - started
-        _b = time.perf_counter()
         ids, logprobs = self._greedy() if self._greedy is not None else ops.greedy(logits)
-        _c = time.perf_counter()
-        global _PREV
-        if _TL is not None:
-            _TL.write(f"{_a:.7f} {started:.7f} {_b:.7f} {_c:.7f} {_PREV:.7f}\n")
-        _PREV = _c
         return ids, logprobs, forward_seconds
-
-
-import os as _os
-_TL = open(f"/tmp/q/st-{_os.getpid()}.txt", "w", buffering=1) if _os.environ.get("PS_TL") else None
-_PREV = 0.0
-
 
 
 class LaterSteps:

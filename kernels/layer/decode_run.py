@@ -5,7 +5,9 @@ position on. Its reference is that Python loop (DecodeRun's steps one by one), o
 tests/worker/test_decode_run.py compares them bit for bit.
 
     steps = DecodeRunSteps.bind(lib, layers_call, head_call, greedy, row_arrays, table_lens, block_size, limit)
-    ids, logprobs, seconds = steps.run(fed, num_steps, end_token_ids, poll)  # seconds: each step's forward   # None from bind: not these kernels
+    ids, logprobs, seconds = steps.run(fed, num_steps, end_token_ids, poll)  # seconds: each step's forward
+
+bind gives None where the calls are not the ones decode_run.c makes (the caller then steps in Python).
 
 Between the steps of a run the worker's Python ran with the CPU caches just flushed by the
 weights, about 0.2 ms a step at one sequence of SmolLM2 through `serve` on a 2-core AMD EPYC; the
@@ -84,8 +86,8 @@ class DecodeRunSteps:
                 != [array.ctypes.data for array in rows]):
             return None
         rows, vocab_size = greedy.logits.shape
-        run = DecodeRun(layers=ctypes.addressof(layers), rows=step_rows, token_ids=token_ids, embedding=embedding, final_norm=final_norm,
-                        residual=residual, hidden=hidden, spare=spare, scratch=scratch,
+        run = DecodeRun(layers=ctypes.addressof(layers), rows=step_rows, token_ids=token_ids, embedding=embedding,
+                        final_norm=final_norm, residual=residual, hidden=hidden, spare=spare, scratch=scratch,
                         table_lens=table_lens.ctypes.data, ids=greedy.ids.data_ptr(),
                         logprobs=greedy.logprobs.data_ptr(), num_layers=num_layers, vocab=vocab,
                         logits_vocab=vocab_size, logits_stride=greedy.logits.stride(0), block_size=block_size,
