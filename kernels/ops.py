@@ -344,9 +344,9 @@ def bound_decode_run_steps(layers_call, head, greedy, rows, table_lens, block_si
     """A decode run's later steps in one native call (kernels/layer/decode_run.py DecodeRunSteps) over
     its bound calls and kept arrays, or None where the native loop does not make these calls: the
     caller then calls them step by step."""
-    lib = greedy.lib if greedy is not None else None
-    return decode_run.DecodeRunSteps.bind(lib, layers_call, head, greedy, rows, table_lens, block_size, limit) \
-        if lib is not None and os.environ.get(KERNELS_ENV) != "reference" else None
+    if greedy is None:  # no native greedy kernel (bound_greedy: none under the reference kernels either)
+        return None
+    return decode_run.DecodeRunSteps.bind(greedy.lib, layers_call, head, greedy, rows, table_lens, block_size, limit)
 
 
 def panels_for_few_rows() -> bool:
