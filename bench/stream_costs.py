@@ -24,7 +24,6 @@ import argparse
 import os
 import statistics
 import time
-from pathlib import Path
 
 from lib.http_stream_client import run_http_requests
 from lib.machine_info import machine
