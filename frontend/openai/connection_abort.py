@@ -9,14 +9,13 @@ now; the kernel sends what it already took, then gives up on its own).
 
 ASGI does not hand the app its transport. uvicorn's `send` is a method of the request's cycle,
 which holds it; `expose_transport` (the outermost ASGI layer) puts it in the scope under
-TRANSPORT_KEY, where `abort_connection` finds it. Under another server, or a uvicorn that
-changed this, there is no transport in the scope and the connection is closed as the server
-closes it.
+TRANSPORT_KEY, where `abort_connection` finds it. The transport is taken by what it does (an
+`abort()`), as uvloop's transports are not asyncio.BaseTransport subclasses. Under another server,
+or a uvicorn that changed this, there is no transport in the scope and the connection is closed as
+the server closes it.
 """
 
 from __future__ import annotations
-
-import asyncio
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -28,7 +27,7 @@ def expose_transport(app: ASGIApp) -> ASGIApp:
 
     async def with_transport(scope: Scope, receive: Receive, send: Send) -> None:
         transport = getattr(getattr(send, "__self__", None), "transport", None)
-        if scope["type"] == "http" and isinstance(transport, asyncio.BaseTransport):
+        if scope["type"] == "http" and callable(getattr(transport, "abort", None)):
             scope[TRANSPORT_KEY] = transport
         await app(scope, receive, send)
 
