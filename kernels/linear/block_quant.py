@@ -22,7 +22,10 @@ gguf package's values bit for bit.
                                 dequantized to bfloat16, as `none` has them), a column block at a
                                 time, up to the rows the host's tuning measured the decoded panels
                                 faster than the dequantized matmul (tuning.block_panel_rows, at
-                                least MAX_ROWS): a prompt's prefill too
+                                least MAX_ROWS): a prompt's prefill too. With AVX2 but not
+                                AVX-512 (block_quant_rows_avx2.c) the float32 paths alone:
+                                bfloat16 activations up to EXACT_ROWS go through them as float32
+                                (the same exact weights), more through the dequantized matmul
     block_quant_linear_dequant  more rows: the weight dequantized exactly to float32 and, for a
                                 float32 x, one float32 matmul; for a bfloat16 x, the weight
                                 rounded to bfloat16 as the dequantized file served in bfloat16 has it
@@ -122,15 +125,20 @@ def _exact_f16(values: torch.Tensor, name: str) -> torch.Tensor:
 def supports(x: torch.Tensor, weight: BlockQuantWeight):
     """The native library when x [M, K] is a CPU tensor with 1 <= M <= MAX_ROWS, or a bfloat16 one
     with up to the host's tuned rows for the decoded panels (kernels/native/tuning.py
-    block_panel_rows), and the CPU has the kernel (AVX-512; the BF16 variant for the latter), else None."""
+    block_panel_rows), and the CPU has the kernel (AVX-512, or AVX2 with FMA and F16C; the BF16
+    variant for the latter, AVX-512 BF16, without which bfloat16 x goes up to EXACT_ROWS), else None."""
     if not (x.device.type == "cpu" and x.dim() == 2 and 0 < x.shape[0] and weight.qs.device.type == "cpu"):
         return None
     lib = native_lib.load()
     if lib is None or not native_lib.has_kernel(lib, "block_quant_rows"):
         return None
+    if x.dtype == torch.bfloat16 and not _has_bf16(lib):
+        # the float32 kernel multiplies the exact weights: bfloat16 rows past EXACT_ROWS take the
+        # weights rounded to bfloat16 (the dequantized matmul), as the reference and the BF16 variant do
+        return lib if x.shape[0] <= EXACT_ROWS else None
     if x.shape[0] <= MAX_ROWS:
         return lib
-    return lib if x.dtype == torch.bfloat16 and _has_bf16(lib) and x.shape[0] <= tuning.block_panel_rows(lib) else None
+    return lib if x.dtype == torch.bfloat16 and x.shape[0] <= tuning.block_panel_rows(lib) else None
 
 
 def block_quant_linear_native(x: torch.Tensor, weight: BlockQuantWeight, bias: torch.Tensor | None = None,

@@ -17,7 +17,8 @@
  * differs from the reference only in the order of float32 sums. bfloat16 activations
  * (block_quant_rows_bf16, AVX-512 BF16) meet the same exact weights at 1 to EXACT_ROWS rows, and
  * the weights decoded to bfloat16 above, at any number of rows (see there). The weight is read once per call, its rows
- * split over the threads in contiguous runs. */
+ * split over the threads in contiguous runs. On a CPU with AVX2 but not AVX-512, block_quant_rows_avx2.c has the
+ * float32 paths, 8 lanes at a time. */
 #include <immintrin.h>
 #include <stdlib.h>
 
@@ -631,13 +632,13 @@ int32_t block_quant_dequantize(const uint8_t *qs, const uint16_t *d, const uint1
     return 0;
 }
 #endif
-#else
+#elif !(defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)) /* AVX2: block_quant_rows_avx2.c */
 void block_quant_rows(const float *x, const uint8_t *qs, const uint16_t *d, const uint16_t *m, float *y, int64_t M,
                       int64_t N, int64_t K, int32_t bits) {
     (void)x, (void)qs, (void)d, (void)m, (void)y, (void)M, (void)N, (void)K, (void)bits;
 }
 
-int32_t block_quant_rows_available(void) { return 0; } /* no AVX-512: the callers dequantize in torch */
+int32_t block_quant_rows_available(void) { return 0; } /* no AVX-512 nor AVX2: the callers dequantize in torch */
 
 void block_quant_rows_bf16(const uint16_t *x, const uint8_t *qs, const uint16_t *d, const uint16_t *m, float *y,
                            int64_t M, int64_t N, int64_t K, int32_t bits) {

@@ -11,12 +11,12 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
+from pagedserve.cpu_features import has_native_bfloat16
 from pagedserve.kernels import ops
 from pagedserve.kernels.native import tuning
 from pagedserve.kernels.linear import block_quant
 from pagedserve.kernels.linear.block_quant import BlockQuantWeight
 from pagedserve.kernels.native import abi
-from pagedserve.kernels.native import library as native_lib
 from pagedserve.worker.loading.gguf_weights import quantized_weight_of
 from pagedserve.worker.quantization.gguf_blocks import GGUFBlocks
 
@@ -48,9 +48,7 @@ def _relative_to_exact(actual: torch.Tensor, x: torch.Tensor, weight: BlockQuant
 @pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 8, 17, 32])
 def test_native_rows_match_the_exact_product(tensor_type, num_rows):
     weight, _ = _gguf_weight(tensor_type, 200, 576, seed=num_rows)
-    lib = block_quant.supports(torch.empty(num_rows, 576), weight)
-    if lib is None:
-        pytest.fail("the native block kernel is unavailable on this CPU (it needs AVX-512)")
+    lib = _rows_lib(weight, num_rows)
     x = torch.randn(num_rows, 576, generator=torch.Generator().manual_seed(num_rows))
     bias = torch.randn(200)
     native = block_quant.block_quant_linear_native(x, weight, bias, lib)
@@ -58,7 +56,7 @@ def test_native_rows_match_the_exact_product(tensor_type, num_rows):
     assert native.dtype == torch.float32 and native.shape == (num_rows, 200)
     torch.testing.assert_close(native, reference, rtol=1e-5, atol=1e-5)
     assert _relative_to_exact(native - bias, x, weight) < 1e-6  # only the order of float32 sums differs
-    bf16 = block_quant.block_quant_linear_native(x.bfloat16(), weight, None, lib)
+    bf16 = ops.block_quant_linear(x.bfloat16(), weight)  # without the BF16 variant: native up to EXACT_ROWS
     assert bf16.dtype == torch.bfloat16
     # the float32 results round to bfloat16 alike but where they straddle a rounding boundary
     torch.testing.assert_close(bf16, block_quant.block_quant_linear_ref(x.bfloat16(), weight), rtol=2 ** -7,
@@ -124,10 +122,20 @@ def _bf16_rows(lib, weight, x: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def _bf16_lib(weight, num_rows: int):
+def _rows_lib(weight, num_rows: int):
     lib = block_quant.supports(torch.empty(min(num_rows, block_quant.MAX_ROWS), weight.in_features), weight)
-    if lib is None or not block_quant._has_bf16(lib):
-        pytest.fail("the native bfloat16 block kernel is unavailable on this CPU (it needs AVX-512 BF16)")
+    if lib is None:
+        pytest.fail("the native block kernel is unavailable on this CPU (it needs AVX-512, or AVX2 with FMA and F16C)")
+    return lib
+
+
+def _bf16_lib(weight, num_rows: int):
+    lib = _rows_lib(weight, num_rows)
+    if not block_quant._has_bf16(lib):
+        if not has_native_bfloat16():
+            pytest.skip("the BF16 block kernel needs AVX-512 BF16, which this CPU has not "
+                        "(test_native_header.py builds it for such a CPU)")
+        pytest.fail("the native bfloat16 block kernel is unavailable on a CPU with native bfloat16")
     return lib
 
 
@@ -204,9 +212,7 @@ def test_native_dequantize_gives_the_torch_values_bit_for_bit(tensor_type, dtype
     """Above 32 rows the weight is dequantized for one matmul: natively in one pass, to the values
     BlockQuantWeight.dequantize computes (float32, or those rounded to bfloat16)."""
     weight, _ = _gguf_weight(tensor_type, 75, 320, seed=60)
-    lib = native_lib.load()
-    if lib is None or not lib.block_quant_rows_bf16_available():
-        pytest.fail("the native block kernels are unavailable on this CPU (they need AVX-512 BF16)")
+    lib = _bf16_lib(weight, 1) if dtype == torch.bfloat16 else _rows_lib(weight, 1)
     out = torch.full((75, 320), float("nan"), dtype=dtype)
     assert lib.block_quant_dequantize(weight.qs.data_ptr(), weight.scales.data_ptr(),
                                       weight.mins.data_ptr() if weight.mins is not None else None, out.data_ptr(),
@@ -241,7 +247,7 @@ def test_the_result_does_not_depend_on_the_thread_count(tensor_type, dtype):
     """Each output row is computed by one thread over all its groups (block_quant_rows.c): the same
     bits at 1 to 7 threads (more than the cores), at the rows that multiply the codes directly."""
     weight, _ = _gguf_weight(tensor_type, 1000, 576, seed=70)
-    lib = _bf16_lib(weight, 2)
+    lib = _bf16_lib(weight, 2) if dtype == torch.bfloat16 else _rows_lib(weight, 2)
     previous = torch.get_num_threads()
     try:
         for num_rows in (1, 2, 3):
@@ -267,19 +273,20 @@ def test_the_bound_call_writes_what_block_quant_linear_returns(tensor_type, dtyp
     """ops.bound_block_quant_linear, called again after x changes, writes ops.block_quant_linear's
     result bit for bit; None under the references and above the kernel's rows."""
     weight, _ = _gguf_weight(tensor_type, 70, 128, seed=11)
-    if block_quant.supports(torch.empty(1, 128), weight) is None:
-        pytest.skip("needs a C compiler and AVX-512")
+    lib = _rows_lib(weight, 3)
     bias = torch.randn(70).to(dtype) if with_bias else None
     x = torch.empty(3, 128, dtype=dtype)
     out = torch.empty(3, 70, dtype=dtype)
     call = ops.bound_block_quant_linear(x, weight, bias, out=out)
+    if dtype == torch.bfloat16 and not block_quant._has_bf16(lib):
+        assert call is None  # the float32 kernel would first convert x: the caller takes block_quant_linear
+        return
     assert call is not None
     generator = torch.Generator().manual_seed(1)
     for _ in range(3):
         x.copy_(torch.randn(3, 128, generator=generator))
         call()
         assert torch.equal(out, ops.block_quant_linear(x, weight, bias))
-    lib = block_quant.supports(torch.empty(1, 128), weight)
     rows = (tuning.block_panel_rows(lib) if dtype == torch.bfloat16 and block_quant._has_bf16(lib)
             else block_quant.MAX_ROWS)
     big = torch.empty(rows + 1, 128, dtype=dtype)

@@ -22,6 +22,7 @@ from c_header import (
     structure_mismatches,
 )
 
+from pagedserve.cpu_features import cpu_flags
 from pagedserve.kernels.native import abi
 from pagedserve.kernels.native import library as native_lib
 
@@ -87,7 +88,8 @@ def test_the_library_builds_against_the_header():
 @pytest.mark.parametrize("march", ["x86-64-v2", "x86-64-v3"])
 def test_the_library_builds_for_a_cpu_without_avx512(tmp_path, march):
     """The sources compile, with the library's flags, for an x86 CPU without AVX-512 (SSE4.2, then
-    AVX2): the kernels that need AVX-512 then report themselves unavailable and the rest still
+    AVX2): the kernels that need AVX-512 then report themselves unavailable (with AVX2 the block
+    kernel's float32 paths remain, checked numerically where this host runs AVX2) and the rest still
     serve. The library built for this host links the same sources, so a definition kept on both
     sides of an #if would only fail on such a CPU."""
     compiler = native_lib.compiler()
@@ -102,8 +104,38 @@ def test_the_library_builds_for_a_cpu_without_avx512(tmp_path, march):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     lib = ctypes.CDLL(str(target))
+    has_avx2 = march == "x86-64-v3"  # AVX2, FMA and F16C: the block kernel's float32 paths (block_quant_rows_avx2.c)
     assert (lib.linear_rows_available(), lib.panel_linear_available(), lib.block_quant_rows_available(),
-            lib.block_quant_rows_bf16_available(), lib.prefill_attention_available()) == (0, 0, 0, 0, 0)
+            lib.block_quant_rows_bf16_available(), lib.prefill_attention_available()) == (0, 0, int(has_avx2), 0, 0)
+    if has_avx2 and {"avx2", "fma", "f16c"} <= cpu_flags():
+        _check_avx2_block_rows(lib)
+
+
+def _check_avx2_block_rows(lib) -> None:
+    """The AVX2 build's block kernel, run on this host, against the exact product (the library
+    built for an AVX-512 host never runs this code, so it is checked here on every x86 host)."""
+    from test_block_quant import TYPES, _gguf_weight
+
+    P, I64, I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+    lib.block_quant_rows.argtypes = (P, P, P, P, P, I64, I64, I64, I32)
+    lib.block_quant_dequantize.argtypes = (P, P, P, P, I64, I64, I32, I32)
+    lib.block_quant_dequantize.restype = I32
+    for tensor_type in TYPES:
+        weight, _ = _gguf_weight(tensor_type, 75, 320, seed=5)
+        mins = weight.mins.data_ptr() if weight.mins is not None else None
+        for num_rows in (1, 2, 3, 4, 5, 32):
+            x = torch.randn(num_rows, 320, generator=torch.Generator().manual_seed(num_rows))
+            y = torch.empty(num_rows, 75)
+            lib.block_quant_rows(x.data_ptr(), weight.qs.data_ptr(), weight.scales.data_ptr(), mins, y.data_ptr(),
+                                 num_rows, 75, 320, weight.bits)
+            exact = torch.nn.functional.linear(x.double(), weight.dequantize().double())
+            assert float((y.double() - exact).abs().max() / exact.abs().max()) < 1e-6, (tensor_type, num_rows)
+        out = torch.full((75, 320), float("nan"))
+        assert lib.block_quant_dequantize(weight.qs.data_ptr(), weight.scales.data_ptr(), mins, out.data_ptr(),
+                                          75, 320, weight.bits, abi.DTYPE_CODES[torch.float32]) == 1
+        assert torch.equal(out, weight.dequantize())
+        assert lib.block_quant_dequantize(weight.qs.data_ptr(), weight.scales.data_ptr(), mins, out.data_ptr(),
+                                          75, 320, weight.bits, abi.DTYPE_CODES[torch.bfloat16]) == 0
 
 
 # --- the checks reject wrong copies ---------------------------------------------------------------

@@ -1,0 +1,222 @@
+/* block_quant_rows.c's float32 paths for CPUs with AVX2, FMA and F16C but without AVX-512 (AMD Zen 3,
+ * Intel before Skylake-SP): the same computation, 8 lanes at a time; torch reference: dequantize
+ * exactly, then one float32 matmul (kernels/linear/block_quant.py).
+ *
+ * At 1-3 rows, per group of 32 inputs the products q * x are summed in float32 (four 8-lane FMAs
+ * on the codes widened to float), scaled by d into 8 running lanes, and the minimums add
+ * m * sum(x of the group) at the end; from DECODE_MIN_ROWS rows, weight rows are decoded exactly to
+ * float32 (q * d + m, one rounding, as gguf computes it) in L1 and multiplied by FMAs. Either way
+ * the result differs from the reference only in the order of float32 sums. bfloat16 activations
+ * have no kernel here (`--dtype auto` is float32 on these CPUs): block_quant_rows_bf16_available()
+ * is 0 and the callers dequantize. block_quant_dequantize writes float32 only. */
+#include <immintrin.h>
+#include <stdlib.h>
+
+#include "common.h"
+#include "pagedserve_cpu.h"
+
+#if !(defined(__AVX512F__) && defined(__F16C__)) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define GROUP 32
+#define ROW_CHUNK 4
+#define DECODE_MIN_ROWS 4
+#define DECODE_ROWS 4
+
+static inline __m256 widen_u8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }
+
+static inline __m256 widen_i8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)); }
+
+static inline float sum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* the 32 codes of group g as float32: v[0..3] hold values 0-7, 8-15, 16-23 and 24-31 */
+static inline __attribute__((always_inline)) void group_codes(const int bits, const uint8_t *row, int64_t g,
+                                                               __m256 v[4]) {
+    if (bits == 4) {
+        const __m128i mask = _mm_set1_epi8(0x0f);
+        const __m128i packed = _mm_loadu_si128((const __m128i *)(row + g * (GROUP / 2)));
+        const __m128i lo = _mm_and_si128(packed, mask), hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
+        v[0] = widen_u8(lo);
+        v[1] = widen_u8(_mm_unpackhi_epi64(lo, lo));
+        v[2] = widen_u8(hi);
+        v[3] = widen_u8(_mm_unpackhi_epi64(hi, hi));
+    } else {
+        const __m128i a = _mm_loadu_si128((const __m128i *)(row + g * GROUP));
+        const __m128i b = _mm_loadu_si128((const __m128i *)(row + g * GROUP + 16));
+        v[0] = widen_i8(a);
+        v[1] = widen_i8(_mm_unpackhi_epi64(a, a));
+        v[2] = widen_i8(b);
+        v[3] = widen_i8(_mm_unpackhi_epi64(b, b));
+    }
+}
+
+/* one weight row against activation rows r0 .. r0 + R - 1 */
+static inline __attribute__((always_inline)) void row_chunk(const int R, const int bits, const float *x,
+                                                             const uint8_t *row, const uint16_t *d, int64_t r0,
+                                                             int64_t K, float *sums) {
+    __m256 acc[ROW_CHUNK];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < K / GROUP; g++) {
+        __m256 v[4];
+        group_codes(bits, row, g, v);
+        const __m256 scale = _mm256_set1_ps(_cvtsh_ss(d[g]));
+        for (int r = 0; r < R; r++) {
+            const float *xg = x + (r0 + r) * K + g * GROUP;
+            __m256 t = _mm256_mul_ps(v[0], _mm256_loadu_ps(xg));
+            t = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xg + 8), t);
+            t = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xg + 16), t);
+            t = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xg + 24), t);
+            acc[r] = _mm256_fmadd_ps(t, scale, acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) sums[r] = sum8(acc[r]);
+}
+
+/* sum over groups of m[g] * group_sums[g] (the 4-bit minimums against the activations' group sums) */
+static inline float min_terms(const uint16_t *m, const float *group_sums, int64_t num_groups) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= num_groups; g += 8)
+        acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + g))),
+                              _mm256_loadu_ps(group_sums + g), acc);
+    float sum = sum8(acc);
+    for (; g < num_groups; g++) sum += _cvtsh_ss(m[g]) * group_sums[g];
+    return sum;
+}
+
+static inline __attribute__((always_inline)) void one_row(const int bits, const float *x, const uint8_t *qs,
+                                                           const uint16_t *d, const uint16_t *m,
+                                                           const float *group_sums, float *y, int64_t n, int64_t M,
+                                                           int64_t N, int64_t K) {
+    const int64_t num_groups = K / GROUP;
+    const uint8_t *row = qs + n * (bits == 4 ? K / 2 : K);
+    const uint16_t *dn = d + n * num_groups;
+    float sums[ROW_CHUNK];
+    for (int64_t r0 = 0; r0 < M; r0 += ROW_CHUNK) {
+        switch (M - r0 < ROW_CHUNK ? M - r0 : ROW_CHUNK) {
+        case 1: row_chunk(1, bits, x, row, dn, r0, K, sums); break;
+        case 2: row_chunk(2, bits, x, row, dn, r0, K, sums); break;
+        case 3: row_chunk(3, bits, x, row, dn, r0, K, sums); break;
+        default: row_chunk(4, bits, x, row, dn, r0, K, sums); break;
+        }
+        for (int64_t r = r0; r < M && r < r0 + ROW_CHUNK; r++) {
+            float sum = sums[r - r0];
+            if (m) sum += min_terms(m + n * num_groups, group_sums + r * num_groups, num_groups);
+            y[r * N + n] = sum;
+        }
+    }
+}
+
+/* a weight row decoded exactly to float32: q * d + m (q * d is exact in float32: one rounding) */
+static inline void decode_row_f32(const int bits, const uint8_t *row, const uint16_t *d, const uint16_t *m,
+                                  float *out, int64_t K) {
+    for (int64_t g = 0; g < K / GROUP; g++) {
+        __m256 v[4];
+        group_codes(bits, row, g, v);
+        const __m256 scale = _mm256_set1_ps(_cvtsh_ss(d[g]));
+        const __m256 offset = _mm256_set1_ps(m ? _cvtsh_ss(m[g]) : 0.0f);
+        for (int i = 0; i < 4; i++)
+            _mm256_storeu_ps(out + g * GROUP + 8 * i,
+                             m ? _mm256_fmadd_ps(v[i], scale, offset) : _mm256_mul_ps(v[i], scale));
+    }
+}
+
+static inline __attribute__((always_inline)) void dot_rows_f32(const int MX, const float *x, const float *w, float *y,
+                                                                int64_t m0, int64_t n0, int64_t nr, int64_t N,
+                                                                int64_t K) {
+    __m256 acc[DECODE_ROWS][DECODE_ROWS];
+    for (int r = 0; r < MX; r++)
+        for (int c = 0; c < DECODE_ROWS; c++) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+        __m256 xv[DECODE_ROWS];
+        for (int r = 0; r < MX; r++) xv[r] = _mm256_loadu_ps(x + (m0 + r) * K + k);
+        for (int64_t c = 0; c < nr; c++) {
+            const __m256 wv = _mm256_loadu_ps(w + c * K + k);
+            for (int r = 0; r < MX; r++) acc[r][c] = _mm256_fmadd_ps(wv, xv[r], acc[r][c]);
+        }
+    }
+    for (int r = 0; r < MX; r++)
+        for (int64_t c = 0; c < nr; c++) y[(m0 + r) * N + n0 + c] = sum8(acc[r][c]);
+}
+
+static void decoded_rows_f32(const float *x, const uint8_t *qs, const uint16_t *d, const uint16_t *m, float *y,
+                             int64_t M, int64_t N, int64_t K, int32_t bits) {
+    const int64_t num_groups = K / GROUP, row_bytes = bits == 4 ? K / 2 : K;
+    const int64_t num_blocks = (N + DECODE_ROWS - 1) / DECODE_ROWS;
+#pragma omp parallel if (N * K >= PARALLEL_MIN_ELEMENTS)
+    {
+        float *decoded = (float *)aligned_alloc(64, sizeof(float) * DECODE_ROWS * K);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < num_blocks; b++) {
+            if (!decoded) continue;
+            const int64_t n0 = b * DECODE_ROWS, nr = N - n0 < DECODE_ROWS ? N - n0 : DECODE_ROWS;
+            for (int64_t c = 0; c < nr; c++)
+                decode_row_f32(bits, qs + (n0 + c) * row_bytes, d + (n0 + c) * num_groups,
+                               m ? m + (n0 + c) * num_groups : NULL, decoded + c * K, K);
+            for (int64_t m0 = 0; m0 < M; m0 += DECODE_ROWS) {
+                switch (M - m0 < DECODE_ROWS ? M - m0 : DECODE_ROWS) {
+                case 1: dot_rows_f32(1, x, decoded, y, m0, n0, nr, N, K); break;
+                case 2: dot_rows_f32(2, x, decoded, y, m0, n0, nr, N, K); break;
+                case 3: dot_rows_f32(3, x, decoded, y, m0, n0, nr, N, K); break;
+                default: dot_rows_f32(4, x, decoded, y, m0, n0, nr, N, K); break;
+                }
+            }
+        }
+        free(decoded);
+    }
+}
+
+/* x float32 [M, K]; qs, d [N, K / 32] float16 bits, m [N, K / 32] float16 bits or NULL (8 bits);
+ * y float32 [M, N]; bits 4 or 8; K a multiple of 32; 1 <= M <= BLOCK_QUANT_MAX_ROWS (32) */
+void block_quant_rows(const float *x, const uint8_t *qs, const uint16_t *d, const uint16_t *m, float *y, int64_t M,
+                      int64_t N, int64_t K, int32_t bits) {
+    if (M >= DECODE_MIN_ROWS) {
+        decoded_rows_f32(x, qs, d, m, y, M, N, K, bits);
+        return;
+    }
+    const int64_t num_groups = K / GROUP;
+    float *sums = NULL; /* the activations' group sums, for the minimums */
+    if (m) {
+        sums = (float *)malloc(sizeof(float) * M * num_groups);
+        if (!sums) return;
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t g = 0; g < num_groups; g++) {
+                float s = 0.0f;
+                for (int j = 0; j < GROUP; j++) s += x[r * K + g * GROUP + j];
+                sums[r * num_groups + g] = s;
+            }
+    }
+    if (bits == 4) {
+#pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_ELEMENTS)
+        for (int64_t n = 0; n < N; n++) one_row(4, x, qs, d, m, sums, y, n, M, N, K);
+    } else {
+#pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_ELEMENTS)
+        for (int64_t n = 0; n < N; n++) one_row(8, x, qs, d, m, sums, y, n, M, N, K);
+    }
+    free(sums);
+}
+
+int32_t block_quant_rows_available(void) { return 1; }
+
+void block_quant_rows_bf16(const uint16_t *x, const uint8_t *qs, const uint16_t *d, const uint16_t *m, float *y,
+                           int64_t M, int64_t N, int64_t K, int32_t bits) {
+    (void)x, (void)qs, (void)d, (void)m, (void)y, (void)M, (void)N, (void)K, (void)bits;
+}
+
+int32_t block_quant_rows_bf16_available(void) { return 0; }
+
+/* the whole weight dequantized into out [N, K] float32 (dtype 0), the values
+ * BlockQuantWeight.dequantize() gives; 0 for bfloat16 (the callers convert in torch) */
+int32_t block_quant_dequantize(const uint8_t *qs, const uint16_t *d, const uint16_t *m, void *out, int64_t N,
+                               int64_t K, int32_t bits, int32_t dtype) {
+    if (dtype != DTYPE_F32) return 0;
+    const int64_t num_groups = K / GROUP, row_bytes = bits == 4 ? K / 2 : K;
+#pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t n = 0; n < N; n++)
+        decode_row_f32(bits, qs + n * row_bytes, d + n * num_groups, m ? m + n * num_groups : NULL,
+                       (float *)out + n * K, K);
+    return 1;
+}
+#endif
