@@ -91,6 +91,7 @@ from pagedserve.kernels.cache.kv_dtype import resolve_kv_cache_dtype  # noqa: F4
 from pagedserve.kernels.layer.decode_layer import (  # noqa: F401
     DecodeLayers,
     LayerWeights,
+    chains_dense,
     decode_layer_library,
     layer_addresses,
     layer_weights,

@@ -24,6 +24,7 @@ from pagedserve.kernels.attention.native import MAX_GROUP, MAX_GROUP_WIDTH, MAX_
 from pagedserve.kernels.linear import native_rows
 from pagedserve.kernels.linear.block_quant import BlockQuantWeight
 from pagedserve.kernels.linear.panels import PanelWeight
+from pagedserve.kernels.native import library as native_lib
 from pagedserve.kernels.native.abi import DTYPE_CODES, BlockLinear, LayerWeights, StepRows
 
 # (weight [out, in] dense in the layer's dtype, bfloat16 panels (linear/panels.py), or GGUF blocks kept
@@ -32,8 +33,21 @@ Linear = tuple[torch.Tensor | PanelWeight | BlockQuantWeight, torch.Tensor | Non
 
 
 def decode_layer_library():
-    """The native library where it has the row kernels the layer chains (AVX-512 BF16), else None."""
-    return native_rows.library()
+    """The native library where it has the row kernels the layer chains (AVX-512 BF16), or else the
+    GGUF block kernel (AVX2 and up), for layers whose projections are all blocks (chains_dense says
+    which); None without either."""
+    lib = native_rows.library()
+    if lib is None:
+        lib = native_lib.load()
+        if lib is None or not native_lib.has_kernel(lib, "block_quant_rows"):
+            return None
+    return lib
+
+
+def chains_dense(lib) -> bool:
+    """Whether decode_layer.c multiplies dense weights, panels and bfloat16 activations on this
+    library: the row kernels are built (AVX-512 BF16); else only float32 layers of GGUF blocks."""
+    return native_lib.has_kernel(lib, "linear_rows")
 
 
 def supports_decode_layer(dtype: torch.dtype, key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int,
