@@ -5,6 +5,8 @@ BIN := $(VENV)/bin
 MODEL ?= smollm2
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
+# the suite in two processes, each test file in one of them (its module-scoped servers shared as before)
+PYTEST_WORKERS ?= 2
 STAMP := $(VENV)/.installed
 
 .PHONY: serve test venv proto bench bench-online bench-overheads bench-guidellm bench-limits perf-tables clean
@@ -22,7 +24,7 @@ serve: $(STAMP)
 	$(BIN)/pagedserve serve --model $(MODEL) $(SERVE_ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 proto: $(STAMP)
 	$(BIN)/python -m pagedserve.protogen
