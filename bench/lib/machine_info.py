@@ -12,13 +12,19 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def cpu_name() -> str:
+    """The CPU's model name, with "(AVX2, no AVX-512)" or "(no AVX2)" after it where the CPU lacks
+    AVX-512: a virtual machine names an AMD EPYC Zen 3 and a Zen 4 alike ("AMD EPYC"), and the
+    kernels differ between them (docs/cpu-limits.md)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        pass
-    return platform.processor() or "unknown"
+        return platform.processor() or "unknown"
+    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")),
+                platform.processor() or "unknown")
+    flags = next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), None)
+    if flags is None or "avx512f" in flags:
+        return name
+    return f"{name} (AVX2, no AVX-512)" if "avx2" in flags else f"{name} (no AVX2)"
 
 
 def code_version() -> str | None:
