@@ -363,7 +363,16 @@ def render(kept: dict[str, dict[str, list[dict]]]) -> str:
             if left_out:
                 lines += [f"Left out, started on a busy machine (load average above the core count): "
                           f"{', '.join(report['date'] for report in left_out)}.", ""]
+    toc = [f"- [{line[4:]}](#{anchor(line[4:])})" for line in lines if line.startswith("### ")]
+    lines[4:4] = ["<!-- toc -->", *toc, "<!-- /toc -->", ""]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def anchor(title: str) -> str:
+    """GitHub's anchor of a heading (lower case, punctuation dropped, spaces to hyphens), for the
+    table of contents."""
+    title = re.sub(r"[`*]", "", title.strip().lower())
+    return re.sub(r"[^\w\- ]", "", title).replace(" ", "-")
 
 
 def main() -> None:
