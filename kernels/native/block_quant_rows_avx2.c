@@ -84,29 +84,6 @@ static inline float min_terms(const uint16_t *m, const float *group_sums, int64_
     return sum;
 }
 
-static inline __attribute__((always_inline)) void one_row(const int bits, const float *x, const uint8_t *qs,
-                                                           const uint16_t *d, const uint16_t *m,
-                                                           const float *group_sums, float *y, int64_t n, int64_t M,
-                                                           int64_t N, int64_t K) {
-    const int64_t num_groups = K / GROUP;
-    const uint8_t *row = qs + n * (bits == 4 ? K / 2 : K);
-    const uint16_t *dn = d + n * num_groups;
-    float sums[ROW_CHUNK];
-    for (int64_t r0 = 0; r0 < M; r0 += ROW_CHUNK) {
-        switch (M - r0 < ROW_CHUNK ? M - r0 : ROW_CHUNK) {
-        case 1: row_chunk(1, bits, x, row, dn, r0, K, sums); break;
-        case 2: row_chunk(2, bits, x, row, dn, r0, K, sums); break;
-        case 3: row_chunk(3, bits, x, row, dn, r0, K, sums); break;
-        default: row_chunk(4, bits, x, row, dn, r0, K, sums); break;
-        }
-        for (int64_t r = r0; r < M && r < r0 + ROW_CHUNK; r++) {
-            float sum = sums[r - r0];
-            if (m) sum += min_terms(m + n * num_groups, group_sums + r * num_groups, num_groups);
-            y[r * N + n] = sum;
-        }
-    }
-}
-
 /* a weight row decoded exactly to float32: q * d + m (q * d is exact in float32: one rounding) */
 static inline void decode_row_f32(const int bits, const uint8_t *row, const uint16_t *d, const uint16_t *m,
                                   float *out, int64_t K) {
@@ -139,64 +116,7 @@ static inline __attribute__((always_inline)) void dot_rows_f32(const int MX, con
         for (int64_t c = 0; c < nr; c++) y[(m0 + r) * N + n0 + c] = sum8(acc[r][c]);
 }
 
-static void decoded_rows_f32(const float *x, const uint8_t *qs, const uint16_t *d, const uint16_t *m, float *y,
-                             int64_t M, int64_t N, int64_t K, int32_t bits) {
-    const int64_t num_groups = K / GROUP, row_bytes = bits == 4 ? K / 2 : K;
-    const int64_t num_blocks = (N + DECODE_ROWS - 1) / DECODE_ROWS;
-#pragma omp parallel if (N * K >= PARALLEL_MIN_ELEMENTS)
-    {
-        float *decoded = (float *)aligned_alloc(64, sizeof(float) * DECODE_ROWS * K);
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < num_blocks; b++) {
-            if (!decoded) continue;
-            const int64_t n0 = b * DECODE_ROWS, nr = N - n0 < DECODE_ROWS ? N - n0 : DECODE_ROWS;
-            for (int64_t c = 0; c < nr; c++)
-                decode_row_f32(bits, qs + (n0 + c) * row_bytes, d + (n0 + c) * num_groups,
-                               m ? m + (n0 + c) * num_groups : NULL, decoded + c * K, K);
-            for (int64_t m0 = 0; m0 < M; m0 += DECODE_ROWS) {
-                switch (M - m0 < DECODE_ROWS ? M - m0 : DECODE_ROWS) {
-                case 1: dot_rows_f32(1, x, decoded, y, m0, n0, nr, N, K); break;
-                case 2: dot_rows_f32(2, x, decoded, y, m0, n0, nr, N, K); break;
-                case 3: dot_rows_f32(3, x, decoded, y, m0, n0, nr, N, K); break;
-                default: dot_rows_f32(4, x, decoded, y, m0, n0, nr, N, K); break;
-                }
-            }
-        }
-        free(decoded);
-    }
-}
-
-/* x float32 [M, K]; qs, d [N, K / 32] float16 bits, m [N, K / 32] float16 bits or NULL (8 bits);
- * y float32 [M, N]; bits 4 or 8; K a multiple of 32; 1 <= M <= BLOCK_QUANT_MAX_ROWS (32) */
-void block_quant_rows(const float *x, const uint8_t *qs, const uint16_t *d, const uint16_t *m, float *y, int64_t M,
-                      int64_t N, int64_t K, int32_t bits) {
-    if (M >= DECODE_MIN_ROWS) {
-        decoded_rows_f32(x, qs, d, m, y, M, N, K, bits);
-        return;
-    }
-    const int64_t num_groups = K / GROUP;
-    float *sums = NULL; /* the activations' group sums, for the minimums */
-    if (m) {
-        sums = (float *)malloc(sizeof(float) * M * num_groups);
-        if (!sums) return;
-        for (int64_t r = 0; r < M; r++)
-            for (int64_t g = 0; g < num_groups; g++) {
-                float s = 0.0f;
-                for (int j = 0; j < GROUP; j++) s += x[r * K + g * GROUP + j];
-                sums[r * num_groups + g] = s;
-            }
-    }
-    if (bits == 4) {
-#pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_ELEMENTS)
-        for (int64_t n = 0; n < N; n++) one_row(4, x, qs, d, m, sums, y, n, M, N, K);
-    } else {
-#pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_ELEMENTS)
-        for (int64_t n = 0; n < N; n++) one_row(8, x, qs, d, m, sums, y, n, M, N, K);
-    }
-    free(sums);
-}
-
-int32_t block_quant_rows_available(void) { return 1; }
+#include "block_quant_f32.h" /* one_row, decoded_rows_f32, block_quant_rows */
 
 void block_quant_rows_bf16(const uint16_t *x, const uint8_t *qs, const uint16_t *d, const uint16_t *m, float *y,
                            int64_t M, int64_t N, int64_t K, int32_t bits) {
