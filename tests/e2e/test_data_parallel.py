@@ -145,7 +145,10 @@ def test_a_killed_scheduler_loses_no_request(dp_server):
         for thread in threads:
             thread.start()
         server.wait_submitted(*(f"dp-stream-{index}" for index in range(8)))
-    assert wait_for(lambda: len(num_received) == 8 and all(num_received.values()), timeout=60), num_received
+    # every stream has its first tokens: pause again at once (a fast host decodes 120 tokens in a
+    # fraction of a second, within the default polling interval)
+    assert wait_for(lambda: len(num_received) == 8 and all(num_received.values()), timeout=60, interval=0.002), \
+        num_received
     late = [threading.Thread(target=stream, args=(100 + index,)) for index in range(4)]  # during the outage
     with server.workers_paused():
         accepted = Counter(event["pid"] for event in server.log_events() if event["event"] == "request_submitted"
