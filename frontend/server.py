@@ -154,8 +154,7 @@ def serve_frontend(config: FrontendConfig, *, health_poll_interval_s: float = DE
     # health checks and reflection answer while every Generation slot is taken, and refuses beyond
     # that (so no queue of calls grows without bound under overload).
     max_rpcs = config.max_concurrent_rpcs + HEALTH_HEADROOM_RPCS
-    options = [("grpc.so_reuseport", 0), ("grpc.max_concurrent_streams", config.max_streams_per_connection),
-               *transport.server_options()]  # a port in use is an error, not shared
+    options = [("grpc.max_concurrent_streams", config.max_streams_per_connection), *transport.server_options()]
     pool = futures.ThreadPoolExecutor(max_workers=max_rpcs, thread_name_prefix="rpc")
     api_key = config.http.resolved_api_key()
     interceptors = [BearerTokenInterceptor(api_key, (HEALTH_PREFIX, REFLECTION_PREFIX))] if api_key else []

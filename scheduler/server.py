@@ -307,8 +307,19 @@ def loop_dispatch(loop: asyncio.AbstractEventLoop):
     return dispatch
 
 
-async def _serve(config: SchedulerServerConfig, engine_config: SchedulerConfig, model: ModelInfo) -> None:
+async def _serve(config: SchedulerServerConfig, engine_config: SchedulerConfig, model: ModelInfo) -> int:
     log = configure_logging("scheduler")
+    token = internal_token()
+    interceptors = [AioBearerTokenInterceptor(token, what="the internal token")] if token else []
+    if token is None:
+        log.warning("internal_port_unauthenticated",
+                    hint=f"set {INTERNAL_TOKEN_ENV} or {INTERNAL_TOKEN_FILE_ENV} (serve sets one for its children)")
+    server = grpc.aio.server(options=INTERNAL_SERVER_OPTIONS, interceptors=interceptors)
+    try:  # first: a port in use ends the start before the worker link or the metrics bind theirs
+        bound = server.add_insecure_port(f"{config.host}:{config.port}")
+    except RuntimeError as exc:
+        log.error("scheduler_cannot_listen", address=f"{config.host}:{config.port}", error=str(exc))
+        return 1
     metrics = SchedulerMetrics()
     if config.metrics_port:
         metrics.serve(config.metrics_port, config.resolved_metrics_host)
@@ -334,16 +345,9 @@ async def _serve(config: SchedulerServerConfig, engine_config: SchedulerConfig, 
     engine = Engine(engine_config, link, on_step=on_step, dispatch=loop_dispatch(asyncio.get_running_loop()),
                     on_idle=on_idle, grammars=grammars)
     engine.start()
-    token = internal_token()
-    interceptors = [AioBearerTokenInterceptor(token, what="the internal token")] if token else []
-    if token is None:
-        log.warning("internal_port_unauthenticated",
-                    hint=f"set {INTERNAL_TOKEN_ENV} or {INTERNAL_TOKEN_FILE_ENV} (serve sets one for its children)")
-    server = grpc.aio.server(options=INTERNAL_SERVER_OPTIONS, interceptors=interceptors)
     servicer = SchedulerServicer(engine, model, config.tensor_parallel_size, metrics,
                                  max_undelivered_bytes=config.max_undelivered_bytes, grammars=grammars)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
-    bound = server.add_insecure_port(f"{config.host}:{config.port}")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):  # before the line that says it listens
@@ -362,6 +366,7 @@ async def _serve(config: SchedulerServerConfig, engine_config: SchedulerConfig, 
     link.close()
     log.info("scheduler_stopped")
     bound_teardown()  # asyncio.run's and the interpreter's teardown follow: pagedserve/teardown.py
+    return 0
 
 
 def _warm_up(grammars: GrammarCompiler, log) -> None:
@@ -382,5 +387,4 @@ def run_scheduler(config: SchedulerServerConfig) -> int:
     model = load_model_info(config.model_path)
     longest = model.max_position_embeddings
     engine_config = replace(config.engine, max_model_len=min(config.engine.max_model_len or longest, longest))
-    asyncio.run(_serve(config, engine_config, model))
-    return 0
+    return asyncio.run(_serve(config, engine_config, model))

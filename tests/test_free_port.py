@@ -5,8 +5,16 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
 from pagedserve.launch import serve_config
-from pagedserve.launch.serve_config import free_port
+from pagedserve.launch.serve_config import PORT_RANGE_ENV, free_port
+
+
+@pytest.fixture(autouse=True)
+def _no_configured_range(monkeypatch):
+    """The system's ranges decide, whatever band this test process was given (tests/conftest.py)."""
+    monkeypatch.delenv(PORT_RANGE_ENV, raising=False)
 
 
 def test_a_port_offered_again_is_skipped(monkeypatch):
@@ -91,3 +99,30 @@ def test_serve_never_gives_its_children_a_port_its_caller_named(tmp_path, monkey
     picked = {int(address.rsplit(":", 1)[1]) for address in
               (serve.scheduler.plan_address, serve.scheduler.result_address, serve.workers[0].dist_init_address)}
     assert picked.isdisjoint(named) and len(picked) == 3
+
+
+def test_a_configured_range_is_the_only_source(monkeypatch):
+    """Two processes that pick ports side by side (two test processes, two deployments) each get
+    their own range, so neither can pick a port the other picked and has not bound yet."""
+    monkeypatch.setattr(serve_config, "_handed_out_ports", set())
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv(PORT_RANGE_ENV, f"{port}-{port}")
+    assert free_port() == port
+    with pytest.raises(RuntimeError, match=f"{PORT_RANGE_ENV}={port}-{port}"):  # handed out: none left
+        free_port()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        monkeypatch.setenv(PORT_RANGE_ENV, f"{taken}-{taken}")
+        with pytest.raises(RuntimeError, match="no free port"):
+            free_port()
+
+
+@pytest.mark.parametrize("value", ["20000", "a-b", "30000-20000", "0-10", "60000-70000"])
+def test_a_malformed_range_is_an_error_naming_it(monkeypatch, value):
+    monkeypatch.setenv(PORT_RANGE_ENV, value)
+    with pytest.raises(ValueError, match=PORT_RANGE_ENV):
+        free_port()

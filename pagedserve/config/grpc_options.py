@@ -43,8 +43,12 @@ Options = list[tuple[str, int]]
 def server_options(*, max_message_bytes: int = MAX_MESSAGE_BYTES,
                    keepalive_time_s: float = DEFAULT_KEEPALIVE_TIME_S,
                    keepalive_timeout_s: float = DEFAULT_KEEPALIVE_TIMEOUT_S) -> Options:
-    """Channel arguments of a server: message size both ways, keepalive pings and client pings."""
+    """Channel arguments of a server: message size both ways, keepalive pings and client pings.
+    A port in use is an error, not shared: gRPC servers otherwise bind with SO_REUSEPORT, and a
+    second server on a taken port (another deployment's, or a restarted one beside a stale one)
+    would start and take a share of the first one's new connections."""
     return [
+        ("grpc.so_reuseport", 0),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.keepalive_time_ms", int(keepalive_time_s * 1000)),

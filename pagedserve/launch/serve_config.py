@@ -53,6 +53,7 @@ _handed_out_ports: set[int] = set()
 EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 LOWEST_FREE_PORT = 10000  # free_port's ports below the ephemeral range start here
 FREE_PORT_TRIES = 200
+PORT_RANGE_ENV = "PAGEDSERVE_PORT_RANGE"  # "LOW-HIGH": free_port's ports come from this range only
 
 
 def ephemeral_port_range() -> tuple[int, int] | None:
@@ -61,6 +62,23 @@ def ephemeral_port_range() -> tuple[int, int] | None:
         low, high = (int(value) for value in EPHEMERAL_RANGE_FILE.read_text().split())
     except (OSError, ValueError):
         return None
+    return low, high
+
+
+def configured_port_range() -> tuple[int, int] | None:
+    """$PAGEDSERVE_PORT_RANGE as (low, high), both included, or None where it is unset. Processes
+    that pick ports side by side without knowing of each other (two test processes, two
+    deployments on one host) each get their own range, so that a port one of them picked and has
+    not bound yet cannot be picked by the other; children inherit it."""
+    value = os.environ.get(PORT_RANGE_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        low, high = (int(part) for part in value.split("-"))
+    except ValueError:
+        raise ValueError(f"{PORT_RANGE_ENV}={value!r}: expected LOW-HIGH, e.g. 20000-20999") from None
+    if not 1 <= low <= high <= 65535:
+        raise ValueError(f"{PORT_RANGE_ENV}={value!r}: expected 1 <= LOW <= HIGH <= 65535")
     return low, high
 
 
@@ -74,22 +92,23 @@ def reserve_ports(*ports: int | None) -> None:
 def free_port(host: str = DEFAULT_HOST) -> int:
     """A port free now, never one this process handed out before: the system may give a port
     that was just probed and closed again, and two addresses of one deployment (plan and result
-    sockets) on one port fail to bind. Where the system says which range its outgoing
-    connections take their local ports from, the port is drawn below it: a port from that range
-    can become the local end of some connection before the process it was given to binds it
-    (a frontend then failed to listen on its port at every restart)."""
+    sockets) on one port fail to bind. With $PAGEDSERVE_PORT_RANGE set, the port comes from that
+    range. Otherwise, where the system says which range its outgoing connections take their local
+    ports from, the port is drawn below it: a port from that range can become the local end of
+    some connection before the process it was given to binds it (a frontend then failed to listen
+    on its port at every restart)."""
+    configured = configured_port_range()
+    if configured is not None:
+        low, high = configured
+        candidates = [random.randint(low, high) for _ in range(FREE_PORT_TRIES)]
+        port = _first_free(host, [*candidates, *range(low, high + 1)])
+        if port is None:
+            raise RuntimeError(f"no free port in {PORT_RANGE_ENV}={low}-{high}")
+        return port
     span = ephemeral_port_range()
     if span is not None and span[0] > LOWEST_FREE_PORT + FREE_PORT_TRIES:
-        for _ in range(FREE_PORT_TRIES):
-            port = random.randrange(LOWEST_FREE_PORT, span[0])
-            if port in _handed_out_ports:
-                continue
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-                try:
-                    sock.bind((host, port))
-                except OSError:
-                    continue
-            _handed_out_ports.add(port)
+        port = _first_free(host, (random.randrange(LOWEST_FREE_PORT, span[0]) for _ in range(FREE_PORT_TRIES)))
+        if port is not None:
             return port
     while True:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -98,6 +117,21 @@ def free_port(host: str = DEFAULT_HOST) -> int:
         if port not in _handed_out_ports:
             _handed_out_ports.add(port)
             return port
+
+
+def _first_free(host: str, candidates) -> int | None:
+    """The first candidate not handed out before that binds now (marked handed out), or None."""
+    for port in candidates:
+        if port in _handed_out_ports:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        _handed_out_ports.add(port)
+        return port
+    return None
 
 
 def threads_per_rank(num_ranks: int) -> int:

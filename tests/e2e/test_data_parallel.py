@@ -18,6 +18,7 @@ well, on the other replica or on the restarted scheduler."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -120,14 +121,26 @@ def _scheduler_pids(server) -> list[int]:
 
 
 def test_a_killed_scheduler_loses_no_request(dp_server):
-    """Eight streams queued together (behind paused workers) stream their first tokens; the
-    workers are paused again, so none can end before the scheduler that holds most of them is
-    killed, whatever the speed of the host; four more arrive during the outage."""
+    """Eight streams queued together (behind paused workers); the stream whose first token is the
+    last of the eight to arrive stops the workers again from its own thread, so none can end
+    before the scheduler that holds most of them is killed, whatever the speed of the host (the
+    workers of a fast host decode 120 tokens in a fraction of a second, less than a polling
+    thread's wake-up on a loaded one); four more arrive during the outage."""
     server = dp_server
     assert wait_for(lambda: len(_scheduler_pids(server)) == 2, timeout=30)
+    worker_pids = server.worker_pids()
     errors: list[Exception] = []
     finished: list[int] = []
     num_received: dict[int, int] = {}
+    stopped = threading.Event()
+    stopping = threading.Lock()
+
+    def stop_workers_once() -> None:
+        with stopping:
+            if not stopped.is_set():
+                for pid in worker_pids:
+                    os.kill(pid, signal.SIGSTOP)
+                stopped.set()
 
     def stream(index: int) -> None:
         request = token_request([3 + index, 4, 5, 6, 7, 8, 9, 10], max_tokens=120, ignore_eos=True)
@@ -136,28 +149,31 @@ def test_a_killed_scheduler_loses_no_request(dp_server):
             num_received[index] = 0
             for message in server.stub.GenerateStream(request, timeout=180):
                 num_received[index] += len(message.completions[0].token_ids)
+                if index < 100 and len(num_received) >= 8 and all(num_received[i] for i in range(8)):
+                    stop_workers_once()
             finished.append(num_received[index])
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
     threads = [threading.Thread(target=stream, args=(index,)) for index in range(8)]
+    late = [threading.Thread(target=stream, args=(100 + index,)) for index in range(4)]  # during the outage
     with server.workers_paused():
         for thread in threads:
             thread.start()
         server.wait_submitted(*(f"dp-stream-{index}" for index in range(8)))
-    # every stream has its first tokens: pause again at once (a fast host decodes 120 tokens in a
-    # fraction of a second, within the default polling interval)
-    assert wait_for(lambda: len(num_received) == 8 and all(num_received.values()), timeout=60, interval=0.002), \
-        num_received
-    late = [threading.Thread(target=stream, args=(100 + index,)) for index in range(4)]  # during the outage
-    with server.workers_paused():
+    try:
+        assert stopped.wait(timeout=60), f"not every stream received a token: {num_received}, {errors}"
         accepted = Counter(event["pid"] for event in server.log_events() if event["event"] == "request_submitted"
                            and event.get("process") == "scheduler"
                            and event.get("request_id", "").startswith("dp-stream-"))
         os.kill(accepted.most_common(1)[0][0], signal.SIGKILL)
-        assert all(count < 120 for count in num_received.values())
+        assert all(0 < count < 120 for count in num_received.values()), num_received
         for thread in late:
             thread.start()
+    finally:
+        for pid in worker_pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
     for thread in threads + late:
         thread.join(timeout=240)
     assert not errors, errors
