@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -77,6 +78,33 @@ class ServeProcess(_ServeProcess):
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):  # a rank the test killed meanwhile
                     os.kill(pid, signal.SIGCONT)
+
+
+class WorkerStop:
+    """Stops every worker rank of a tree (SIGSTOP) the first time it is called, from whichever
+    thread calls it, and continues them on resume(). A stream's own thread calls it on the token
+    that makes a test's precondition true, so the workers stop within one message's delivery of
+    that token: a polling thread on a loaded host can wake after a fast host's workers decoded a
+    whole request. Like workers_paused, the tree must run with PAUSE_ARGS."""
+
+    def __init__(self, server: ServeProcess) -> None:
+        self.pids = server.worker_pids()
+        if not self.pids:
+            raise RuntimeError("this serve has no worker processes to stop")
+        self.stopped = threading.Event()
+        self._lock = threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            if not self.stopped.is_set():
+                for pid in self.pids:
+                    os.kill(pid, signal.SIGSTOP)
+                self.stopped.set()
+
+    def resume(self) -> None:
+        for pid in self.pids:
+            with contextlib.suppress(ProcessLookupError):  # a rank the test killed meanwhile
+                os.kill(pid, signal.SIGCONT)
 
 
 def token_request(prompt_token_ids: list[int], **params) -> generation_pb2.GenerateRequest:

@@ -6,35 +6,50 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from tests.e2e.harness import token_request, wait_for
+from tests.e2e.harness import WorkerStop, token_request
 
 
-def _stream_timed(server, request_id: str, prompt: list[int], max_tokens: int, record: dict) -> None:
+def _stream_timed(server, request_id: str, prompt: list[int], max_tokens: int, record: dict,
+                  on_token=None) -> None:
+    """Streams a request; record[request_id] is the arrival time of every token (a message may
+    carry several), growing as they arrive; on_token() runs after every message."""
     request = token_request(prompt, max_tokens=max_tokens, ignore_eos=True)
     request.request_id = request_id
-    times = []  # arrival time of every token (a message may carry several)
+    times = record.setdefault(request_id, [])
     for message in server.stub.GenerateStream(request, timeout=120):
         num_tokens = sum(len(c.token_ids) for c in message.completions)
         times.extend([time.monotonic()] * num_tokens)
-    record[request_id] = times
+        if on_token is not None:
+            on_token()
 
 
 def test_new_request_joins_running_batch(llama_server):
+    """Three long streams decode; the long stream whose message gives every long one at least
+    three tokens stops the workers from its own thread (WorkerStop: on a loaded host a polling
+    thread woke after a fast host's workers had decoded all 160 tokens), and the short request
+    arrives while they are stopped, so the longs (150 tokens from their end) are still running
+    when it is scheduled."""
     record: dict[str, list[float]] = {}
     long_ids = [f"long-{i}" for i in range(3)]
+    stop_workers = WorkerStop(llama_server)
+
+    def on_long_token() -> None:
+        if all(len(record.get(rid, ())) >= 3 for rid in long_ids):
+            stop_workers()
+
     threads = [threading.Thread(target=_stream_timed,
-                                args=(llama_server, rid, [5 + i, 6, 7, 8], 160, record))
+                                args=(llama_server, rid, [5 + i, 6, 7, 8], 160, record, on_long_token))
                for i, rid in enumerate(long_ids)]
     for thread in threads:
         thread.start()
-    assert wait_for(lambda: sum(1 for step in llama_server.stats(max_recent_steps=8).recent_steps
-                                if step.num_decode_tokens >= 3) >= 3, timeout=60, interval=0.02)
-    # the longs decode; the short arrives while the workers are paused, so the longs (at most a
-    # step or two further on, 150 tokens from their end) are still running when it is scheduled
     short = threading.Thread(target=_stream_timed, args=(llama_server, "short", [9, 10, 11], 4, record))
-    with llama_server.workers_paused():
+    try:
+        assert stop_workers.stopped.wait(timeout=60), {rid: len(times) for rid, times in record.items()}
+        assert all(len(record[rid]) < 160 for rid in long_ids)
         short.start()
         llama_server.wait_submitted("short")
+    finally:
+        stop_workers.resume()
     for thread in [*threads, short]:
         thread.join()
     short_first = record["short"][0]

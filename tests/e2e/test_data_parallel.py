@@ -18,7 +18,6 @@ well, on the other replica or on the restarted scheduler."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import threading
@@ -29,7 +28,7 @@ import pytest
 
 from pagedserve.v1 import generation_pb2
 from tests.e2e.conftest import start_server
-from tests.e2e.harness import PAUSE_ARGS, token_request, wait_for
+from tests.e2e.harness import PAUSE_ARGS, WorkerStop, token_request, wait_for
 
 NUM_SYSTEM_PROMPTS = 8
 NUM_REQUESTS = 64
@@ -128,19 +127,10 @@ def test_a_killed_scheduler_loses_no_request(dp_server):
     thread's wake-up on a loaded one); four more arrive during the outage."""
     server = dp_server
     assert wait_for(lambda: len(_scheduler_pids(server)) == 2, timeout=30)
-    worker_pids = server.worker_pids()
     errors: list[Exception] = []
     finished: list[int] = []
     num_received: dict[int, int] = {}
-    stopped = threading.Event()
-    stopping = threading.Lock()
-
-    def stop_workers_once() -> None:
-        with stopping:
-            if not stopped.is_set():
-                for pid in worker_pids:
-                    os.kill(pid, signal.SIGSTOP)
-                stopped.set()
+    stop_workers = WorkerStop(server)
 
     def stream(index: int) -> None:
         request = token_request([3 + index, 4, 5, 6, 7, 8, 9, 10], max_tokens=120, ignore_eos=True)
@@ -150,7 +140,7 @@ def test_a_killed_scheduler_loses_no_request(dp_server):
             for message in server.stub.GenerateStream(request, timeout=180):
                 num_received[index] += len(message.completions[0].token_ids)
                 if index < 100 and len(num_received) >= 8 and all(num_received[i] for i in range(8)):
-                    stop_workers_once()
+                    stop_workers()
             finished.append(num_received[index])
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
@@ -162,7 +152,7 @@ def test_a_killed_scheduler_loses_no_request(dp_server):
             thread.start()
         server.wait_submitted(*(f"dp-stream-{index}" for index in range(8)))
     try:
-        assert stopped.wait(timeout=60), f"not every stream received a token: {num_received}, {errors}"
+        assert stop_workers.stopped.wait(timeout=60), f"not every stream received a token: {num_received}, {errors}"
         accepted = Counter(event["pid"] for event in server.log_events() if event["event"] == "request_submitted"
                            and event.get("process") == "scheduler"
                            and event.get("request_id", "").startswith("dp-stream-"))
@@ -171,9 +161,7 @@ def test_a_killed_scheduler_loses_no_request(dp_server):
         for thread in late:
             thread.start()
     finally:
-        for pid in worker_pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
+        stop_workers.resume()
     for thread in threads + late:
         thread.join(timeout=240)
     assert not errors, errors
