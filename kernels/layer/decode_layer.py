@@ -34,20 +34,23 @@ Linear = tuple[torch.Tensor | PanelWeight | BlockQuantWeight, torch.Tensor | Non
 
 def decode_layer_library():
     """The native library where it has the row kernels the layer chains (AVX-512 BF16), or else the
-    GGUF block kernel (AVX2 and up), for layers whose projections are all blocks (chains_dense says
-    which); None without either."""
+    float32 row kernel or the GGUF block kernel (AVX2 and up), for the layers chains_dense allows;
+    None without any of them."""
     lib = native_rows.library()
     if lib is None:
         lib = native_lib.load()
-        if lib is None or not native_lib.has_kernel(lib, "block_quant_rows"):
+        if lib is None or not (native_lib.has_kernel(lib, "linear_rows_f32")
+                               or native_lib.has_kernel(lib, "block_quant_rows")):
             return None
     return lib
 
 
-def chains_dense(lib) -> bool:
-    """Whether decode_layer.c multiplies dense weights, panels and bfloat16 activations on this
-    library: the row kernels are built (AVX-512 BF16); else only float32 layers of GGUF blocks."""
-    return native_lib.has_kernel(lib, "linear_rows")
+def chains_dense(lib, dtype: torch.dtype) -> bool:
+    """Whether decode_layer.c multiplies dense weights (and panels) of `dtype` on this library:
+    bfloat16 needs the row kernels (AVX-512 BF16), float32 the float32 row kernel (AVX-512, or its
+    AVX2 twin). Where bfloat16 has no row kernels it has no bfloat16 block kernel either: such a
+    layer is left to the per-op path."""
+    return native_lib.has_kernel(lib, "linear_rows" if dtype == torch.bfloat16 else "linear_rows_f32")
 
 
 def supports_decode_layer(dtype: torch.dtype, key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int,

@@ -61,6 +61,7 @@ SIGNATURES = {  # exported function -> argument types, as pagedserve_cpu.h decla
     "linear_rows_bf16": (P, P, P, P, I64, I64, I64),
     "linear_rows_available": (),
     "linear_rows_f32": (P, P, P, P, I64, I64, I64),
+    "linear_rows_f32_available": (),
     "linear_rows_set_prefetch": (I64,),
     "linear_rows_prefetch": (),
     "panel_linear_bf16": (P, P, P, P, I64, I64, I64),
@@ -83,7 +84,8 @@ SIGNATURES = {  # exported function -> argument types, as pagedserve_cpu.h decla
     "prefill_attention_available": (),
     "paged_prefill_attention": (P, I64, P, I64, P, P, P, I64, P, P, P, I64, I64, I64, I64, I64, F32, I32, F32),
 }
-RESTYPES = {"linear_rows_available": I32, "linear_rows_prefetch": I64, "panel_linear_available": I32,
+RESTYPES = {"linear_rows_available": I32, "linear_rows_f32_available": I32, "linear_rows_prefetch": I64,
+            "panel_linear_available": I32,
             "panel_linear_prefetch": I64, "block_quant_rows_available": I32, "block_quant_rows_bf16_available": I32,
             "block_quant_dequantize": I32, "block_quant_prefetch": I64, "decode_step": I32,
             "decode_layers_overlapped": I64, "decode_run_steps": I64, "prefill_attention_available": I32, "paged_prefill_attention": I32}  # the others return void

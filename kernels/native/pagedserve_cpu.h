@@ -73,6 +73,7 @@ void linear_rows_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias
                       int64_t K);
 int32_t linear_rows_available(void);
 void linear_rows_f32(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K);
+int32_t linear_rows_f32_available(void);
 void linear_rows_set_prefetch(int64_t bytes);
 int64_t linear_rows_prefetch(void);
 

@@ -106,17 +106,28 @@ def test_the_library_builds_for_a_cpu_without_avx512(tmp_path, march):
     lib = ctypes.CDLL(str(target))
     has_avx2 = march == "x86-64-v3"  # AVX2, FMA and F16C: the block kernel's float32 paths (block_quant_rows_avx2.c)
     assert (lib.linear_rows_available(), lib.panel_linear_available(), lib.block_quant_rows_available(),
-            lib.block_quant_rows_bf16_available(), lib.prefill_attention_available()) == (0, 0, int(has_avx2), 0, 0)
+            lib.block_quant_rows_bf16_available(), lib.prefill_attention_available(),
+            lib.linear_rows_f32_available()) == (0, 0, int(has_avx2), 0, 0, int(has_avx2))
     if has_avx2 and {"avx2", "fma", "f16c"} <= cpu_flags():
-        _check_avx2_block_rows(lib)
+        _check_avx2_kernels(lib)
 
 
-def _check_avx2_block_rows(lib) -> None:
-    """The AVX2 build's block kernel, run on this host, against the exact product (the library
-    built for an AVX-512 host never runs this code, so it is checked here on every x86 host)."""
+def _check_avx2_kernels(lib) -> None:
+    """The AVX2 build's block kernel and float32 row kernel, run on this host, against the exact
+    product (the library built for an AVX-512 host never runs this code, so it is checked here on
+    every x86 host)."""
     from test_block_quant import TYPES, _gguf_weight
 
     P, I64, I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+    lib.linear_rows_f32.argtypes = (P, P, P, P, I64, I64, I64)
+    for num_rows, size_out, size_in in ((1, 70, 576), (3, 33, 45), (8, 17, 1544)):
+        generator = torch.Generator().manual_seed(size_in)
+        x, weight = torch.randn(num_rows, size_in, generator=generator), torch.randn(size_out, size_in, generator=generator)
+        bias = torch.randn(size_out, generator=generator)
+        y = torch.full((num_rows, size_out), float("nan"))
+        lib.linear_rows_f32(x.data_ptr(), weight.data_ptr(), bias.data_ptr(), y.data_ptr(), num_rows, size_out, size_in)
+        exact = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
+        assert float((y.double() - exact).abs().max() / exact.abs().max()) < 1e-5, (num_rows, size_in)
     lib.block_quant_rows.argtypes = (P, P, P, P, P, I64, I64, I64, I32)
     lib.block_quant_dequantize.argtypes = (P, P, P, P, I64, I64, I32, I32)
     lib.block_quant_dequantize.restype = I32
@@ -156,6 +167,7 @@ def test_a_wrong_signature_is_named(header):
         "decode_layer: returns void in the header, c_float in RESTYPES",
     ]
     assert signature_mismatches(header, native_lib.SIGNATURES, {"linear_rows_available": I32,
+                                                                "linear_rows_f32_available": I32,
                                                                 "linear_rows_prefetch": I64,
                                                                 "panel_linear_available": I32,
                                                                 "panel_linear_prefetch": I64,

@@ -84,6 +84,25 @@ def test_native_layers_give_the_per_op_logits(checkpoint_dir, monkeypatch, name,
     assert (native - exact).abs().max() <= 2 * (per_op - exact).abs().max() + 0.01 * scale
 
 
+@pytest.mark.parametrize("name", ["llama-gqa-untied", "qwen2-bias-tied"])
+def test_float32_layers_take_the_float32_row_kernel_wherever_it_is_built(checkpoint_dir, monkeypatch, name):
+    """Dense float32 layers chain linear_rows_f32 (AVX-512, or its AVX2 twin on a CPU without the
+    bfloat16 row kernels, where bfloat16 layers keep the per-op path): the per-op logits but for the
+    order of float32 sums."""
+    lib = ops.decode_layer_library()
+    if lib is None or not ops.chains_dense(lib, torch.float32):
+        pytest.skip("needs a C compiler and AVX2 with FMA")
+    prompts = make_prompts(seed=2, lengths=(33, 90))
+    runner = _runner(checkpoint_dir(name), "float32")
+    native = _decode_logits(runner, prompts, True, monkeypatch)
+    per_op = _decode_logits(runner, prompts, False, monkeypatch)
+    scale = per_op.abs().max()
+    assert torch.allclose(native, per_op, rtol=1e-4, atol=1e-4 * scale)
+    assert torch.equal(native.argmax(-1), per_op.argmax(-1))
+    if not HAS_ROW_KERNELS:
+        _decode_logits(_runner(checkpoint_dir(name), "bfloat16"), prompts, True, monkeypatch, expect_native=False)
+
+
 def _chunk_logits(runner: ModelRunner, prompts: list[list[int]], cached: list[int], native: bool,
                   monkeypatch) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
     """Each prompt's first `cached` tokens through the per-op path; then one step of the rest of
@@ -186,8 +205,10 @@ def test_native_layers_multiply_kept_gguf_blocks_as_the_per_op_path(all_kept, gg
     the row kernel), so the logits agree but for the order of float32 sums in RMSNorm and attention."""
     if ops.decode_layer_library() is None:
         pytest.skip("needs a C compiler and AVX-512, or AVX2 with FMA and F16C")
-    # without the row kernels (AVX2): float32 layers of GGUF blocks alone, the others keep the per-op path
-    takes_native = HAS_ROW_KERNELS or (model == "all-kept" and dtype == "float32")
+    # without the bfloat16 row kernels (AVX2): float32 layers alone (dense ones through the float32 row
+    # kernel where it is built), bfloat16 layers keep the per-op path
+    takes_native = HAS_ROW_KERNELS or (dtype == "float32" and (
+        model == "all-kept" or ops.chains_dense(ops.decode_layer_library(), torch.float32)))
     path = all_kept if model == "all-kept" else gguf_model("llama-mixed") / GGUF_FILE
     runner = _runner(path, dtype, num_blocks=96)
     kinds = {type(module.packed).__name__ for name, module in runner.model.named_modules()

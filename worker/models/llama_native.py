@@ -20,8 +20,8 @@ are at most MAX_ROWS (4) rows (MAX_PACKED_ROWS, 32, when every projection is in 
 kernels the per-op path calls at any row count too), the model is bfloat16 or float32 on one CPU
 rank whose linear layers are dense, in panels or keep a GGUF file's blocks (--quantization auto:
 Q4_0, Q4_1, Q8_0; int8/int4 packs are not taken), the caches hold the model's dtype or float32,
-and the native library is built (on a CPU without AVX-512 BF16, where it has no row kernels, only
-float32 layers whose projections all keep GGUF blocks: the block kernel's float32 paths need AVX2). In float32 the results differ from the per-op path in the last bits (sums in
+and the native library is built (on a CPU without AVX-512 BF16, where it has no bfloat16 row kernels,
+float32 layers only: dense through the float32 row kernel's AVX2 twin, or GGUF blocks). In float32 the results differ from the per-op path in the last bits (sums in
 another order: the matmuls, RMSNorm's sum of squares), as bfloat16's do.
 Each layer's weight and cache pointers are gathered once into the kernel's structure
 (ops.layer_weights) kept on the layer, and rebuilt if a tensor moved.
@@ -48,7 +48,7 @@ def _native_weight(linear, dtype: torch.dtype, dense: bool):
     it above two rows: _layer_weights), the panels alone where ops.linear takes them at every row
     count, or GGUF blocks kept as the file has them; None when the layer holds anything else
     (int8/int4 packs), or anything but blocks in a float32 layer where the library has no row
-    kernels (not dense: its block kernel has no bfloat16 variant either)."""
+    kernel for the layer's dtype (not dense: a bfloat16 layer then has no block kernel either)."""
     if linear.bias is not None and not linear.bias.is_contiguous():
         return None
     if not dense:
@@ -74,7 +74,7 @@ def _layer_weights(layer, kv_cache, dtype: torch.dtype):
     if cached is not None and cached[0] == identity:
         return cached[1]
     linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    dense = ops.chains_dense(ops.decode_layer_library())  # the caller (for_step) found the library
+    dense = ops.chains_dense(ops.decode_layer_library(), dtype)  # the caller (for_step) found the library
     weights = [_native_weight(linear, dtype, dense) for linear in linears]
     if not (all(weight is not None for weight in weights) and layer.input_layernorm.weight.dtype == dtype
             and ops.supports_decode_layer(dtype, key_cache, value_cache, attention.num_heads,
