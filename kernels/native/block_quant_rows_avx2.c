@@ -21,12 +21,6 @@
 #define DECODE_MIN_ROWS 4
 #define DECODE_ROWS 4
 
-static inline float sum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 /* 8 bytes from p widened to 32-bit lanes (one vpmovzxbd / vpmovsxbd from memory) */
 static inline __m256i bytes_u8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
 

@@ -26,6 +26,22 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+
+/* the sum of 8 float32 lanes (pairwise: lanes i and i + 4, then i and i + 2, then the two) */
+static inline float sum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* 8 bfloat16 values widened to float32 lanes (exact, as bf16_to_f32) */
+static inline __m256 bf16x8_to_f32(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+#endif
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 

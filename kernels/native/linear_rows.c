@@ -129,12 +129,6 @@ int32_t linear_rows_available(void) { return 0; } /* no AVX-512 BF16: the caller
  * CPU MKL's one-row product read a 49,152 x 576 float32 weight from memory at about 10.6 GB/s. This
  * walk leaves the prefetching to the hardware: the tuned distance is measured on the bfloat16
  * kernel, which such a CPU lacks. */
-static inline float sum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 static inline __attribute__((always_inline)) void row_f32(const int M, const float *x, const float *w,
                                                            const float *bias, float *y, int64_t n, int64_t N,
                                                            int64_t K, int64_t distance) {

@@ -86,7 +86,7 @@ def test_the_library_builds_against_the_header():
 
 
 @pytest.mark.parametrize("march", ["x86-64-v2", "x86-64-v3"])
-def test_the_library_builds_for_a_cpu_without_avx512(tmp_path, march):
+def test_the_library_builds_for_a_cpu_without_avx512(tmp_path, march, monkeypatch):
     """The sources compile, with the library's flags, for an x86 CPU without AVX-512 (SSE4.2, then
     AVX2): the kernels that need AVX-512 then report themselves unavailable (with AVX2 the block
     kernel's float32 paths remain, checked numerically where this host runs AVX2) and the rest still
@@ -110,6 +110,31 @@ def test_the_library_builds_for_a_cpu_without_avx512(tmp_path, march):
             lib.linear_rows_f32_available()) == (0, 0, int(has_avx2), 0, 0, int(has_avx2))
     if has_avx2 and {"avx2", "fma", "f16c"} <= cpu_flags():
         _check_avx2_kernels(lib)
+        _check_avx2_decode_attention(lib, monkeypatch)
+
+
+def _check_avx2_decode_attention(lib, monkeypatch) -> None:
+    """The AVX2 build's decode attention (8-lane loops for head sizes that are multiples of 8, the
+    scalar ones for the rest), through ops.paged_attention, against paged_attention_ref."""
+    from conftest import build_paged_batch
+
+    from pagedserve.kernels import ops
+    from pagedserve.kernels.attention.reference import paged_attention_ref
+
+    for name, argtypes in native_lib.SIGNATURES.items():
+        getattr(lib, name).argtypes = argtypes
+        getattr(lib, name).restype = native_lib.RESTYPES.get(name)
+    monkeypatch.setattr(native_lib, "load", lambda: lib)
+    seqs = [(40, 1), (0, 1), (130, 1), (300, 1)]  # 300: runs of 128 positions merged
+    for dtype, (num_heads, num_kv_heads, head_size) in ((torch.float32, (9, 3, 64)), (torch.bfloat16, (9, 3, 64)),
+                                                        (torch.float32, (8, 1, 24)), (torch.float32, (4, 2, 20))):
+        batch = build_paged_batch(seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+                                  block_size=16, dtype=dtype, device=torch.device("cpu"), seed=head_size)
+        scale = head_size ** -0.5
+        expected = paged_attention_ref(*batch.args(), scale, None, 1.0, 1.0)
+        actual = ops.paged_attention(*batch.args(), scale, None, 1.0, 1.0, {})
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        assert torch.allclose(actual.float(), expected.float(), rtol=tolerance, atol=tolerance), (dtype, head_size)
 
 
 def _check_avx2_kernels(lib) -> None:
