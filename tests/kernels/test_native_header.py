@@ -116,7 +116,7 @@ def test_the_library_builds_for_a_cpu_without_avx512(tmp_path, march, monkeypatc
 def _check_avx2_decode_attention(lib, monkeypatch) -> None:
     """The AVX2 build's decode attention (8-lane loops for head sizes that are multiples of 8, the
     scalar ones for the rest), through ops.paged_attention, against paged_attention_ref."""
-    from conftest import build_paged_batch
+    from tests.kernels.conftest import build_paged_batch
 
     from pagedserve.kernels import ops
     from pagedserve.kernels.attention.reference import paged_attention_ref
