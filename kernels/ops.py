@@ -228,8 +228,10 @@ def block_quant_prefers(x, weight) -> bool:
     up to the kernel's exact rows (kernels/linear/block_quant.py: EXACT_ROWS), 8-bit blocks at one
     row. An 8-bit group costs the kernel as much arithmetic as a 4-bit one but carries twice the
     bytes: on SmolLM2's head (49152 x 576, Zen 4) one row took 1.34 ms against 1.46 ms dense, four
-    rows 1.87 against 1.70 ms."""
-    rows = block_quant.EXACT_ROWS if weight.bits == 4 else 1
+    rows 1.87 against 1.70 ms. A float32 x meets a dense float32 copy, four times the bytes of 8-bit
+    blocks: the blocks at every row the kernel takes (AMD Zen 3, the same head: 2 to 6 times as fast
+    from 1 to 32 rows)."""
+    rows = block_quant.MAX_ROWS if x.dtype == torch.float32 else block_quant.EXACT_ROWS if weight.bits == 4 else 1
     return x.dim() == 2 and x.shape[0] <= rows and block_quant.supports(x, weight) is not None
 
 

@@ -135,6 +135,9 @@ class DecodeLayers:
         self.layer_array = addresses if addresses is not None else layer_addresses(layers)
         self.layers = layers  # keeps the structures alive
         self.rows_address = ctypes.addressof(self.rows)
+        # every projection of every layer in GGUF blocks (a kept file's layers)
+        self.all_blocks = all(layer.qkv_blocks and layer.o_blocks and layer.gate_up_blocks and layer.down_blocks
+                              for layer in layers)
 
     def run(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [M, H] (the embeddings) -> (last layer's output, residual stream), as a layer loop

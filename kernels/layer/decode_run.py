@@ -21,27 +21,33 @@ import ctypes
 import numpy as np
 import torch
 
-from pagedserve.kernels.native.abi import DecodeRun, StepRows
+from pagedserve.kernels.native.abi import DTYPE_CODES, DecodeRun, StepRows
 
-HEAD_KINDS = {"panel_linear_bf16": 0, "linear_rows_bf16": 1, "block_quant_rows_bf16": 2}  # decode_run.c's head_kind
+# decode_run.c's head_kind: bfloat16 logits (0-2), float32 logits (3)
+HEAD_KINDS = {"panel_linear_bf16": 0, "linear_rows_bf16": 1, "block_quant_rows_bf16": 2, "block_quant_rows": 3}
 
 
 def _head_fields(head) -> dict | None:
     """decode_run's LM head fields of a bound head call (ParallelLMHead.bound_forward: a bound kernel,
-    or block_quant.bound_block_quant_linear's call whose float32 output is rounded into the logits),
-    or None for a call decode_run.c does not make."""
+    block_quant.bound_block_quant_linear's call whose float32 output is rounded into the logits, or
+    its call straight into float32 logits), or None for a call decode_run.c does not make."""
     rounds_into = getattr(head, "rounds_into", None)
     call = rounds_into[0] if rounds_into is not None else head
     kind = HEAD_KINDS.get(getattr(getattr(call, "func", None), "__name__", ""))
     if kind is None or (kind == 2) != (rounds_into is not None):
         return None
     args = call.args
+    if kind == 3:  # (x, qs, d, m, y, M, N, K, bits): y the float32 logits
+        return dict(head_kind=kind, head_weight=args[1], head_scales=args[2], head_mins=args[3], logits=args[4],
+                    head_out=args[6], head_in=args[7], head_bits=args[8], logits_dtype=DTYPE_CODES[torch.float32])
+    bf16 = DTYPE_CODES[torch.bfloat16]
     if kind == 2:  # (x, qs, d, m, y float32, M, N, K, bits), then y rounded into the logits
         return dict(head_kind=kind, head_weight=args[1], head_scales=args[2], head_mins=args[3], head_out32=args[4],
-                    logits=rounds_into[1].data_ptr(), head_out=args[6], head_in=args[7], head_bits=args[8])
+                    logits=rounds_into[1].data_ptr(), head_out=args[6], head_in=args[7], head_bits=args[8],
+                    logits_dtype=bf16)
     # (x, weight or panels, bias, y, M, N, K)
     return dict(head_kind=kind, head_weight=args[1], head_bias=args[2], logits=args[3], head_out=args[5],
-                head_in=args[6])
+                head_in=args[6], logits_dtype=bf16)
 
 
 class DecodeRunSteps:
@@ -72,7 +78,7 @@ class DecodeRunSteps:
              block_size: int, limit: int) -> "DecodeRunSteps | None":
         """The steps over these bound calls: layers_call (DecodeLayers.bound_step: decode_step's
         arguments in .args), head (the LM head's bound call), greedy (BoundGreedy over the head's
-        bfloat16 logits); rows (positions, slots, lengths, block tables), the arrays the step's rows
+        logits, bfloat16 or float32); rows (positions, slots, lengths, block tables), the arrays the step's rows
         point to, which the steps write as set_rows does; table_lens [rows] int64, the blocks each row
         holds (the caller keeps it current); limit the rotary table's length. None where decode_run.c
         does not make these calls or the step reads other arrays."""
@@ -80,7 +86,8 @@ class DecodeRunSteps:
         (layers, num_layers, step_rows, token_ids, embedding, vocab, final_norm, eps, residual, hidden, spare,
          scratch) = layers_call.args
         kept_rows = StepRows.from_address(step_rows)
-        if (fields is None or greedy.logits.dtype != torch.bfloat16 or greedy.logits.data_ptr() != fields["logits"]
+        if (fields is None or DTYPE_CODES.get(greedy.logits.dtype) != fields["logits_dtype"]
+                or greedy.logits.data_ptr() != fields["logits"]
                 or greedy.logits.shape[0] != table_lens.shape[0] or kept_rows.num_rows != table_lens.shape[0]
                 or [kept_rows.positions, kept_rows.slot_mapping, kept_rows.seq_lens, kept_rows.block_tables]
                 != [array.ctypes.data for array in rows]):

@@ -47,7 +47,8 @@ class DecodeRun(ctypes.Structure):
         "table_lens", "head_weight", "head_bias", "head_scales", "head_mins", "head_out32", "logits", "ids",
         "logprobs", "end_tokens", "poll", "poll_item")] + [
         (name, _I64) for name in ("num_layers", "vocab", "head_kind", "head_out", "head_in", "head_bits",
-                                  "logits_vocab", "logits_stride", "num_end_tokens", "block_size", "limit")] + [
+                                  "logits_vocab", "logits_stride", "logits_dtype", "num_end_tokens", "block_size",
+                                  "limit")] + [
         ("eps", _F32)]
 
 

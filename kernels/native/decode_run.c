@@ -13,8 +13,9 @@
  *   - each row's token, position, slot and length are written into the arrays the step's rows
  *     point to, as set_rows writes them;
  *   - decode_step (the embedding, the layers, the final norm: 0 for a token outside the table,
- *     which ends the run), the LM head (panels, rows or GGUF blocks, whose float32 output is rounded
- *     into the bfloat16 logits as torch's copy rounds it), then greedy_rows over the logits.
+ *     which ends the run), the LM head (bfloat16: panels, rows or GGUF blocks, whose float32 output
+ *     is rounded into the bfloat16 logits as torch's copy rounds it; float32: GGUF blocks straight
+ *     into the float32 logits), then greedy_rows over the logits.
  * The forward's time (decode_step and the head, as the Python loop times them) is kept per step.
  * A message check is a plain function call here, so the run ends after the same step as the
  * Python loop would for a message that is already waiting. */
@@ -58,10 +59,14 @@ static void lm_head(const struct decode_run *run, int64_t M) {
     case 1:
         linear_rows_bf16(run->hidden, run->head_weight, run->head_bias, run->logits, M, run->head_out, run->head_in);
         break;
-    default:
+    case 2:
         block_quant_rows_bf16(run->hidden, run->head_weight, run->head_scales, run->head_mins, run->head_out32, M,
                               run->head_out, run->head_in, (int32_t)run->head_bits);
         round_rows(run->head_out32, run->logits, M * run->head_out);
+        break;
+    default: /* float32 hidden states and logits */
+        block_quant_rows(run->hidden, run->head_weight, run->head_scales, run->head_mins, run->logits, M,
+                         run->head_out, run->head_in, (int32_t)run->head_bits);
     }
 }
 
@@ -98,7 +103,8 @@ int64_t decode_run_steps(const struct decode_run *run, const int64_t *fed, int64
             break;
         lm_head(run, M);
         nanoseconds[step] = now_ns() - started;
-        greedy_rows(run->logits, M, run->logits_vocab, run->logits_stride, DTYPE_BF16, run->ids, run->logprobs);
+        greedy_rows(run->logits, M, run->logits_vocab, run->logits_stride, (int32_t)run->logits_dtype, run->ids,
+                    run->logprobs);
         memcpy(ids + step * M, run->ids, (size_t)M * sizeof *ids);
         memcpy(logprobs + step * M, run->logprobs, (size_t)M * sizeof *logprobs);
         tokens = ids + step * M;

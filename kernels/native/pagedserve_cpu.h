@@ -126,7 +126,7 @@ struct decode_run {
     const int64_t *end_tokens;
     const void *poll;
     void *poll_item;
-    int64_t num_layers, vocab, head_kind, head_out, head_in, head_bits, logits_vocab, logits_stride;
+    int64_t num_layers, vocab, head_kind, head_out, head_in, head_bits, logits_vocab, logits_stride, logits_dtype;
     int64_t num_end_tokens, block_size, limit;
     float eps;
 };

@@ -271,8 +271,13 @@ def test_a_decode_runs_steps_straight_through_the_kept_run_are_the_plans_steps(c
     sequence's last block as next_plan ends it, and steps_after gives nothing for a result the kept
     run did not compute. The LM heads: dense bfloat16 (its panels or rows), tied to the embedding,
     and GGUF Q8_0 blocks rounded into bfloat16 logits."""
-    path = _path(name, checkpoint_dir, tmp_path_factory)
-    by_plans, straight = _runner(path), _runner(path)
+    straight_through(_path(name, checkpoint_dir, tmp_path_factory), "bfloat16", streams, lengths)
+
+
+def straight_through(path, dtype: str, streams: bool, lengths: tuple[int, ...]) -> None:
+    """The check of test_a_decode_runs_steps_straight_through_the_kept_run_are_the_plans_steps on
+    runners in `dtype` (test_decode_run_float32.py: float32)."""
+    by_plans, straight = _runner(path, dtype), _runner(path, dtype)
     prompts = make_prompts(seed=4, lengths=lengths)
     tables = [[8 * i + j for j in range(len(prompt) // BLOCK + 2)] for i, prompt in enumerate(prompts)]
     plan = _prefill((by_plans, straight), prompts, tables, SampleSpec())

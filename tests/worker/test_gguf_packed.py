@@ -95,10 +95,11 @@ def test_production_kernels_keep_the_dequantized_models_logits_and_greedy_tokens
 
 
 @pytest.mark.parametrize("model", ["all-kept", "qwen2-tied"])
-def test_lm_head_keeps_the_files_blocks_and_takes_them_at_one_row(all_kept, gguf_model, model, monkeypatch):
+def test_lm_head_keeps_the_files_blocks_and_takes_them_in_float32(all_kept, gguf_model, model, monkeypatch):
     """The LM head keeps its Q8_0 blocks (the token embedding's when tied) beside the dense weight
-    the embedding needs; one row goes through the block kernel, which gives the dense float32
-    product up to the order of sums, more rows through the dense weight; `none` keeps no blocks."""
+    the embedding needs; float32 rows go through the block kernel at every row count it takes (a
+    dense float32 copy reads four times the bytes), which gives the dense float32 product up to the
+    order of sums; `none` keeps no blocks."""
     path = all_kept if model == "all-kept" else gguf_model(model) / GGUF_FILE
     kept, dense = _runner(path, "auto"), _runner(path, "none")
     head = kept.model.lm_head
@@ -113,4 +114,4 @@ def test_lm_head_keeps_the_files_blocks_and_takes_them_at_one_row(all_kept, gguf
         hidden = torch.randn(rows, head.weight.shape[1], generator=torch.Generator().manual_seed(rows))
         torch.testing.assert_close(head(hidden), torch.nn.functional.linear(hidden, head.weight)[:, :head.vocab_size],
                                    rtol=1e-5, atol=1e-5)
-    assert len(calls) == 1 and calls[0][0].shape[0] == 1
+    assert [call[0].shape[0] for call in calls] == [1, 4]

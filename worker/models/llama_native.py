@@ -132,6 +132,15 @@ def _is_packed(weights) -> bool:
         (weights.gate_up_panels, weights.gate_up_blocks), (weights.down_panels, weights.down_blocks)))
 
 
+def _is_native_final_dtype(model, layers: "ops.DecodeLayers") -> bool:
+    """final_hidden's dtype condition: embedding, final norm and rotary table all bfloat16, or all
+    float32 with every layer's projections in GGUF blocks."""
+    dtype = model.embed_tokens.weight.dtype
+    if not dtype == model.norm.weight.dtype == model.rotary.cos_sin.dtype:
+        return False
+    return dtype == torch.bfloat16 or (dtype == torch.float32 and layers.all_blocks)
+
+
 class NativeDecodeStep:
     def __init__(self, model, layers: "ops.DecodeLayers") -> None:
         self.model = model
@@ -171,13 +180,15 @@ class NativeDecodeStep:
     def final_hidden(self, token_ids: torch.Tensor) -> torch.Tensor | None:
         """token_ids [M] -> the final-normed hidden states of every row, the embedding and the final
         norm in the same native call as the layers (about 0.15 ms of Python and torch calls a step
-        less, with the CPU caches just flushed by the weights); None unless the model is bfloat16
-        with a dense embedding table (the caller then runs them itself). In bfloat16 the native norm
-        is the one ops.add_rms_norm calls, so the result is the same bits; float32 keeps torch's norm,
-        which the equality tests against Hugging Face rely on (kernels/layer/native.py)."""
+        less, with the CPU caches just flushed by the weights); None unless the model is bfloat16, or
+        float32 with its layers' projections all in GGUF blocks, with a dense embedding table (the
+        caller then runs them itself). In bfloat16 the native norm is the one ops.add_rms_norm calls,
+        so the result is the same bits. Float32 layers in the native chain (decode_layer.c) run its
+        norms already; the final norm joins them only for a GGUF file's kept blocks (the default
+        model on a CPU without AVX-512 BF16, where a decode run then steps in C): a dense float32
+        model keeps torch's final norm, which the equality tests against Hugging Face use."""
         weight, norm = self.model.embed_tokens.weight, self.model.norm
-        if not (weight.dtype == norm.weight.dtype == self.model.rotary.cos_sin.dtype == torch.bfloat16
-                and weight.dim() == 2 and weight.is_contiguous()
+        if not (_is_native_final_dtype(self.model, self.layers) and weight.dim() == 2 and weight.is_contiguous()
                 and token_ids.dtype == torch.int64 and token_ids.is_contiguous()):
             return None
         return self.layers.run_step(token_ids, weight, norm.weight, norm.eps)
@@ -223,8 +234,8 @@ class NativeDecodeRun:
         not take NativeDecodeStep.final_hidden (forward then computes each step)."""
         num_rows, num_blocks = len(tables), kv_caches[0][0].shape[0]
         weight, norm = model.embed_tokens.weight, model.norm
-        if not (weight.dtype == norm.weight.dtype == model.rotary.cos_sin.dtype == torch.bfloat16
-                and weight.dim() == 2 and weight.is_contiguous()):
+        if not (weight.dtype == norm.weight.dtype == model.rotary.cos_sin.dtype
+                and weight.dtype in (torch.bfloat16, torch.float32) and weight.dim() == 2 and weight.is_contiguous()):
             return None  # final_hidden's conditions (checked first: they rule out a whole model)
         if model.lora_active or model.tp.world_size != 1 or not num_rows or not all(tables) \
                 or not all(0 <= block < num_blocks for table in tables for block in table):
@@ -243,8 +254,8 @@ class NativeDecodeRun:
             logits_indices=torch.arange(num_rows))
         metadata.step_plans["positions_below"] = model.max_positions  # set_rows checks each step's
         step = NativeDecodeStep.for_step(model, metadata, kv_caches)
-        if step is None:
-            return None
+        if step is None or not _is_native_final_dtype(model, step.layers):
+            return None  # a dense float32 model: forward keeps torch's final norm (final_hidden)
         return cls(model, step, torch.zeros(num_rows, dtype=torch.int64), positions, slots, seq_lens,
                    block_tables, [list(table) for table in tables], block_size)
 
