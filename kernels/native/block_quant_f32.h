@@ -2,11 +2,15 @@
  * block_quant_rows_avx2.c (AVX2), which include this after their own lane-width functions: row_chunk
  * and min_terms (1 to ROW_CHUNK activation rows against the codes), decode_row_f32 and dot_rows_f32
  * (weight rows decoded to float32 in L1, from DECODE_MIN_ROWS rows on), and GROUP, ROW_CHUNK,
- * DECODE_MIN_ROWS and DECODE_ROWS. Each output value is computed whole by one thread. */
+ * DECODE_MIN_ROWS and DECODE_ROWS. Each output value is computed whole by one thread; the weight's
+ * rows are shared out as work_share.h shares them (each thread its static range first, then what
+ * is left of the others'), so which thread computes a value changes no result. */
 #ifndef PAGEDSERVE_BLOCK_QUANT_F32_H
 #define PAGEDSERVE_BLOCK_QUANT_F32_H
 
 #include <stdlib.h>
+
+#include "work_share.h"
 
 static inline __attribute__((always_inline)) void one_row(const int bits, const float *x, const uint8_t *qs,
                                                            const uint16_t *d, const uint16_t *m,
@@ -35,11 +39,17 @@ static void decoded_rows_f32(const float *x, const uint8_t *qs, const uint16_t *
                              int64_t M, int64_t N, int64_t K, int32_t bits) {
     const int64_t num_groups = K / GROUP, row_bytes = bits == 4 ? K / 2 : K;
     const int64_t num_blocks = (N + DECODE_ROWS - 1) / DECODE_ROWS;
+    const int64_t chunk = WORK_CHUNK_BYTES / (DECODE_ROWS * row_bytes) > 0 ? WORK_CHUNK_BYTES / (DECODE_ROWS * row_bytes)
+                                                                           : 1;
+    struct work_share share;
+    work_share_init(&share, num_blocks);
 #pragma omp parallel if (N * K >= PARALLEL_MIN_ELEMENTS)
     {
         float *decoded = (float *)aligned_alloc(64, sizeof(float) * DECODE_ROWS * K);
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < num_blocks; b++) {
+        struct work_cursor cursor = work_cursor_start();
+        int64_t first, count;
+        while ((count = work_next(&share, &cursor, chunk, &first)) > 0)
+        for (int64_t b = first; b < first + count; b++) {
             if (!decoded) continue;
             int64_t n0 = b * DECODE_ROWS, nr = N - n0 < DECODE_ROWS ? N - n0 : DECODE_ROWS;
             for (int64_t c = 0; c < nr; c++)
@@ -78,12 +88,13 @@ void block_quant_rows(const float *x, const uint8_t *qs, const uint16_t *d, cons
                 sums[r * num_groups + g] = s;
             }
     }
+    /* the weight rows over the threads (work_share.h), in chunks of about WORK_CHUNK_BYTES of codes:
+     * a thread slowed by another process leaves the rest of its range to the other threads */
+    const int64_t chunk = WORK_CHUNK_BYTES / (bits == 4 ? K / 2 : K) > 0 ? WORK_CHUNK_BYTES / (bits == 4 ? K / 2 : K) : 1;
     if (bits == 4) {
-#pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_ELEMENTS)
-        for (int64_t n = 0; n < N; n++) one_row(4, x, qs, d, m, sums, y, n, M, N, K);
+        FOR_EACH_SHARED_ITEM(n, N, chunk, N * K >= PARALLEL_MIN_ELEMENTS, one_row(4, x, qs, d, m, sums, y, n, M, N, K);)
     } else {
-#pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_ELEMENTS)
-        for (int64_t n = 0; n < N; n++) one_row(8, x, qs, d, m, sums, y, n, M, N, K);
+        FOR_EACH_SHARED_ITEM(n, N, chunk, N * K >= PARALLEL_MIN_ELEMENTS, one_row(8, x, qs, d, m, sums, y, n, M, N, K);)
     }
     free(sums);
 }
