@@ -21,8 +21,9 @@ kernels the per-op path calls at any row count too), the model is bfloat16 or fl
 rank whose linear layers are dense, in panels or keep a GGUF file's blocks (--quantization auto:
 Q4_0, Q4_1, Q8_0; int8/int4 packs are not taken), the caches hold the model's dtype or float32,
 and the native library is built (on a CPU without AVX-512 BF16, where it has no bfloat16 row kernels,
-float32 layers only: dense through the float32 row kernel's AVX2 twin, or GGUF blocks). In float32 the results differ from the per-op path in the last bits (sums in
-another order: the matmuls, RMSNorm's sum of squares), as bfloat16's do.
+float32 layers only: dense through the float32 row kernel's AVX2 twin, or GGUF blocks). In float32
+the results differ from the per-op path in the last bits (sums in another order: the matmuls,
+RMSNorm's sum of squares), as bfloat16's do.
 Each layer's weight and cache pointers are gathered once into the kernel's structure
 (ops.layer_weights) kept on the layer, and rebuilt if a tensor moved.
 """
