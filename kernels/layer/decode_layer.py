@@ -16,7 +16,7 @@ tensors it points into, and the caller rebuilds a layer's structure when one of 
 from __future__ import annotations
 
 import ctypes
-from functools import partial
+from functools import cached_property, partial
 
 import torch
 
@@ -135,9 +135,13 @@ class DecodeLayers:
         self.layer_array = addresses if addresses is not None else layer_addresses(layers)
         self.layers = layers  # keeps the structures alive
         self.rows_address = ctypes.addressof(self.rows)
-        # every projection of every layer in GGUF blocks (a kept file's layers)
-        self.all_blocks = all(layer.qkv_blocks and layer.o_blocks and layer.gate_up_blocks and layer.down_blocks
-                              for layer in layers)
+
+    @cached_property
+    def all_blocks(self) -> bool:
+        """Every projection of every layer in GGUF blocks (a kept file's layers); asked of float32
+        models only (llama_native.final_hidden), so a bfloat16 step never reads the structures."""
+        return all(layer.qkv_blocks and layer.o_blocks and layer.gate_up_blocks and layer.down_blocks
+                   for layer in self.layers)
 
     def run(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [M, H] (the embeddings) -> (last layer's output, residual stream), as a layer loop

@@ -39,8 +39,7 @@ static void decoded_rows_f32(const float *x, const uint8_t *qs, const uint16_t *
                              int64_t M, int64_t N, int64_t K, int32_t bits) {
     const int64_t num_groups = K / GROUP, row_bytes = bits == 4 ? K / 2 : K;
     const int64_t num_blocks = (N + DECODE_ROWS - 1) / DECODE_ROWS;
-    const int64_t chunk = WORK_CHUNK_BYTES / (DECODE_ROWS * row_bytes) > 0 ? WORK_CHUNK_BYTES / (DECODE_ROWS * row_bytes)
-                                                                           : 1;
+    const int64_t chunk = work_chunk(DECODE_ROWS * row_bytes);
     struct work_share share;
     work_share_init(&share, num_blocks);
 #pragma omp parallel if (N * K >= PARALLEL_MIN_ELEMENTS)
@@ -48,19 +47,19 @@ static void decoded_rows_f32(const float *x, const uint8_t *qs, const uint16_t *
         float *decoded = (float *)aligned_alloc(64, sizeof(float) * DECODE_ROWS * K);
         struct work_cursor cursor = work_cursor_start();
         int64_t first, count;
-        while ((count = work_next(&share, &cursor, chunk, &first)) > 0)
-        for (int64_t b = first; b < first + count; b++) {
-            if (!decoded) continue;
-            int64_t n0 = b * DECODE_ROWS, nr = N - n0 < DECODE_ROWS ? N - n0 : DECODE_ROWS;
-            for (int64_t c = 0; c < nr; c++)
-                decode_row_f32(bits, qs + (n0 + c) * row_bytes, d + (n0 + c) * num_groups,
-                               m ? m + (n0 + c) * num_groups : NULL, decoded + c * K, K);
-            for (int64_t m0 = 0; m0 < M; m0 += DECODE_ROWS) {
-                switch (M - m0 < DECODE_ROWS ? M - m0 : DECODE_ROWS) {
-                case 1: dot_rows_f32(1, x, decoded, y, m0, n0, nr, N, K); break;
-                case 2: dot_rows_f32(2, x, decoded, y, m0, n0, nr, N, K); break;
-                case 3: dot_rows_f32(3, x, decoded, y, m0, n0, nr, N, K); break;
-                default: dot_rows_f32(4, x, decoded, y, m0, n0, nr, N, K); break;
+        while (decoded && (count = work_next(&share, &cursor, chunk, &first)) > 0) {
+            for (int64_t b = first; b < first + count; b++) {
+                int64_t n0 = b * DECODE_ROWS, nr = N - n0 < DECODE_ROWS ? N - n0 : DECODE_ROWS;
+                for (int64_t c = 0; c < nr; c++)
+                    decode_row_f32(bits, qs + (n0 + c) * row_bytes, d + (n0 + c) * num_groups,
+                                   m ? m + (n0 + c) * num_groups : NULL, decoded + c * K, K);
+                for (int64_t m0 = 0; m0 < M; m0 += DECODE_ROWS) {
+                    switch (M - m0 < DECODE_ROWS ? M - m0 : DECODE_ROWS) {
+                    case 1: dot_rows_f32(1, x, decoded, y, m0, n0, nr, N, K); break;
+                    case 2: dot_rows_f32(2, x, decoded, y, m0, n0, nr, N, K); break;
+                    case 3: dot_rows_f32(3, x, decoded, y, m0, n0, nr, N, K); break;
+                    default: dot_rows_f32(4, x, decoded, y, m0, n0, nr, N, K); break;
+                    }
                 }
             }
         }
@@ -90,7 +89,7 @@ void block_quant_rows(const float *x, const uint8_t *qs, const uint16_t *d, cons
     }
     /* the weight rows over the threads (work_share.h), in chunks of about WORK_CHUNK_BYTES of codes:
      * a thread slowed by another process leaves the rest of its range to the other threads */
-    const int64_t chunk = WORK_CHUNK_BYTES / (bits == 4 ? K / 2 : K) > 0 ? WORK_CHUNK_BYTES / (bits == 4 ? K / 2 : K) : 1;
+    const int64_t chunk = work_chunk(bits == 4 ? K / 2 : K);
     if (bits == 4) {
         FOR_EACH_SHARED_ITEM(n, N, chunk, N * K >= PARALLEL_MIN_ELEMENTS, one_row(4, x, qs, d, m, sums, y, n, M, N, K);)
     } else {

@@ -480,10 +480,7 @@ static void decoded_panels_bf16(const uint16_t *x, const uint8_t *qs, const uint
 
 /* the output rows over the threads (work_share.h), in chunks of about WORK_CHUNK_BYTES of codes */
 #define FOR_EACH_EXACT_ROW(call)                                                                                   \
-    {                                                                                                              \
-        const int64_t chunk = WORK_CHUNK_BYTES / (bits == 4 ? K / 2 : K);                                          \
-        FOR_EACH_SHARED_ITEM(n, N, chunk > 0 ? chunk : 1, N * K >= PARALLEL_MIN_ELEMENTS, call;)                   \
-    }
+    FOR_EACH_SHARED_ITEM(n, N, work_chunk(bits == 4 ? K / 2 : K), N * K >= PARALLEL_MIN_ELEMENTS, call;)
 
 /* block_quant_rows with x bfloat16 [M, K], the exact weights (above) */
 void block_quant_rows_bf16(const uint16_t *x, const uint8_t *qs, const uint16_t *d, const uint16_t *m, float *y,

@@ -167,14 +167,20 @@ def _load_cached() -> ctypes.CDLL | None:
     except (NativeBuildError, OSError, subprocess.SubprocessError) as error:
         _log.warning("native_kernels_unavailable: %s; the torch paths run", error)
         return None
-    for name, argtypes in SIGNATURES.items():
-        function = getattr(lib, name)
-        function.argtypes = argtypes
-        function.restype = RESTYPES.get(name)
+    bind_signatures(lib)
     from pagedserve.kernels.native import tuning
 
     tuning.apply(lib, Path(lib._name).parent)
     return lib
+
+
+def bind_signatures(lib: ctypes.CDLL) -> None:
+    """Every kernel's argument and return types on lib, from SIGNATURES and RESTYPES (a library
+    built from these sources, this host's or one built for another CPU in a test)."""
+    for name, argtypes in SIGNATURES.items():
+        function = getattr(lib, name)
+        function.argtypes = argtypes
+        function.restype = RESTYPES.get(name)
 
 
 def has_kernel(lib: ctypes.CDLL, kernel: str) -> bool:

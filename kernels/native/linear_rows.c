@@ -34,8 +34,8 @@ int64_t linear_rows_prefetch(void) { return prefetch_bytes; }
 /* the output rows over the threads (work_share.h: each its contiguous range first, in chunks of
  * WORK_CHUNK_BYTES of weight, then what is left of the others'), M specialised */
 #define FOR_EACH_ROW(row_fn, elem_bytes)                                                                           \
-    int64_t distance = prefetch_bytes, chunk = WORK_CHUNK_BYTES / (K * (elem_bytes));                              \
-    FOR_EACH_SHARED_ITEM(n, N, chunk > 0 ? chunk : 1, N * K >= PARALLEL_MIN_ELEMENTS, switch (M) {                 \
+    int64_t distance = prefetch_bytes;                                                                             \
+    FOR_EACH_SHARED_ITEM(n, N, work_chunk(K * (elem_bytes)), N * K >= PARALLEL_MIN_ELEMENTS, switch (M) {          \
         case 1: row_fn(1, x, w, bias, y, n, N, K, distance); break;                                                \
         case 2: row_fn(2, x, w, bias, y, n, N, K, distance); break;                                                \
         case 3: row_fn(3, x, w, bias, y, n, N, K, distance); break;                                                \

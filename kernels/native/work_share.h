@@ -40,6 +40,12 @@
  * enough that taking it costs nothing beside reading it */
 #define WORK_CHUNK_BYTES 16384
 
+/* the items of a chunk, for items of item_bytes each: about WORK_CHUNK_BYTES, at least one */
+static inline int64_t work_chunk(int64_t item_bytes) {
+    const int64_t items = WORK_CHUNK_BYTES / item_bytes;
+    return items > 0 ? items : 1;
+}
+
 /* one thread's range, next (low 32 bits) and end (high 32 bits), on a cache line of its own */
 struct work_part {
     _Alignas(64) int64_t range;

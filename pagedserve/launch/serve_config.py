@@ -30,6 +30,7 @@ and each child's argv is derived from its config (to_argv), so it parses back to
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import random
 import socket
@@ -100,8 +101,8 @@ def free_port(host: str = DEFAULT_HOST) -> int:
     configured = configured_port_range()
     if configured is not None:
         low, high = configured
-        candidates = [random.randint(low, high) for _ in range(FREE_PORT_TRIES)]
-        port = _first_free(host, [*candidates, *range(low, high + 1)])
+        drawn = (random.randint(low, high) for _ in range(FREE_PORT_TRIES))
+        port = _first_free(host, itertools.chain(drawn, range(low, high + 1)))  # then every port, in order
         if port is None:
             raise RuntimeError(f"no free port in {PORT_RANGE_ENV}={low}-{high}")
         return port

@@ -121,9 +121,7 @@ def _check_avx2_decode_attention(lib, monkeypatch) -> None:
     from pagedserve.kernels import ops
     from pagedserve.kernels.attention.reference import paged_attention_ref
 
-    for name, argtypes in native_lib.SIGNATURES.items():
-        getattr(lib, name).argtypes = argtypes
-        getattr(lib, name).restype = native_lib.RESTYPES.get(name)
+    native_lib.bind_signatures(lib)
     monkeypatch.setattr(native_lib, "load", lambda: lib)
     seqs = [(40, 1), (0, 1), (130, 1), (300, 1)]  # 300: runs of 128 positions merged
     for dtype, (num_heads, num_kv_heads, head_size) in ((torch.float32, (9, 3, 64)), (torch.bfloat16, (9, 3, 64)),
@@ -143,8 +141,7 @@ def _check_avx2_kernels(lib) -> None:
     every x86 host)."""
     from test_block_quant import TYPES, _gguf_weight
 
-    P, I64, I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
-    lib.linear_rows_f32.argtypes = (P, P, P, P, I64, I64, I64)
+    native_lib.bind_signatures(lib)
     for num_rows, size_out, size_in in ((1, 70, 576), (3, 33, 45), (8, 17, 1544)):
         generator = torch.Generator().manual_seed(size_in)
         x, weight = torch.randn(num_rows, size_in, generator=generator), torch.randn(size_out, size_in, generator=generator)
@@ -153,9 +150,6 @@ def _check_avx2_kernels(lib) -> None:
         lib.linear_rows_f32(x.data_ptr(), weight.data_ptr(), bias.data_ptr(), y.data_ptr(), num_rows, size_out, size_in)
         exact = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
         assert float((y.double() - exact).abs().max() / exact.abs().max()) < 1e-5, (num_rows, size_in)
-    lib.block_quant_rows.argtypes = (P, P, P, P, P, I64, I64, I64, I32)
-    lib.block_quant_dequantize.argtypes = (P, P, P, P, I64, I64, I32, I32)
-    lib.block_quant_dequantize.restype = I32
     for tensor_type in TYPES:
         weight, _ = _gguf_weight(tensor_type, 75, 320, seed=5)
         mins = weight.mins.data_ptr() if weight.mins is not None else None
